@@ -1,0 +1,198 @@
+/*
+ * dev_cuda.c: the device interface over the real CUDA driver (or the driver double, which is the
+ * same code path with a different libcuda.so.1 on LD_LIBRARY_PATH).
+ *
+ * Every call runs with the device's primary context pushed, so it works from any host thread
+ * (PyTorch's autograd threads included) and leaves the caller's current context as it was. It
+ * must call the driver only through msh_cu (never a hook), and it translates CUresult to the
+ * project's errno convention: CUDA_ERROR_OUT_OF_MEMORY becomes ENOMEM, the rest EIO (logged).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_real.h"
+#include "device.h"
+#include "msh.h"
+
+struct cuda_dev {
+    CUdevice dev;
+    CUcontext ctx;
+    CUmemAllocationProp prop;
+    size_t gran;
+};
+
+static struct cuda_dev *C(struct msh_device *d) { return d->impl; }
+
+static int to_errno(CUresult r, const char *what)
+{
+    if (r == CUDA_SUCCESS) return 0;
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) return ENOMEM;
+    if (r == CUDA_ERROR_NOT_READY) return EBUSY;
+    msh_debug("%s failed: %s", what, msh_cuda_errname(r));
+    return EIO;
+}
+
+/* Run a driver call with our context current, restoring the caller's afterwards. */
+#define WITH_CTX(d, call, what)                                                     \
+    ({                                                                              \
+        CUcontext prev_ = NULL;                                                     \
+        msh_cu.cuCtxGetCurrent(&prev_);                                             \
+        bool push_ = prev_ != C(d)->ctx;                                            \
+        if (push_) msh_cu.cuCtxPushCurrent(C(d)->ctx);                              \
+        CUresult r_ = (call);                                                       \
+        if (push_) msh_cu.cuCtxPopCurrent(&prev_);                                  \
+        to_errno(r_, what);                                                         \
+    })
+
+static int cu_mem_info(struct msh_device *d, size_t *f, size_t *t)
+{
+    return WITH_CTX(d, msh_cu.cuMemGetInfo(f, t), "cuMemGetInfo");
+}
+
+static int cu_granularity(struct msh_device *d, size_t *g)
+{
+    *g = C(d)->gran;
+    return 0;
+}
+
+static int cu_reserve(struct msh_device *d, size_t size, size_t align, uint64_t *va)
+{
+    CUdeviceptr p = 0;
+    int rc = WITH_CTX(d, msh_cu.cuMemAddressReserve(&p, size, align, 0, 0), "cuMemAddressReserve");
+    *va = (uint64_t)p;
+    return rc;
+}
+
+static int cu_unreserve(struct msh_device *d, uint64_t va, size_t size)
+{
+    return WITH_CTX(d, msh_cu.cuMemAddressFree((CUdeviceptr)va, size), "cuMemAddressFree");
+}
+
+static int cu_create(struct msh_device *d, size_t size, uint64_t *h)
+{
+    CUmemGenericAllocationHandle hh = 0;
+    int rc = WITH_CTX(d, msh_cu.cuMemCreate(&hh, size, &C(d)->prop, 0), "cuMemCreate");
+    *h = (uint64_t)hh;
+    return rc;
+}
+
+static int cu_release(struct msh_device *d, uint64_t h)
+{
+    return WITH_CTX(d, msh_cu.cuMemRelease((CUmemGenericAllocationHandle)h), "cuMemRelease");
+}
+
+static int cu_map(struct msh_device *d, uint64_t va, size_t size, uint64_t h)
+{
+    int rc = WITH_CTX(d, msh_cu.cuMemMap((CUdeviceptr)va, size, 0, (CUmemGenericAllocationHandle)h, 0),
+                      "cuMemMap");
+    if (rc) return rc;
+    /* A mapping is unusable until access is granted (CUDA VMM rule). */
+    CUmemAccessDesc acc;
+    memset(&acc, 0, sizeof acc);
+    acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    acc.location.id = C(d)->dev;
+    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    rc = WITH_CTX(d, msh_cu.cuMemSetAccess((CUdeviceptr)va, size, &acc, 1), "cuMemSetAccess");
+    if (rc) WITH_CTX(d, msh_cu.cuMemUnmap((CUdeviceptr)va, size), "cuMemUnmap");
+    return rc;
+}
+
+static int cu_unmap(struct msh_device *d, uint64_t va, size_t size)
+{
+    return WITH_CTX(d, msh_cu.cuMemUnmap((CUdeviceptr)va, size), "cuMemUnmap");
+}
+
+static int cu_event_record(struct msh_device *d, uint64_t stream, uint64_t *ev)
+{
+    CUevent e = NULL;
+    int rc = WITH_CTX(d, msh_cu.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    if (rc) return rc;
+    rc = WITH_CTX(d, msh_cu.cuEventRecord(e, (CUstream)(uintptr_t)stream), "cuEventRecord");
+    if (rc) {
+        WITH_CTX(d, msh_cu.cuEventDestroy(e), "cuEventDestroy");
+        return rc;
+    }
+    *ev = (uint64_t)(uintptr_t)e;
+    return 0;
+}
+
+static int cu_event_query(struct msh_device *d, uint64_t ev)
+{
+    return WITH_CTX(d, msh_cu.cuEventQuery((CUevent)(uintptr_t)ev), "cuEventQuery");
+}
+
+static int cu_event_release(struct msh_device *d, uint64_t ev)
+{
+    return WITH_CTX(d, msh_cu.cuEventDestroy((CUevent)(uintptr_t)ev), "cuEventDestroy");
+}
+
+static int cu_stream_wait(struct msh_device *d, uint64_t stream, uint64_t ev)
+{
+    return WITH_CTX(d, msh_cu.cuStreamWaitEvent((CUstream)(uintptr_t)stream, (CUevent)(uintptr_t)ev, 0),
+                    "cuStreamWaitEvent");
+}
+
+static int cu_synchronize(struct msh_device *d)
+{
+    return WITH_CTX(d, msh_cu.cuCtxSynchronize(), "cuCtxSynchronize");
+}
+
+static const struct msh_device_ops cuda_ops = {
+    .name = "cuda",
+    .mem_info = cu_mem_info,
+    .granularity = cu_granularity,
+    .reserve = cu_reserve,
+    .unreserve = cu_unreserve,
+    .create = cu_create,
+    .release = cu_release,
+    .map = cu_map,
+    .unmap = cu_unmap,
+    .event_record = cu_event_record,
+    .event_query = cu_event_query,
+    .event_release = cu_event_release,
+    .stream_wait = cu_stream_wait,
+    .synchronize = cu_synchronize,
+};
+
+int msh_dev_cuda_init(struct msh_device *d, int ordinal)
+{
+    if (msh_cuda_load()) return ENODEV;
+    if (!msh_cu.cuMemCreate || !msh_cu.cuMemMap || !msh_cu.cuMemSetAccess || !msh_cu.cuMemAddressReserve ||
+        !msh_cu.cuDevicePrimaryCtxRetain || !msh_cu.cuCtxPushCurrent || !msh_cu.cuCtxPopCurrent) {
+        msh_warn("the CUDA driver lacks the virtual memory management API; passing through");
+        return ENODEV;
+    }
+    struct cuda_dev *c = calloc(1, sizeof *c);
+    if (!c) return ENOMEM;
+    CUresult r = msh_cu.cuDeviceGet(&c->dev, ordinal);
+    int vmm = 0;
+    if (r == CUDA_SUCCESS)
+        r = msh_cu.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, c->dev);
+    if (r == CUDA_SUCCESS && !vmm) {
+        msh_warn("device %d does not support virtual memory management; passing through", ordinal);
+        free(c);
+        return ENODEV;
+    }
+    if (r == CUDA_SUCCESS) r = msh_cu.cuDevicePrimaryCtxRetain(&c->ctx, c->dev);
+    if (r != CUDA_SUCCESS) {
+        msh_warn("device %d: cannot use the driver (%s); passing through", ordinal, msh_cuda_errname(r));
+        free(c);
+        return ENODEV;
+    }
+    c->prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    c->prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    c->prop.location.id = c->dev;
+    d->ops = &cuda_ops;
+    d->ordinal = ordinal;
+    d->impl = c;
+    int rc = WITH_CTX(d, msh_cu.cuMemGetAllocationGranularity(&c->gran, &c->prop,
+                                                               CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+                      "cuMemGetAllocationGranularity");
+    if (rc || !c->gran) {
+        msh_warn("device %d: no allocation granularity (error %d); passing through", ordinal, rc);
+        free(c);
+        d->impl = NULL;
+        return ENODEV;
+    }
+    return 0;
+}

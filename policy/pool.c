@@ -1,0 +1,994 @@
+/*
+ * pool.c: the defragmenting pool (DESIGN.md 4).
+ *
+ * Virtual address space is plentiful and physical pages can be remapped, so fragmentation is a
+ * physical-page problem. The pool keeps one long VA line per area (small requests and large
+ * requests live in separate areas so a long-lived small block never pins a page in the middle of
+ * large traffic), places blocks best-fit by (size, address) along it, and maps a physical page
+ * (one granularity-sized handle) only where a live block touches it. Neighbours share pages,
+ * so the physical memory held approaches the peak of live bytes. A page no live block touches
+ * stays mapped as a cached page; under pressure cached pages are unmapped (after their last use
+ * is known complete: unmap is not stream-ordered) and their handles remapped where a new block
+ * needs them. In a steady loop the same placements recur, so no map or unmap happens at all.
+ *
+ * It must never call a CUDA hook, never allocate with malloc (its memory comes from mmap), never
+ * call the GC callback while holding its lock, and never hand out a byte that a live block or
+ * queued GPU work still uses.
+ */
+#include "pool.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#include "msh.h"
+
+#define BLOCK_ALIGN 512 /* what PyTorch promises its callers */
+#define MAX_SIZE ((uint64_t)1 << 48)
+#define NO_PAGE UINT32_MAX
+#define MAX_STREAMS 4
+#define NAREAS 2 /* 0: small requests, 1: large */
+
+struct region;
+
+/* One extent of a region's VA line: live or free. Every byte of a region belongs to exactly one
+ * block, kept in address order, so freeing coalesces with neighbours in O(1). */
+struct blk {
+    uint64_t addr, size; /* size: VA bytes, a multiple of BLOCK_ALIGN */
+    uint64_t req;        /* requested bytes while live */
+    struct blk *prev, *next;
+    struct region *reg;
+    struct blk *tl, *tr; /* free-treap children */
+    struct blk *hnext;   /* live hash chain, or the spare list */
+    uint64_t streams[MAX_STREAMS]; /* live: [0] alloc stream + recorded; free: last-use streams */
+    uint32_t prio;
+    uint32_t sync_epoch; /* pool->sync_count when it was freed */
+    uint8_t free, nstreams, sync_needed;
+};
+
+struct page {
+    uint64_t handle;      /* 0: not mapped */
+    int32_t live;         /* live blocks touching this page */
+    uint32_t cprev, cnext; /* cached-page LRU list (mapped, live == 0) */
+};
+
+struct region {
+    uint64_t base, size;
+    uint32_t npages, hi_page; /* hi_page: one past the highest page ever mapped */
+    struct page *pages;
+    uint32_t chead, ctail;
+    size_t ncached;
+    struct region *next;
+    struct blk *first; /* the block at base: merging never removes it */
+    int area;
+};
+
+struct msh_pool {
+    pthread_mutex_t lock;
+    struct msh_device *dev;
+    struct msh_pool_params prm;
+    size_t gran, limit, device_total;
+    struct region *areas[NAREAS];
+    struct blk *tree[NAREAS];
+    struct blk **htab;
+    size_t hcap, hcount;
+    struct blk *spare;
+    size_t handles, touched, cached;
+    bool dirty;           /* a free with unfinished stream work since the last synchronize */
+    uint32_t sync_count;
+    uint32_t rng;
+    bool timing;
+    msh_pool_gc_fn gc_fn;
+    void *gc_arg;
+    struct msh_pool_stats st;
+    struct msh_pool_oom oom;
+};
+
+/* ---- memory for the pool's own structures (mmap, never malloc) ------------------------------ */
+
+static void *raw_alloc(size_t bytes)
+{
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static void raw_free(void *p, size_t bytes)
+{
+    if (p) munmap(p, bytes);
+}
+
+#define SLAB_BYTES (256 * 1024)
+static struct blk *blk_new(struct msh_pool *pool)
+{
+    if (!pool->spare) {
+        struct blk *slab = raw_alloc(SLAB_BYTES);
+        if (!slab) return NULL;
+        size_t n = SLAB_BYTES / sizeof *slab;
+        /* Slabs live until the process ends (a pool is per device and per process). */
+        for (size_t i = 0; i < n; i++) {
+            slab[i].hnext = pool->spare;
+            pool->spare = &slab[i];
+        }
+    }
+    struct blk *b = pool->spare;
+    pool->spare = b->hnext;
+    memset(b, 0, sizeof *b);
+    pool->rng = pool->rng * 1103515245u + 12345u;
+    b->prio = pool->rng ^ (pool->rng >> 16);
+    return b;
+}
+
+static void blk_put(struct msh_pool *pool, struct blk *b)
+{
+    b->hnext = pool->spare;
+    pool->spare = b;
+}
+
+/* ---- free treap keyed by (size, addr): best fit is a lower bound ----------------------------- */
+
+static inline bool key_less(const struct blk *a, const struct blk *b)
+{
+    return a->size < b->size || (a->size == b->size && a->addr < b->addr);
+}
+
+static void treap_split(struct blk *t, const struct blk *key, struct blk **l, struct blk **r)
+{
+    if (!t) {
+        *l = *r = NULL;
+    } else if (key_less(t, key)) {
+        treap_split(t->tr, key, &t->tr, r);
+        *l = t;
+    } else {
+        treap_split(t->tl, key, l, &t->tl);
+        *r = t;
+    }
+}
+
+static struct blk *treap_merge(struct blk *a, struct blk *b)
+{
+    if (!a) return b;
+    if (!b) return a;
+    if (a->prio > b->prio) {
+        a->tr = treap_merge(a->tr, b);
+        return a;
+    }
+    b->tl = treap_merge(a, b->tl);
+    return b;
+}
+
+static void treap_insert(struct blk **root, struct blk *n)
+{
+    n->tl = n->tr = NULL;
+    struct blk **t = root;
+    while (*t && (*t)->prio >= n->prio) t = key_less(n, *t) ? &(*t)->tl : &(*t)->tr;
+    treap_split(*t, n, &n->tl, &n->tr);
+    *t = n;
+}
+
+static void treap_remove(struct blk **root, struct blk *n)
+{
+    struct blk **t = root;
+    while (*t && *t != n) t = key_less(n, *t) ? &(*t)->tl : &(*t)->tr;
+    if (*t) *t = treap_merge(n->tl, n->tr);
+    n->tl = n->tr = NULL;
+}
+
+static struct blk *treap_lower_bound(struct blk *t, uint64_t size)
+{
+    struct blk *best = NULL;
+    while (t) {
+        if (t->size >= size) {
+            best = t;
+            t = t->tl;
+        } else {
+            t = t->tr;
+        }
+    }
+    return best;
+}
+
+/* ---- live-block hash (address -> block) ------------------------------------------------------ */
+
+static inline size_t hash_addr(uint64_t a, size_t cap)
+{
+    return (size_t)(((a >> 9) * 0x9E3779B97F4A7C15ull) >> 20) & (cap - 1);
+}
+
+static int hash_grow(struct msh_pool *pool)
+{
+    size_t ncap = pool->hcap ? pool->hcap * 2 : 4096;
+    struct blk **nt = raw_alloc(ncap * sizeof *nt);
+    if (!nt) return ENOMEM;
+    for (size_t i = 0; i < pool->hcap; i++) {
+        struct blk *b = pool->htab[i];
+        while (b) {
+            struct blk *nx = b->hnext;
+            size_t h = hash_addr(b->addr, ncap);
+            b->hnext = nt[h];
+            nt[h] = b;
+            b = nx;
+        }
+    }
+    raw_free(pool->htab, pool->hcap * sizeof *pool->htab);
+    pool->htab = nt;
+    pool->hcap = ncap;
+    return 0;
+}
+
+static struct blk *hash_find(struct msh_pool *pool, uint64_t addr)
+{
+    if (!pool->hcap) return NULL;
+    for (struct blk *b = pool->htab[hash_addr(addr, pool->hcap)]; b; b = b->hnext)
+        if (b->addr == addr) return b;
+    return NULL;
+}
+
+static void hash_insert(struct msh_pool *pool, struct blk *b)
+{
+    size_t h = hash_addr(b->addr, pool->hcap);
+    b->hnext = pool->htab[h];
+    pool->htab[h] = b;
+    pool->hcount++;
+}
+
+static struct blk *hash_remove(struct msh_pool *pool, uint64_t addr)
+{
+    if (!pool->hcap) return NULL;
+    struct blk **pp = &pool->htab[hash_addr(addr, pool->hcap)];
+    for (; *pp; pp = &(*pp)->hnext) {
+        if ((*pp)->addr == addr) {
+            struct blk *b = *pp;
+            *pp = b->hnext;
+            b->hnext = NULL;
+            pool->hcount--;
+            return b;
+        }
+    }
+    return NULL;
+}
+
+/* ---- cached pages (mapped, touched by no live block), oldest first -------------------------- */
+
+static void cache_add(struct msh_pool *pool, struct region *r, uint32_t p)
+{
+    struct page *pg = &r->pages[p];
+    pg->cnext = NO_PAGE;
+    pg->cprev = r->ctail;
+    if (r->ctail != NO_PAGE) r->pages[r->ctail].cnext = p;
+    else r->chead = p;
+    r->ctail = p;
+    r->ncached++;
+    pool->cached++;
+}
+
+static void cache_remove(struct msh_pool *pool, struct region *r, uint32_t p)
+{
+    struct page *pg = &r->pages[p];
+    if (pg->cprev != NO_PAGE) r->pages[pg->cprev].cnext = pg->cnext;
+    else r->chead = pg->cnext;
+    if (pg->cnext != NO_PAGE) r->pages[pg->cnext].cprev = pg->cprev;
+    else r->ctail = pg->cprev;
+    pg->cprev = pg->cnext = NO_PAGE;
+    r->ncached--;
+    pool->cached--;
+}
+
+/* Unmapping is not stream-ordered: before a cached page is unmapped, every piece of work that
+ * may still touch it must have finished. One device synchronize covers all of them. */
+static int settle_before_unmap(struct msh_pool *pool)
+{
+    if (!pool->dirty) return 0;
+    int rc = pool->dev->ops->synchronize(pool->dev);
+    if (rc) return rc;
+    pool->dirty = false;
+    pool->sync_count++;
+    return 0;
+}
+
+/* ---- regions ----------------------------------------------------------------------------------- */
+
+static size_t round_up(size_t v, size_t a)
+{
+    return (v + a - 1) / a * a;
+}
+
+static struct region *region_add(struct msh_pool *pool, int area, uint64_t min_bytes)
+{
+    uint64_t size = pool->prm.va_bytes;
+    if (size < min_bytes) size = min_bytes;
+    size = round_up(size, pool->gran);
+    uint64_t va = 0;
+    int rc = pool->dev->ops->reserve(pool->dev, size, pool->gran, &va);
+    if (rc) {
+        msh_warn("pool: cannot reserve %llu bytes of virtual address space (error %d)",
+                 (unsigned long long)size, rc);
+        return NULL;
+    }
+    struct region *r = raw_alloc(sizeof *r);
+    struct blk *b = blk_new(pool);
+    uint32_t npages = (uint32_t)(size / pool->gran);
+    struct page *pages = raw_alloc((size_t)npages * sizeof *pages);
+    if (!r || !b || !pages) {
+        raw_free(r, sizeof *r);
+        raw_free(pages, (size_t)npages * sizeof *pages);
+        if (b) blk_put(pool, b);
+        pool->dev->ops->unreserve(pool->dev, va, size);
+        return NULL;
+    }
+    r->base = va;
+    r->size = size;
+    r->npages = npages;
+    r->pages = pages;
+    r->chead = r->ctail = NO_PAGE;
+    r->first = b;
+    r->area = area;
+    r->next = pool->areas[area];
+    pool->areas[area] = r;
+    pool->st.va_bytes += size;
+    b->addr = va;
+    b->size = size;
+    b->reg = r;
+    b->free = 1;
+    treap_insert(&pool->tree[area], b);
+    return r;
+}
+
+/* ---- physical pages ---------------------------------------------------------------------------- */
+
+/* A handle for one page: a new one while the limit and the device allow, else (defrag) the
+ * oldest cached page, unmapped from where it sits. */
+static int page_handle_get(struct msh_pool *pool, uint64_t *h, bool *reclaimed)
+{
+    const struct msh_device_ops *ops = pool->dev->ops;
+    if (!pool->limit || (pool->handles + 1) * pool->gran <= pool->limit) {
+        int rc = ops->create(pool->dev, pool->gran, h);
+        if (rc == 0) {
+            __atomic_fetch_add(&pool->handles, 1, __ATOMIC_RELAXED);
+            pool->st.create_ops++;
+            return 0;
+        }
+        if (rc != ENOMEM) msh_debug("pool: create failed (error %d); trying to reclaim", rc);
+    }
+    if (!pool->prm.defrag || !pool->cached) return ENOMEM;
+    for (int a = 0; a < NAREAS; a++) {
+        for (struct region *r = pool->areas[a]; r; r = r->next) {
+            if (r->chead == NO_PAGE) continue;
+            int rc = settle_before_unmap(pool);
+            if (rc) return rc;
+            uint32_t p = r->chead;
+            struct page *pg = &r->pages[p];
+            rc = ops->unmap(pool->dev, r->base + (uint64_t)p * pool->gran, pool->gran);
+            if (rc) return rc;
+            pool->st.unmap_ops++;
+            pool->st.reclaimed_pages++;
+            cache_remove(pool, r, p);
+            *h = pg->handle;
+            pg->handle = 0;
+            *reclaimed = true;
+            return 0;
+        }
+    }
+    return ENOMEM;
+}
+
+static void page_range(const struct msh_pool *pool, const struct blk *b, uint32_t *p0, uint32_t *p1)
+{
+    *p0 = (uint32_t)((b->addr - b->reg->base) / pool->gran);
+    *p1 = (uint32_t)((b->addr + b->size - 1 - b->reg->base) / pool->gran);
+}
+
+static void pages_release(struct msh_pool *pool, struct blk *b)
+{
+    uint32_t p0, p1;
+    page_range(pool, b, &p0, &p1);
+    struct region *r = b->reg;
+    for (uint32_t p = p0; p <= p1; p++) {
+        struct page *pg = &r->pages[p];
+        if (--pg->live == 0) {
+            pool->touched--;
+            if (pg->handle) cache_add(pool, r, p);
+        }
+    }
+}
+
+/* Make every page the block touches mapped. On failure nothing the block claimed stays claimed
+ * (pages mapped on the way remain as cached pages: no handle leaks). */
+static int pages_commit(struct msh_pool *pool, struct blk *b, bool *used_new, bool *reclaimed)
+{
+    uint32_t p0, p1;
+    page_range(pool, b, &p0, &p1);
+    struct region *r = b->reg;
+    uint32_t missing = 0;
+    /* First claim what is already mapped, so reclaim below can never steal our own pages. */
+    for (uint32_t p = p0; p <= p1; p++) {
+        struct page *pg = &r->pages[p];
+        if (pg->live++ == 0) {
+            pool->touched++;
+            if (pg->handle) cache_remove(pool, r, p);
+            else missing++;
+        }
+    }
+    if (!missing) return 0;
+    *used_new = true;
+    const struct msh_device_ops *ops = pool->dev->ops;
+    for (uint32_t p = p0; p <= p1; p++) {
+        struct page *pg = &r->pages[p];
+        if (pg->handle) continue;
+        uint64_t h = 0;
+        int rc = page_handle_get(pool, &h, reclaimed);
+        if (rc == 0) {
+            rc = ops->map(pool->dev, r->base + (uint64_t)p * pool->gran, pool->gran, h);
+            if (rc) {
+                ops->release(pool->dev, h);
+                __atomic_fetch_sub(&pool->handles, 1, __ATOMIC_RELAXED);
+                pool->st.release_ops++;
+            }
+        }
+        if (rc) {
+            pages_release(pool, b);
+            return rc == ENOMEM ? ENOMEM : rc;
+        }
+        pool->st.map_ops++;
+        pg->handle = h;
+        if (p + 1 > r->hi_page) r->hi_page = p + 1;
+    }
+    return 0;
+}
+
+/* Give cached pages back to the driver: all of them (max_keep = 0) or down to max_keep bytes. */
+static size_t release_cached(struct msh_pool *pool, size_t max_keep)
+{
+    size_t released = 0;
+    const struct msh_device_ops *ops = pool->dev->ops;
+    for (int a = 0; a < NAREAS; a++) {
+        for (struct region *r = pool->areas[a]; r; r = r->next) {
+            while (r->chead != NO_PAGE && pool->cached * pool->gran > max_keep) {
+                if (settle_before_unmap(pool)) return released;
+                uint32_t p = r->chead;
+                struct page *pg = &r->pages[p];
+                if (ops->unmap(pool->dev, r->base + (uint64_t)p * pool->gran, pool->gran)) return released;
+                pool->st.unmap_ops++;
+                cache_remove(pool, r, p);
+                ops->release(pool->dev, pg->handle);
+                pool->st.release_ops++;
+                pg->handle = 0;
+                __atomic_fetch_sub(&pool->handles, 1, __ATOMIC_RELAXED);
+                pool->st.released_pages++;
+                released += pool->gran;
+            }
+        }
+    }
+    return released;
+}
+
+/* ---- streams ------------------------------------------------------------------------------------ */
+
+static bool blk_clean(const struct msh_pool *pool, const struct blk *b)
+{
+    return (!b->nstreams && !b->sync_needed) || b->sync_epoch < pool->sync_count;
+}
+
+/* Free neighbours merge: the merged extent must wait for the work of both. */
+static void streams_merge(const struct msh_pool *pool, struct blk *into, const struct blk *from)
+{
+    if (blk_clean(pool, from)) return;
+    if (blk_clean(pool, into)) {
+        memcpy(into->streams, from->streams, sizeof into->streams);
+        into->nstreams = from->nstreams;
+        into->sync_needed = from->sync_needed;
+        into->sync_epoch = from->sync_epoch;
+        return;
+    }
+    into->sync_needed |= from->sync_needed;
+    for (int i = 0; i < from->nstreams; i++) {
+        bool seen = false;
+        for (int j = 0; j < into->nstreams; j++) seen |= into->streams[j] == from->streams[i];
+        if (seen) continue;
+        if (into->nstreams < MAX_STREAMS) into->streams[into->nstreams++] = from->streams[i];
+        else into->sync_needed = 1;
+    }
+    if (from->sync_epoch > into->sync_epoch) into->sync_epoch = from->sync_epoch;
+}
+
+/* Before a free extent is handed out on `stream`: work of other streams that last used it must
+ * come first. The new stream waits on an event recorded now on each of them (no host blocking);
+ * host-synchronous users (MSH_STREAM_COMPLETED) get a device synchronize instead. */
+static int streams_settle_for(struct msh_pool *pool, struct blk *b, uint64_t stream)
+{
+    if (blk_clean(pool, b)) return 0;
+    const struct msh_device_ops *ops = pool->dev->ops;
+    if (b->sync_needed || stream == MSH_STREAM_COMPLETED) {
+        int rc = ops->synchronize(pool->dev);
+        if (rc) return rc;
+        pool->dirty = false;
+        pool->sync_count++;
+        return 0;
+    }
+    for (int i = 0; i < b->nstreams; i++) {
+        if (b->streams[i] == stream) continue;
+        uint64_t ev = 0;
+        int rc = ops->event_record(pool->dev, b->streams[i], &ev);
+        if (rc == 0) {
+            rc = ops->stream_wait(pool->dev, stream, ev);
+            ops->event_release(pool->dev, ev);
+        }
+        if (rc) { /* cannot order the streams: fall back to waiting for everything */
+            rc = ops->synchronize(pool->dev);
+            if (rc) return rc;
+            pool->dirty = false;
+            pool->sync_count++;
+            return 0;
+        }
+        pool->st.cross_stream_waits++;
+    }
+    return 0;
+}
+
+/* ---- carving and coalescing ---------------------------------------------------------------------- */
+
+static int area_of(const struct msh_pool *pool, uint64_t rsize)
+{
+    return rsize <= pool->prm.small_max ? 0 : 1;
+}
+
+/* Return a block to its area's free treap, merging free neighbours. */
+static void blk_make_free(struct msh_pool *pool, struct blk *b, int area)
+{
+    b->free = 1;
+    struct blk *n = b->next;
+    if (n && n->free) {
+        treap_remove(&pool->tree[area], n);
+        streams_merge(pool, b, n);
+        b->size += n->size;
+        b->next = n->next;
+        if (n->next) n->next->prev = b;
+        blk_put(pool, n);
+    }
+    struct blk *p = b->prev;
+    if (p && p->free) {
+        treap_remove(&pool->tree[area], p);
+        streams_merge(pool, p, b);
+        p->size += b->size;
+        p->next = b->next;
+        if (b->next) b->next->prev = p;
+        blk_put(pool, b);
+        b = p;
+    }
+    treap_insert(&pool->tree[area], b);
+}
+
+/* Pages a block at [a, a + size) would touch that no live block touches yet. Inside a free
+ * extent only its first and last page can be shared with a live neighbour. */
+static uint64_t new_pages(const struct msh_pool *pool, const struct region *r, uint64_t a, uint64_t size)
+{
+    uint64_t p0 = (a - r->base) / pool->gran, p1 = (a + size - 1 - r->base) / pool->gran;
+    uint64_t n = p1 - p0 + 1;
+    if (r->pages[p0].live) n--;
+    if (p1 != p0 && r->pages[p1].live) n--;
+    return n;
+}
+
+/* Place the block at the high end of the free extent when that shares more pages with live
+ * neighbours than the low end does; ties stay low (address order keeps the line compact). */
+static bool place_high(const struct msh_pool *pool, const struct blk *b, uint64_t rsize)
+{
+    if (!b->next) return false; /* the open end of the line: grow from the low end */
+    const struct region *r = b->reg;
+    return new_pages(pool, r, b->addr + b->size - rsize, rsize) < new_pages(pool, r, b->addr, rsize);
+}
+
+static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64_t stream,
+                     uint64_t *addr, bool *reclaimed)
+{
+    int area = area_of(pool, rsize);
+    struct blk *b = treap_lower_bound(pool->tree[area], rsize);
+    if (!b) {
+        if (!region_add(pool, area, rsize)) return ENOMEM;
+        b = treap_lower_bound(pool->tree[area], rsize);
+        if (!b) return ENOMEM;
+    }
+    treap_remove(&pool->tree[area], b);
+    if (b->size > rsize) {
+        struct blk *rest = blk_new(pool);
+        if (!rest) {
+            treap_insert(&pool->tree[area], b);
+            return ENOMEM;
+        }
+        rest->reg = b->reg;
+        rest->free = 1;
+        memcpy(rest->streams, b->streams, sizeof rest->streams);
+        rest->nstreams = b->nstreams;
+        rest->sync_needed = b->sync_needed;
+        rest->sync_epoch = b->sync_epoch;
+        if (place_high(pool, b, rsize)) {
+            /* rest takes the low part, the block the high part */
+            rest->addr = b->addr;
+            rest->size = b->size - rsize;
+            rest->prev = b->prev;
+            rest->next = b;
+            if (b->prev) b->prev->next = rest;
+            else b->reg->first = rest;
+            b->prev = rest;
+            b->addr += rest->size;
+        } else {
+            rest->addr = b->addr + rsize;
+            rest->size = b->size - rsize;
+            rest->prev = b;
+            rest->next = b->next;
+            if (b->next) b->next->prev = rest;
+            b->next = rest;
+        }
+        b->size = rsize;
+        treap_insert(&pool->tree[area], rest);
+    }
+    bool used_new = false;
+    int rc = pages_commit(pool, b, &used_new, reclaimed);
+    if (rc) {
+        blk_make_free(pool, b, area);
+        return rc;
+    }
+    rc = streams_settle_for(pool, b, stream);
+    if (rc) {
+        pages_release(pool, b);
+        blk_make_free(pool, b, area);
+        return rc;
+    }
+    if (pool->hcount >= pool->hcap && hash_grow(pool)) {
+        pages_release(pool, b);
+        blk_make_free(pool, b, area);
+        return ENOMEM;
+    }
+    b->free = 0;
+    b->req = req;
+    b->streams[0] = stream;
+    b->nstreams = stream == MSH_STREAM_COMPLETED ? 0 : 1;
+    b->sync_needed = 0;
+    hash_insert(pool, b);
+    *addr = b->addr;
+    return 0;
+}
+
+/* ---- public API ------------------------------------------------------------------------------- */
+
+void msh_pool_params_default(struct msh_pool_params *p)
+{
+    memset(p, 0, sizeof *p);
+    p->small_max = MSH_MiB;
+    p->defrag = true;
+}
+
+int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params,
+                    struct msh_pool **out)
+{
+    struct msh_pool *pool = raw_alloc(sizeof *pool);
+    if (!pool) return ENOMEM;
+    pthread_mutex_init(&pool->lock, NULL);
+    pool->dev = dev;
+    if (params) pool->prm = *params;
+    else msh_pool_params_default(&pool->prm);
+    pool->rng = 0x2545F491u;
+    int rc = dev->ops->granularity(dev, &pool->gran);
+    if (rc || !pool->gran) {
+        raw_free(pool, sizeof *pool);
+        return rc ? rc : EIO;
+    }
+    size_t free_b = 0, total = 0;
+    if (dev->ops->mem_info(dev, &free_b, &total) == 0) pool->device_total = total;
+    pool->limit = pool->prm.limit_bytes ? round_up(pool->prm.limit_bytes, pool->gran) : 0;
+    if (pool->prm.limit_bytes && pool->limit > pool->prm.limit_bytes)
+        pool->limit -= pool->gran; /* a cap is a cap: round down to whole pages */
+    if (!pool->prm.va_bytes) {
+        uint64_t base = pool->limit ? pool->limit : (total ? total : 64 * MSH_GiB);
+        pool->prm.va_bytes = base * 4;
+    }
+    pool->prm.va_bytes = round_up(pool->prm.va_bytes < MSH_GiB ? MSH_GiB : pool->prm.va_bytes, pool->gran);
+    *out = pool;
+    return 0;
+}
+
+void msh_pool_destroy(struct msh_pool *pool)
+{
+    if (!pool) return;
+    const struct msh_device_ops *ops = pool->dev->ops;
+    ops->synchronize(pool->dev);
+    for (int a = 0; a < NAREAS; a++) {
+        struct region *r = pool->areas[a];
+        while (r) {
+            for (uint32_t p = 0; p < r->hi_page; p++) {
+                struct page *pg = &r->pages[p];
+                if (!pg->handle) continue;
+                ops->unmap(pool->dev, r->base + (uint64_t)p * pool->gran, pool->gran);
+                ops->release(pool->dev, pg->handle);
+            }
+            ops->unreserve(pool->dev, r->base, r->size);
+            struct region *nx = r->next;
+            raw_free(r->pages, (size_t)r->npages * sizeof *r->pages);
+            raw_free(r, sizeof *r);
+            r = nx;
+        }
+    }
+    raw_free(pool->htab, pool->hcap * sizeof *pool->htab);
+    pthread_mutex_destroy(&pool->lock);
+    /* Block slabs are not tracked individually; they are reclaimed with the process. */
+    raw_free(pool, sizeof *pool);
+}
+
+static void fill_oom(struct msh_pool *pool, size_t req);
+
+static inline uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void note_alloc(struct msh_pool *pool, uint64_t req, bool used_new, bool reclaimed)
+{
+    struct msh_pool_stats *st = &pool->st;
+    st->allocs++;
+    st->live_bytes += req;
+    st->live_blocks++;
+    if (st->live_bytes > st->peak_live_bytes) st->peak_live_bytes = st->live_bytes;
+    size_t mapped = pool->handles * pool->gran;
+    if (mapped > st->peak_mapped_bytes) st->peak_mapped_bytes = mapped;
+    size_t touched = pool->touched * pool->gran;
+    if (touched > st->peak_touched_bytes) st->peak_touched_bytes = touched;
+    if (reclaimed) st->rescue_reclaim++;
+    (void)used_new;
+    int bucket = 0;
+    for (uint64_t s = req >> 9; s && bucket < 23; s >>= 1) bucket++;
+    st->hist[bucket]++;
+}
+
+int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t *addr)
+{
+    if (size > MAX_SIZE) return EINVAL;
+    uint64_t rsize = round_up(size ? size : 1, BLOCK_ALIGN);
+    uint64_t t0 = pool->timing ? now_ns() : 0;
+    pthread_mutex_lock(&pool->lock);
+    bool reclaimed = false;
+    int rc = try_alloc(pool, rsize, size, stream, addr, &reclaimed);
+    if (rc == ENOMEM && pool->gc_fn) {
+        msh_pool_gc_fn fn = pool->gc_fn;
+        void *arg = pool->gc_arg;
+        pthread_mutex_unlock(&pool->lock);
+        fn(arg); /* may free blocks through msh_pool_free */
+        pthread_mutex_lock(&pool->lock);
+        rc = try_alloc(pool, rsize, size, stream, addr, &reclaimed);
+        if (rc == 0) pool->st.rescue_gc++;
+    }
+    if (rc == ENOMEM && pool->cached) {
+        /* Cached pages were already candidates for reclaim; giving them back only helps when
+         * the driver itself ran out (other allocators in the process hold the rest). */
+        release_cached(pool, 0);
+        rc = try_alloc(pool, rsize, size, stream, addr, &reclaimed);
+        if (rc == 0) pool->st.rescue_empty_cache++;
+    }
+    if (rc == 0) {
+        note_alloc(pool, size, false, reclaimed);
+        if (pool->timing) pool->st.alloc_ns_total += now_ns() - t0;
+        pthread_mutex_unlock(&pool->lock);
+        return 0;
+    }
+    pool->st.alloc_fail++;
+    pool->st.oom_events++;
+    fill_oom(pool, size);
+    struct msh_pool_oom o = pool->oom;
+    pthread_mutex_unlock(&pool->lock);
+    msh_warn("out of memory on device %d: requested %zu bytes; live %zu, reserved %zu, limit %zu, "
+             "device free %zu of %zu, largest usable free extent %zu: %s",
+             pool->dev->ordinal, o.requested, o.live_bytes, o.mapped_bytes, o.limit_bytes,
+             o.device_free, o.device_total, o.largest_free,
+             o.fragmentation ? "fragmentation (enough bytes are free, but not in usable pages)"
+                             : "capacity (the live set does not fit)");
+    return rc == ENOMEM ? ENOMEM : rc;
+}
+
+int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream)
+{
+    uint64_t t0 = pool->timing ? now_ns() : 0;
+    pthread_mutex_lock(&pool->lock);
+    struct blk *b = hash_remove(pool, addr);
+    if (!b) {
+        pthread_mutex_unlock(&pool->lock);
+        return EINVAL;
+    }
+    pool->st.frees++;
+    pool->st.live_bytes -= b->req;
+    pool->st.live_blocks--;
+    pages_release(pool, b);
+    /* The freed extent remembers which streams' queued work may still touch it. */
+    if (stream == MSH_STREAM_COMPLETED) {
+        b->nstreams = 0;
+        b->sync_needed = 0;
+    } else {
+        int n = b->nstreams;
+        uint64_t s[MAX_STREAMS];
+        memcpy(s, b->streams, sizeof s);
+        b->streams[0] = stream;
+        b->nstreams = 1;
+        for (int i = 1; i < n; i++) { /* streams added by record_stream */
+            bool seen = false;
+            for (int j = 0; j < b->nstreams; j++) seen |= b->streams[j] == s[i];
+            if (!seen) b->streams[b->nstreams++] = s[i];
+        }
+        b->sync_epoch = pool->sync_count;
+        pool->dirty = true;
+    }
+    blk_make_free(pool, b, b->reg->area);
+    if (pool->prm.release_threshold && pool->cached * pool->gran > pool->prm.release_threshold)
+        release_cached(pool, pool->prm.release_threshold);
+    if (pool->timing) pool->st.free_ns_total += now_ns() - t0;
+    pthread_mutex_unlock(&pool->lock);
+    return 0;
+}
+
+size_t msh_pool_block_size(struct msh_pool *pool, uint64_t addr)
+{
+    pthread_mutex_lock(&pool->lock);
+    struct blk *b = hash_find(pool, addr);
+    size_t s = b ? b->req : 0;
+    pthread_mutex_unlock(&pool->lock);
+    return s;
+}
+
+bool msh_pool_owns(struct msh_pool *pool, uint64_t addr)
+{
+    pthread_mutex_lock(&pool->lock);
+    bool own = hash_find(pool, addr) != NULL;
+    pthread_mutex_unlock(&pool->lock);
+    return own;
+}
+
+int msh_pool_record_stream(struct msh_pool *pool, uint64_t addr, uint64_t stream)
+{
+    pthread_mutex_lock(&pool->lock);
+    struct blk *b = hash_find(pool, addr);
+    int rc = EINVAL;
+    if (b) {
+        rc = 0;
+        bool seen = false;
+        for (int i = 0; i < b->nstreams; i++) seen |= b->streams[i] == stream;
+        if (!seen) {
+            if (b->nstreams < MAX_STREAMS) b->streams[b->nstreams++] = stream;
+            else b->sync_needed = 1; /* too many streams to track: synchronize before reuse */
+        }
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return rc;
+}
+
+size_t msh_pool_empty_cache(struct msh_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    size_t n = release_cached(pool, 0);
+    pthread_mutex_unlock(&pool->lock);
+    return n;
+}
+
+void msh_pool_set_gc(struct msh_pool *pool, msh_pool_gc_fn fn, void *arg)
+{
+    pthread_mutex_lock(&pool->lock);
+    pool->gc_fn = fn;
+    pool->gc_arg = arg;
+    pthread_mutex_unlock(&pool->lock);
+}
+
+void msh_pool_set_timing(struct msh_pool *pool, bool on)
+{
+    pthread_mutex_lock(&pool->lock);
+    pool->timing = on;
+    pthread_mutex_unlock(&pool->lock);
+}
+
+/* Free bytes that could be handed out now without mapping anything, and the largest such run. */
+static void scan_free(struct msh_pool *pool, size_t *free_bytes, size_t *largest)
+{
+    size_t total = 0, best = 0;
+    for (int a = 0; a < NAREAS; a++) {
+        for (struct region *r = pool->areas[a]; r; r = r->next) {
+            uint64_t hi = r->base + (uint64_t)r->hi_page * pool->gran;
+            struct blk *first = r->first;
+            size_t run = 0;
+            for (struct blk *x = first; x && x->addr < hi; x = x->next) {
+                if (!x->free) {
+                    run = 0;
+                    continue;
+                }
+                uint64_t end = x->addr + x->size < hi ? x->addr + x->size : hi;
+                for (uint64_t a0 = x->addr; a0 < end;) {
+                    uint32_t p = (uint32_t)((a0 - r->base) / pool->gran);
+                    uint64_t pend = r->base + (uint64_t)(p + 1) * pool->gran;
+                    if (pend > end) pend = end;
+                    if (r->pages[p].handle) {
+                        run += pend - a0;
+                        total += pend - a0;
+                        if (run > best) best = run;
+                    } else {
+                        run = 0;
+                    }
+                    a0 = pend;
+                }
+            }
+        }
+    }
+    *free_bytes = total;
+    *largest = best;
+}
+
+size_t msh_pool_mapped_bytes(struct msh_pool *pool)
+{
+    return __atomic_load_n(&pool->handles, __ATOMIC_RELAXED) * pool->gran;
+}
+
+void msh_pool_get_stats(struct msh_pool *pool, struct msh_pool_stats *out)
+{
+    pthread_mutex_lock(&pool->lock);
+    pool->st.mapped_bytes = pool->handles * pool->gran;
+    pool->st.handle_bytes = pool->handles * pool->gran;
+    pool->st.touched_bytes = pool->touched * pool->gran;
+    scan_free(pool, &pool->st.free_bytes, &pool->st.largest_free);
+    *out = pool->st;
+    pthread_mutex_unlock(&pool->lock);
+}
+
+void msh_pool_reset_peaks(struct msh_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    pool->st.peak_live_bytes = pool->st.live_bytes;
+    pool->st.peak_mapped_bytes = pool->handles * pool->gran;
+    pool->st.peak_touched_bytes = pool->touched * pool->gran;
+    pthread_mutex_unlock(&pool->lock);
+}
+
+static void fill_oom(struct msh_pool *pool, size_t req)
+{
+    struct msh_pool_oom *o = &pool->oom;
+    memset(o, 0, sizeof *o);
+    o->requested = req;
+    size_t f = 0, t = 0;
+    if (pool->dev->ops->mem_info(pool->dev, &f, &t) == 0) {
+        o->device_free = f;
+        o->device_total = t;
+    }
+    o->live_bytes = pool->st.live_bytes;
+    o->mapped_bytes = pool->handles * pool->gran;
+    o->limit_bytes = pool->limit;
+    size_t fb = 0;
+    scan_free(pool, &fb, &o->largest_free);
+    size_t cap = pool->limit ? pool->limit : (o->mapped_bytes + o->device_free);
+    o->fragmentation = o->live_bytes + req <= cap;
+    for (size_t i = 0; i < pool->hcap; i++) {
+        for (struct blk *b = pool->htab[i]; b; b = b->hnext) {
+            int k = o->ntop;
+            if (k < 5) o->ntop++;
+            else if (b->req <= o->top[4].size) continue;
+            else k = 4;
+            while (k > 0 && o->top[k - 1].size < b->req) {
+                o->top[k] = o->top[k - 1];
+                k--;
+            }
+            o->top[k].addr = b->addr;
+            o->top[k].size = b->req;
+        }
+    }
+}
+
+void msh_pool_last_oom(struct msh_pool *pool, struct msh_pool_oom *out)
+{
+    pthread_mutex_lock(&pool->lock);
+    *out = pool->oom;
+    pthread_mutex_unlock(&pool->lock);
+}
+
+void msh_pool_for_each_live(struct msh_pool *pool,
+                            void (*fn)(void *arg, uint64_t addr, size_t size, uint64_t stream),
+                            void *arg)
+{
+    pthread_mutex_lock(&pool->lock);
+    for (size_t i = 0; i < pool->hcap; i++)
+        for (struct blk *b = pool->htab[i]; b; b = b->hnext) fn(arg, b->addr, b->req, b->streams[0]);
+    pthread_mutex_unlock(&pool->lock);
+}

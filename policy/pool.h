@@ -1,0 +1,96 @@
+/*
+ * pool.h: the defragmenting pool (DESIGN.md 4). One pool per device.
+ *
+ * The pool reserves large virtual ranges and maps physical pages (granularity-sized handles) only
+ * where live blocks touch them, so the physical memory a job needs approaches its peak live
+ * bytes. It is pure C over struct msh_device; it never calls a CUDA hook and never logs while
+ * holding its lock except through the lock-free logger.
+ */
+#ifndef MSH_POOL_H
+#define MSH_POOL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "device.h"
+
+/* Pseudo-stream for frees whose last use is already known complete (cudaFree synchronizes). */
+#define MSH_STREAM_COMPLETED UINT64_MAX
+
+struct msh_pool;
+
+struct msh_pool_params {
+    size_t limit_bytes;        /* cap on physical bytes held; 0 = device memory is the only cap */
+    size_t small_max;          /* requests up to this many bytes go to the small region */
+    bool defrag;               /* reclaim and remap wholly free pages under pressure */
+    size_t va_bytes;           /* size of each reserved VA range (0 = 4x device memory) */
+    size_t release_threshold;  /* empty-cache when cached free bytes exceed this (0 = off) */
+};
+void msh_pool_params_default(struct msh_pool_params *p);
+
+/* Counters. Every field is cumulative unless it says current/peak. */
+struct msh_pool_stats {
+    size_t live_bytes, peak_live_bytes;          /* requested bytes */
+    size_t live_blocks;
+    size_t mapped_bytes, peak_mapped_bytes;      /* physical bytes mapped (reserved) */
+    size_t handle_bytes;                         /* physical bytes held as handles */
+    size_t touched_bytes, peak_touched_bytes;    /* bytes of pages that live blocks touch */
+    size_t va_bytes;                             /* reserved virtual bytes */
+    size_t free_bytes, largest_free;             /* inside mapped pages, usable now */
+    uint64_t allocs, frees, alloc_fail;
+    uint64_t map_ops, unmap_ops, create_ops, release_ops;
+    uint64_t reclaimed_pages;                    /* pages unmapped to be remapped elsewhere */
+    uint64_t released_pages;                     /* pages given back to the driver */
+    uint64_t cross_stream_waits;                 /* reuse on another stream after an event */
+    uint64_t rescue_reclaim, rescue_gc, rescue_empty_cache; /* OOM rescue steps that succeeded */
+    uint64_t oom_events;                         /* requests that failed after the whole chain */
+    uint64_t hist[24];                           /* allocation sizes: bucket i = [2^(9+i-1), 2^(9+i)) */
+    uint64_t alloc_ns_total, free_ns_total;      /* time in alloc/free (when timing is on) */
+};
+
+/* Why the last request failed (filled on every failure, read by the report). */
+struct msh_pool_oom {
+    size_t requested, device_total, device_free, live_bytes, mapped_bytes, limit_bytes;
+    size_t largest_free;
+    bool fragmentation;           /* true: enough free bytes existed, but not in usable pages */
+    struct { uint64_t addr; size_t size; } top[5]; /* largest live blocks */
+    int ntop;
+};
+
+/* GC callback: may free blocks (through msh_pool_free from the same thread); returns bytes it
+ * believes it released. Called without the pool lock held. */
+typedef size_t (*msh_pool_gc_fn)(void *arg);
+
+int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params,
+                    struct msh_pool **out);
+/* Unmap and release everything. Live blocks are lost; the caller ensures the device is idle. */
+void msh_pool_destroy(struct msh_pool *pool);
+
+/* Allocate `size` bytes (0 gives a distinct minimal block) for use on `stream`. Returns 0 and
+ * *addr (512-byte aligned) or ENOMEM after the rescue chain, EINVAL for an absurd size. */
+int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t *addr);
+/* Free a block. `stream` is where its last use was enqueued (MSH_STREAM_COMPLETED when known
+ * done). Returns EINVAL for an address the pool did not hand out (nothing changes). */
+int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream);
+/* Requested size of the live block at addr, or 0 when addr is not a live block of this pool. */
+size_t msh_pool_block_size(struct msh_pool *pool, uint64_t addr);
+bool msh_pool_owns(struct msh_pool *pool, uint64_t addr);
+int msh_pool_record_stream(struct msh_pool *pool, uint64_t addr, uint64_t stream);
+/* Give every wholly free page back to the driver; returns the bytes released. */
+size_t msh_pool_empty_cache(struct msh_pool *pool);
+void msh_pool_set_gc(struct msh_pool *pool, msh_pool_gc_fn fn, void *arg);
+/* Physical bytes held now, without the lock (a racy but cheap read for policies). */
+size_t msh_pool_mapped_bytes(struct msh_pool *pool);
+void msh_pool_get_stats(struct msh_pool *pool, struct msh_pool_stats *out);
+/* Reset the peak counters to the current values (called at each epoch boundary). */
+void msh_pool_reset_peaks(struct msh_pool *pool);
+void msh_pool_last_oom(struct msh_pool *pool, struct msh_pool_oom *out);
+/* Walk live blocks (for reports and tests), without the lock released between calls. */
+void msh_pool_for_each_live(struct msh_pool *pool,
+                            void (*fn)(void *arg, uint64_t addr, size_t size, uint64_t stream),
+                            void *arg);
+/* Turn on per-call latency accounting (two clock reads per call). */
+void msh_pool_set_timing(struct msh_pool *pool, bool on);
+
+#endif

@@ -1,0 +1,350 @@
+/*
+ * report.c: write per-epoch, summary and OOM reports as JSON (schema in docs/reports.md).
+ *
+ * jansson is resolved at run time so libmemshim.so has no NEEDED entry outside glibc; without it
+ * reports are skipped with one warning. Every file is written to an O_EXCL|O_NOFOLLOW temp file
+ * with an unguessable name in the target directory and renamed into place, so a reader never
+ * sees half a report and a planted symlink is never followed. A write error disables reports
+ * with one warning; the job always continues. Must never be called with a pool lock held.
+ */
+#include "report.h"
+
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core.h"
+#include "memshim.h"
+#include "msh.h"
+
+static struct {
+    void *h;
+    json_t *(*object)(void);
+    json_t *(*array)(void);
+    json_t *(*integer)(json_int_t);
+    json_t *(*real)(double);
+    json_t *(*string)(const char *);
+    json_t *(*boolean_true)(void);
+    json_t *(*boolean_false)(void);
+    int (*object_set_new)(json_t *, const char *, json_t *);
+    int (*array_append_new)(json_t *, json_t *);
+    char *(*dumps)(const json_t *, size_t);
+    void (*del)(json_t *);
+} J;
+
+static pthread_mutex_t report_lock = PTHREAD_MUTEX_INITIALIZER;
+static bool report_on, report_inited;
+static char report_dir[PATH_MAX];
+static char host[64];
+
+static bool load_jansson(void)
+{
+    J.h = dlopen("libjansson.so.4", RTLD_NOW | RTLD_LOCAL);
+    if (!J.h) return false;
+#define SYM(f, n) (*(void **)&J.f = dlsym(J.h, n))
+    SYM(object, "json_object");
+    SYM(array, "json_array");
+    SYM(integer, "json_integer");
+    SYM(real, "json_real");
+    SYM(string, "json_string");
+    SYM(boolean_true, "json_true");
+    SYM(boolean_false, "json_false");
+    SYM(object_set_new, "json_object_set_new");
+    SYM(array_append_new, "json_array_append_new");
+    SYM(dumps, "json_dumps");
+    SYM(del, "json_delete");
+#undef SYM
+    return J.object && J.array && J.integer && J.real && J.string && J.boolean_true &&
+           J.boolean_false && J.object_set_new && J.array_append_new && J.dumps && J.del;
+}
+
+/* json_decref is an inline that calls json_delete by symbol; ours goes through the table. */
+static void jdecref(json_t *j)
+{
+    if (j && j->refcount != (size_t)-1 && --j->refcount == 0) J.del(j);
+}
+
+static int mkdirs(const char *dir)
+{
+    char buf[PATH_MAX];
+    size_t n = strlen(dir);
+    if (n == 0 || n >= sizeof buf) return ENAMETOOLONG;
+    memcpy(buf, dir, n + 1);
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        if (mkdir(buf, 0755) && errno != EEXIST) return errno;
+        *p = '/';
+    }
+    if (mkdir(buf, 0755) && errno != EEXIST) return errno;
+    struct stat sb;
+    if (stat(buf, &sb) || !S_ISDIR(sb.st_mode)) return ENOTDIR;
+    return 0;
+}
+
+bool msh_report_init(void)
+{
+    pthread_mutex_lock(&report_lock);
+    if (report_inited) {
+        bool on = report_on;
+        pthread_mutex_unlock(&report_lock);
+        return on;
+    }
+    report_inited = true;
+    if (gethostname(host, sizeof host - 1)) strcpy(host, "host");
+    for (char *p = host; *p; p++)
+        if (*p == '/' || *p == '.') *p = *p == '.' ? 0 : '_';
+    if (msh_cfg.report_dir[0]) {
+        if (msh_expand_path(msh_cfg.report_dir, report_dir, sizeof report_dir)) {
+            msh_warn("MEMSHIM_REPORT_DIR='%s' is too long after expansion; reports are off", msh_cfg.report_dir);
+        } else if (!load_jansson()) {
+            msh_warn("libjansson.so.4 not found (install libjansson4); running without JSON reports");
+        } else {
+            int rc = mkdirs(report_dir);
+            if (rc) msh_warn("cannot create report directory '%s': %s; reports are off", report_dir, strerror(rc));
+            else report_on = true;
+        }
+    }
+    pthread_mutex_unlock(&report_lock);
+    return report_on;
+}
+
+static long env_rank(void)
+{
+    const char *names[] = {"RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"};
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
+        const char *v = getenv(names[i]);
+        if (!v || !*v) continue;
+        char *end;
+        long r = strtol(v, &end, 10);
+        if (!*end && r >= 0 && r < 1000000) return r;
+    }
+    return -1;
+}
+
+int msh_report_path(const struct msh_report *r, int device, char *out, size_t len)
+{
+    char rank[32] = "";
+    long rk = env_rank();
+    if (rk >= 0) snprintf(rank, sizeof rank, "-rank%ld", rk);
+    char what[48];
+    if (!strcmp(r->kind, "epoch")) snprintf(what, sizeof what, "epoch%04llu", (unsigned long long)r->epoch);
+    else if (!strcmp(r->kind, "oom")) snprintf(what, sizeof what, "oom%04llu", (unsigned long long)r->epoch);
+    else snprintf(what, sizeof what, "summary");
+    int n = snprintf(out, len, "%s/memshim-%s-pid%d%s-dev%d-%s.json", report_dir, host, (int)getpid(), rank,
+                     device, what);
+    return n < 0 || (size_t)n >= len ? ENAMETOOLONG : 0;
+}
+
+static void set_u(json_t *o, const char *k, uint64_t v) { J.object_set_new(o, k, J.integer((json_int_t)v)); }
+static void set_i(json_t *o, const char *k, int64_t v) { J.object_set_new(o, k, J.integer((json_int_t)v)); }
+static void set_d(json_t *o, const char *k, double v) { J.object_set_new(o, k, J.real(v)); }
+static void set_s(json_t *o, const char *k, const char *v) { J.object_set_new(o, k, J.string(v ? v : "")); }
+static void set_b(json_t *o, const char *k, bool v) { J.object_set_new(o, k, v ? J.boolean_true() : J.boolean_false()); }
+
+static json_t *build(const struct msh_report *r, const struct msh_report_device *d)
+{
+    json_t *root = J.object();
+    set_i(root, "schema_version", MSH_REPORT_SCHEMA);
+    set_s(root, "kind", r->kind);
+    set_s(root, "memshim_version", MEMSHIM_VERSION);
+    set_s(root, "host", host);
+    set_i(root, "pid", getpid());
+    set_i(root, "rank", env_rank());
+    set_i(root, "device", d->device);
+    set_u(root, "epoch", r->epoch);
+    set_s(root, "reason", r->reason);
+    set_s(root, "mode", r->mode);
+    set_d(root, "t_start_s", r->t_start);
+    set_d(root, "t_end_s", r->t_end);
+    set_u(root, "steps", r->steps);
+    set_u(root, "wall_time_unix", (uint64_t)time(NULL));
+
+    const struct msh_pool_stats *st = &d->st;
+    json_t *mem = J.object();
+    set_b(mem, "pool_active", d->has_pool);
+    set_u(mem, "allocated_bytes", st->live_bytes);
+    set_u(mem, "allocated_peak_bytes", st->peak_live_bytes);
+    set_u(mem, "reserved_bytes", st->mapped_bytes);
+    set_u(mem, "reserved_peak_bytes", st->peak_mapped_bytes);
+    set_u(mem, "touched_bytes", st->touched_bytes);
+    set_u(mem, "touched_peak_bytes", st->peak_touched_bytes);
+    set_u(mem, "physical_mapped_bytes", st->mapped_bytes);
+    set_u(mem, "virtual_reserved_bytes", st->va_bytes);
+    set_u(mem, "free_in_mapped_bytes", st->free_bytes);
+    set_u(mem, "largest_free_extent_bytes", st->largest_free);
+    set_u(mem, "live_blocks", st->live_blocks);
+    set_u(mem, "device_total_bytes", d->device_total);
+    set_u(mem, "device_free_bytes", d->device_free);
+    json_t *ext = J.object();
+    set_i(ext, "cuda_malloc_passthrough_bytes", d->external[0]);
+    set_i(ext, "async_pool_bytes", d->external[1]);
+    set_i(ext, "vmm_by_others_bytes", d->external[2]);
+    int64_t other = 0;
+    if (d->device_total) {
+        int64_t used = (int64_t)(d->device_total - d->device_free);
+        other = used - (int64_t)st->mapped_bytes;
+        if (other < 0) other = 0;
+    }
+    set_i(ext, "other_bytes_on_device", other);
+    J.object_set_new(mem, "not_served_by_memshim", ext);
+    J.object_set_new(root, "memory", mem);
+
+    json_t *frag = J.object();
+    double f_extent = st->free_bytes ? 1.0 - (double)st->largest_free / (double)st->free_bytes : 0.0;
+    set_d(frag, "free_extent_fragmentation", f_extent);
+    set_d(frag, "peak_allocated_over_peak_reserved",
+          st->peak_mapped_bytes ? (double)st->peak_live_bytes / (double)st->peak_mapped_bytes : 1.0);
+    J.object_set_new(root, "fragmentation", frag);
+
+    json_t *ops = J.object();
+    set_u(ops, "allocs", st->allocs);
+    set_u(ops, "frees", st->frees);
+    set_u(ops, "alloc_failures", st->alloc_fail);
+    set_u(ops, "map_ops", st->map_ops);
+    set_u(ops, "unmap_ops", st->unmap_ops);
+    set_u(ops, "create_ops", st->create_ops);
+    set_u(ops, "release_ops", st->release_ops);
+    set_u(ops, "reclaimed_pages", st->reclaimed_pages);
+    set_u(ops, "released_pages", st->released_pages);
+    set_u(ops, "cross_stream_waits", st->cross_stream_waits);
+    set_d(ops, "alloc_mean_ns", st->allocs ? (double)st->alloc_ns_total / (double)st->allocs : 0.0);
+    set_d(ops, "free_mean_ns", st->frees ? (double)st->free_ns_total / (double)st->frees : 0.0);
+    J.object_set_new(root, "operations", ops);
+
+    json_t *hist = J.array();
+    for (int i = 0; i < 24; i++) {
+        json_t *b = J.object();
+        set_u(b, "lt_bytes", (uint64_t)512 << i);
+        set_u(b, "count", st->hist[i]);
+        J.array_append_new(hist, b);
+    }
+    J.object_set_new(root, "size_histogram", hist);
+
+    json_t *res = J.object();
+    set_u(res, "oom_events", st->oom_events);
+    set_u(res, "rescued_by_reclaim", st->rescue_reclaim);
+    set_u(res, "rescued_by_gc", st->rescue_gc);
+    set_u(res, "rescued_by_empty_cache", st->rescue_empty_cache);
+    J.object_set_new(root, "oom", res);
+
+    if (d->had_oom) {
+        const struct msh_pool_oom *o = &d->oom;
+        json_t *diag = J.object();
+        set_u(diag, "requested_bytes", o->requested);
+        set_u(diag, "device_total_bytes", o->device_total);
+        set_u(diag, "device_free_bytes", o->device_free);
+        set_u(diag, "live_bytes", o->live_bytes);
+        set_u(diag, "reserved_bytes", o->mapped_bytes);
+        set_u(diag, "limit_bytes", o->limit_bytes);
+        set_u(diag, "largest_free_extent_bytes", o->largest_free);
+        set_s(diag, "cause", o->fragmentation ? "fragmentation" : "capacity");
+        json_t *top = J.array();
+        for (int i = 0; i < o->ntop; i++) {
+            json_t *b = J.object();
+            char hex[32];
+            snprintf(hex, sizeof hex, "0x%llx", (unsigned long long)o->top[i].addr);
+            set_s(b, "addr", hex);
+            set_u(b, "bytes", o->top[i].size);
+            J.array_append_new(top, b);
+        }
+        J.object_set_new(diag, "largest_live_blocks", top);
+        J.object_set_new(root, "last_oom", diag);
+    }
+
+    json_t *pol = J.object();
+    set_u(pol, "empty_cache_runs", r->empty_cache_runs);
+    set_u(pol, "empty_cache_released_bytes", r->empty_cache_bytes);
+    set_u(pol, "gc_runs", r->gc_runs);
+    J.object_set_new(root, "policies", pol);
+
+    json_t *cfg = J.object();
+    char val[512];
+    const char *name, *source;
+    for (int i = 0; msh_config_iter(i, &name, val, sizeof val, &source); i++) {
+        json_t *e = J.object();
+        set_s(e, "value", val);
+        set_s(e, "source", source);
+        J.object_set_new(cfg, name, e);
+    }
+    J.object_set_new(root, "config", cfg);
+    return root;
+}
+
+static int write_atomic(const char *path, const char *text)
+{
+    char tmp[PATH_MAX + 32];
+    unsigned char rnd[8];
+    if (getrandom(rnd, sizeof rnd, GRND_NONBLOCK) != (ssize_t)sizeof rnd) {
+        uint64_t t = msh_now_ns() ^ ((uint64_t)getpid() << 32);
+        memcpy(rnd, &t, sizeof rnd);
+    }
+    snprintf(tmp, sizeof tmp, "%s.tmp%02x%02x%02x%02x%02x%02x%02x%02x", path, rnd[0], rnd[1], rnd[2], rnd[3],
+             rnd[4], rnd[5], rnd[6], rnd[7]);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd < 0) return errno;
+    size_t len = strlen(text), off = 0;
+    int rc = 0;
+    while (off < len) {
+        ssize_t w = write(fd, text + off, len - off);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            rc = errno;
+            break;
+        }
+        off += (size_t)w;
+    }
+    if (!rc && write(fd, "\n", 1) != 1) rc = errno ? errno : EIO;
+    if (close(fd) && !rc) rc = errno;
+    /* rename() replaces a planted symlink at the final name rather than following it. */
+    if (!rc && rename(tmp, path)) rc = errno;
+    if (rc) unlink(tmp);
+    return rc;
+}
+
+int msh_report_write(const struct msh_report *r)
+{
+    if (!msh_report_init()) return ENOENT;
+    int rc = 0;
+    for (int i = 0; i < r->ndev; i++) {
+        const struct msh_report_device *d = &r->dev[i];
+        char path[PATH_MAX];
+        if (msh_report_path(r, d->device, path, sizeof path)) {
+            rc = ENAMETOOLONG;
+            continue;
+        }
+        json_t *root = build(r, d);
+        char *text = root ? J.dumps(root, msh_cfg.report_format == MSH_REPORT_JSON_PRETTY
+                                              ? JSON_INDENT(2) | JSON_SORT_KEYS
+                                              : JSON_COMPACT | JSON_SORT_KEYS)
+                          : NULL;
+        jdecref(root);
+        if (!text) {
+            rc = ENOMEM;
+            continue;
+        }
+        int w = write_atomic(path, text);
+        free(text);
+        if (w) {
+            pthread_mutex_lock(&report_lock);
+            bool was_on = report_on;
+            report_on = false;
+            pthread_mutex_unlock(&report_lock);
+            if (was_on)
+                msh_warn("cannot write report %s: %s; reports are off for the rest of this run (the job continues)",
+                         path, strerror(w));
+            return w;
+        }
+        msh_debug("wrote %s", path);
+    }
+    return rc;
+}

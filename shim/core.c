@@ -1,0 +1,508 @@
+/*
+ * core.c: process-wide state of libmemshim.so: start-up, one pool per device, epochs and the
+ * empty-cache / GC policies, accounting of memory memshim does not serve, fork and exit.
+ *
+ * Start-up is lazy (the first hook or API call) and idempotent; it must survive being re-entered
+ * from dlsym/dlopen and must never make the host job fail: any problem turns memshim into a pass-
+ * through with one message. Nothing here calls a CUDA hook, and the pool lock is never held
+ * while a report is built or the GC callback runs.
+ */
+#include "core.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cuda_real.h"
+#include "device.h"
+#include "memshim.h"
+#include "msh.h"
+#include "report.h"
+
+__thread int msh_in_hook;
+
+static pthread_once_t init_once = PTHREAD_ONCE_INIT;
+static bool enabled;
+static int mode_eff = MSH_MODE_OFF;
+static uint64_t t0_ns;
+
+static pthread_mutex_t pools_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct msh_pool *_Atomic pools[MSH_MAX_DEVICES];
+static struct msh_device devices[MSH_MAX_DEVICES];
+static bool pool_failed[MSH_MAX_DEVICES];
+static _Atomic int64_t external[MSH_MAX_DEVICES][MSH_EXT_NKINDS];
+
+/* epochs and policies */
+static pthread_mutex_t epoch_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t epoch_index, epoch_start_ns, steps_in_epoch, steps_total;
+static _Atomic uint64_t last_activity_ns;
+static volatile sig_atomic_t epoch_signalled;
+static uint64_t ec_runs, ec_bytes, gc_runs;
+
+static memshim_gc_fn gc_user_fn;
+static void *gc_user_arg;
+
+static void at_exit(void);
+static void fork_prepare(void);
+static void fork_parent(void);
+static void fork_child(void);
+static void *idle_thread(void *arg);
+
+uint64_t msh_now_ns(void);
+
+static void on_epoch_signal(int sig)
+{
+    (void)sig;
+    epoch_signalled = 1;
+}
+
+static void install_epoch_signal(void)
+{
+    struct sigaction old;
+    if (sigaction(msh_cfg.epoch_signal, NULL, &old) == 0 && old.sa_handler != SIG_DFL &&
+        old.sa_handler != SIG_IGN) {
+        msh_warn("MEMSHIM_EPOCH=signal: signal %d already has a handler in this program; memshim "
+                 "leaves it alone (call memshim_epoch() instead)", msh_cfg.epoch_signal);
+        return;
+    }
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_epoch_signal;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    sigaction(msh_cfg.epoch_signal, &sa, NULL);
+}
+
+static void do_init(void)
+{
+    msh_in_hook++;
+    msh_config_load();
+    if (msh_cfg.log_file[0]) msh_log_open(msh_cfg.log_file);
+    t0_ns = msh_now_ns();
+    epoch_start_ns = t0_ns;
+    if (msh_cfg.mode == MSH_MODE_OFF) {
+        msh_info("MEMSHIM_MODE=off: pure pass-through");
+        msh_in_hook--;
+        return;
+    }
+    if (msh_cuda_load()) { /* a CPU-only process: stay out of the way */
+        msh_in_hook--;
+        return;
+    }
+    mode_eff = msh_cfg.mode == MSH_MODE_AUTO ? MSH_MODE_SEGMENT : msh_cfg.mode;
+    enabled = true;
+    if (msh_log_level >= MSH_LOG_INFO) msh_config_dump(MSH_LOG_INFO);
+    msh_report_init();
+    atexit(at_exit);
+    pthread_atfork(fork_prepare, fork_parent, fork_child);
+    if (msh_cfg.epoch_src == MSH_EPOCH_SIGNAL) install_epoch_signal();
+    if (msh_cfg.empty_cache == MSH_EC_IDLE) {
+        pthread_t th;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&th, &attr, idle_thread, NULL))
+            msh_warn("MEMSHIM_EMPTY_CACHE=idle: cannot start the idle watcher; idle release is off");
+        pthread_attr_destroy(&attr);
+    }
+    msh_info("memshim %s active (%s mode)", MEMSHIM_VERSION, mode_eff == MSH_MODE_TENSOR ? "tensor" : "segment");
+    msh_in_hook--;
+}
+
+bool msh_core_init(void)
+{
+    pthread_once(&init_once, do_init);
+    return enabled;
+}
+
+int msh_core_mode(void)
+{
+    return msh_core_init() ? mode_eff : MSH_MODE_OFF;
+}
+
+static size_t gc_bridge(void *arg)
+{
+    (void)arg;
+    if (msh_cfg.gc != MSH_GC_OOM && msh_cfg.gc != MSH_GC_THRESHOLD) return 0;
+    memshim_gc_fn fn = gc_user_fn;
+    if (!fn) return 0;
+    pthread_mutex_lock(&epoch_lock);
+    gc_runs++;
+    pthread_mutex_unlock(&epoch_lock);
+    return fn(gc_user_arg);
+}
+
+struct msh_pool *msh_core_pool(int device)
+{
+    if (device < 0 || device >= MSH_MAX_DEVICES || !msh_core_init()) return NULL;
+    struct msh_pool *p = atomic_load_explicit(&pools[device], memory_order_acquire);
+    if (MSH_LIKELY(p != NULL)) return p;
+    pthread_mutex_lock(&pools_lock);
+    p = atomic_load(&pools[device]);
+    if (!p && !pool_failed[device]) {
+        msh_in_hook++;
+        int rc = msh_dev_cuda_init(&devices[device], device);
+        if (rc == 0) {
+            struct msh_pool_params prm;
+            msh_pool_params_default(&prm);
+            size_t f = 0, t = 0;
+            devices[device].ops->mem_info(&devices[device], &f, &t);
+            prm.limit_bytes = msh_cfg.limit_bytes;
+            if (msh_cfg.limit_fraction > 0) prm.limit_bytes = (size_t)(msh_cfg.limit_fraction * (double)t);
+            if (prm.limit_bytes && t && prm.limit_bytes > t) prm.limit_bytes = t;
+            prm.small_max = msh_cfg.small_max;
+            prm.defrag = msh_cfg.defrag;
+            if (msh_cfg.empty_cache == MSH_EC_THRESHOLD) prm.release_threshold = msh_cfg.empty_cache_threshold;
+            rc = msh_pool_create(&devices[device], &prm, &p);
+        }
+        if (rc == 0) {
+            msh_pool_set_gc(p, gc_bridge, NULL);
+            msh_pool_set_timing(p, true);
+            atomic_store_explicit(&pools[device], p, memory_order_release);
+            msh_info("device %d: pool ready (limit %zu bytes)", device, (size_t)msh_cfg.limit_bytes);
+        } else {
+            pool_failed[device] = true;
+            p = NULL;
+            if (rc != ENODEV) msh_warn("device %d: cannot create the pool (error %d); passing through", device, rc);
+        }
+        msh_in_hook--;
+    }
+    pthread_mutex_unlock(&pools_lock);
+    return p;
+}
+
+struct msh_pool *msh_core_pool_owning(uint64_t addr, int *device)
+{
+    for (int d = 0; d < MSH_MAX_DEVICES; d++) {
+        struct msh_pool *p = atomic_load_explicit(&pools[d], memory_order_acquire);
+        if (p && msh_pool_owns(p, addr)) {
+            if (device) *device = d;
+            return p;
+        }
+    }
+    return NULL;
+}
+
+void msh_core_note_external(int device, int kind, int64_t delta)
+{
+    if (device < 0 || device >= MSH_MAX_DEVICES || kind < 0 || kind >= MSH_EXT_NKINDS) return;
+    atomic_fetch_add_explicit(&external[device][kind], delta, memory_order_relaxed);
+}
+
+/* ---- epochs ---------------------------------------------------------------------------------- */
+
+static void fill_report(struct msh_report *r, const char *kind, const char *reason)
+{
+    memset(r, 0, sizeof *r);
+    r->kind = kind;
+    r->reason = reason;
+    r->mode = mode_eff == MSH_MODE_TENSOR ? "tensor" : mode_eff == MSH_MODE_SEGMENT ? "segment" : "off";
+    r->epoch = epoch_index;
+    r->t_start = (double)(epoch_start_ns - t0_ns) / 1e9;
+    r->t_end = (double)(msh_now_ns() - t0_ns) / 1e9;
+    r->steps = steps_in_epoch;
+    r->empty_cache_runs = ec_runs;
+    r->empty_cache_bytes = ec_bytes;
+    r->gc_runs = gc_runs;
+    for (int d = 0; d < MSH_MAX_DEVICES && r->ndev < (int)(sizeof r->dev / sizeof r->dev[0]); d++) {
+        struct msh_pool *p = atomic_load(&pools[d]);
+        bool ext = false;
+        for (int k = 0; k < MSH_EXT_NKINDS; k++) ext |= atomic_load(&external[d][k]) != 0;
+        if (!p && !ext) continue;
+        struct msh_report_device *rd = &r->dev[r->ndev++];
+        memset(rd, 0, sizeof *rd);
+        rd->device = d;
+        for (int k = 0; k < MSH_EXT_NKINDS && k < 3; k++) rd->external[k] = atomic_load(&external[d][k]);
+        if (p) {
+            rd->has_pool = true;
+            msh_pool_get_stats(p, &rd->st);
+            msh_pool_last_oom(p, &rd->oom);
+            rd->had_oom = rd->st.oom_events > 0;
+            size_t f = 0, t = 0;
+            if (devices[d].ops && devices[d].ops->mem_info(&devices[d], &f, &t) == 0) {
+                rd->device_total = t;
+                rd->device_free = f;
+            }
+        }
+    }
+}
+
+/* Close the current epoch: report, run epoch policies, reset peaks. */
+static void close_epoch(const char *reason)
+{
+    msh_in_hook++;
+    pthread_mutex_lock(&epoch_lock);
+    if (msh_cfg.gc == MSH_GC_EPOCH && gc_user_fn) {
+        gc_runs++;
+        gc_user_fn(gc_user_arg);
+    }
+    if (msh_cfg.empty_cache == MSH_EC_EPOCH) {
+        for (int d = 0; d < MSH_MAX_DEVICES; d++) {
+            struct msh_pool *p = atomic_load(&pools[d]);
+            if (!p) continue;
+            ec_runs++;
+            ec_bytes += msh_pool_empty_cache(p);
+        }
+    }
+    struct msh_report r;
+    fill_report(&r, "epoch", reason);
+    if (r.ndev) msh_report_write(&r);
+    for (int i = 0; i < r.ndev; i++)
+        msh_info("epoch %llu (%s) device %d: peak allocated %zu, peak reserved %zu, maps %llu, unmaps %llu, "
+                 "reclaimed pages %llu",
+                 (unsigned long long)epoch_index, reason, r.dev[i].device, r.dev[i].st.peak_live_bytes,
+                 r.dev[i].st.peak_mapped_bytes, (unsigned long long)r.dev[i].st.map_ops,
+                 (unsigned long long)r.dev[i].st.unmap_ops, (unsigned long long)r.dev[i].st.reclaimed_pages);
+    for (int d = 0; d < MSH_MAX_DEVICES; d++) {
+        struct msh_pool *p = atomic_load(&pools[d]);
+        if (p) msh_pool_reset_peaks(p);
+    }
+    epoch_index++;
+    steps_in_epoch = 0;
+    ec_runs = ec_bytes = gc_runs = 0;
+    epoch_start_ns = msh_now_ns();
+    pthread_mutex_unlock(&epoch_lock);
+    msh_in_hook--;
+}
+
+void msh_core_tick(void)
+{
+    uint64_t now = msh_now_ns();
+    atomic_store_explicit(&last_activity_ns, now, memory_order_relaxed);
+    if (MSH_UNLIKELY(epoch_signalled)) {
+        epoch_signalled = 0;
+        close_epoch("signal");
+    } else if (msh_cfg.epoch_src == MSH_EPOCH_SECONDS && msh_cfg.epoch_seconds > 0 &&
+               now - epoch_start_ns >= (uint64_t)(msh_cfg.epoch_seconds * 1e9)) {
+        close_epoch("seconds");
+    }
+    if (MSH_UNLIKELY(msh_cfg.gc == MSH_GC_THRESHOLD && gc_user_fn)) {
+        /* GC when the pools hold more than the threshold fraction of their limit (or device). */
+        for (int d = 0; d < MSH_MAX_DEVICES; d++) {
+            struct msh_pool *p = atomic_load(&pools[d]);
+            if (!p) continue;
+            size_t held = msh_pool_mapped_bytes(p);
+            size_t cap = msh_cfg.limit_bytes;
+            if (!cap && devices[d].ops) {
+                size_t f = 0, t = 0;
+                devices[d].ops->mem_info(&devices[d], &f, &t);
+                cap = msh_cfg.limit_fraction > 0 ? (size_t)(msh_cfg.limit_fraction * (double)t) : t;
+            }
+            if (cap && (double)held > msh_cfg.gc_threshold * (double)cap) {
+                pthread_mutex_lock(&epoch_lock);
+                gc_runs++;
+                pthread_mutex_unlock(&epoch_lock);
+                gc_user_fn(gc_user_arg);
+            }
+        }
+    }
+}
+
+static void *idle_thread(void *arg)
+{
+    (void)arg;
+    msh_in_hook = 1; /* this thread never serves hooks */
+    bool released = false;
+    for (;;) {
+        struct timespec ts = {0, 250 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        uint64_t last = atomic_load_explicit(&last_activity_ns, memory_order_relaxed);
+        if (!last) continue;
+        uint64_t idle = msh_now_ns() - last;
+        if (idle < (uint64_t)(msh_cfg.empty_cache_idle_s * 1e9)) {
+            released = false;
+            continue;
+        }
+        if (released) continue;
+        released = true;
+        for (int d = 0; d < MSH_MAX_DEVICES; d++) {
+            struct msh_pool *p = atomic_load(&pools[d]);
+            if (!p) continue;
+            size_t n = msh_pool_empty_cache(p);
+            pthread_mutex_lock(&epoch_lock);
+            ec_runs++;
+            ec_bytes += n;
+            pthread_mutex_unlock(&epoch_lock);
+            if (n) msh_info("idle for %.1f s: released %zu cached bytes on device %d", (double)idle / 1e9, n, d);
+        }
+    }
+    return NULL;
+}
+
+/* ---- fork and exit ------------------------------------------------------------------------------ */
+
+/* Hold the locks across fork so the child never inherits one mid-update (jemalloc's pattern). The
+ * child's pools describe the parent's device memory, which the child cannot use (CUDA does not
+ * survive fork): the child passes through. */
+static void fork_prepare(void)
+{
+    pthread_mutex_lock(&pools_lock);
+    pthread_mutex_lock(&epoch_lock);
+}
+
+static void fork_parent(void)
+{
+    pthread_mutex_unlock(&epoch_lock);
+    pthread_mutex_unlock(&pools_lock);
+}
+
+static void fork_child(void)
+{
+    pthread_mutex_unlock(&epoch_lock);
+    pthread_mutex_unlock(&pools_lock);
+    for (int d = 0; d < MSH_MAX_DEVICES; d++) atomic_store(&pools[d], NULL);
+    enabled = false;
+}
+
+static void at_exit(void)
+{
+    if (!enabled) return;
+    msh_in_hook++;
+    bool any = false;
+    for (int d = 0; d < MSH_MAX_DEVICES; d++) any |= atomic_load(&pools[d]) != NULL;
+    if (any) {
+        pthread_mutex_lock(&epoch_lock);
+        struct msh_report r;
+        fill_report(&r, "summary", "exit");
+        pthread_mutex_unlock(&epoch_lock);
+        if (r.ndev) msh_report_write(&r);
+        for (int i = 0; i < r.ndev; i++)
+            msh_info("exit: device %d: allocs %llu, peak allocated %zu, peak reserved %zu, maps %llu, "
+                     "unmaps %llu, OOMs %llu",
+                     r.dev[i].device, (unsigned long long)r.dev[i].st.allocs, r.dev[i].st.peak_live_bytes,
+                     r.dev[i].st.peak_mapped_bytes, (unsigned long long)r.dev[i].st.map_ops,
+                     (unsigned long long)r.dev[i].st.unmap_ops, (unsigned long long)r.dev[i].st.oom_events);
+    }
+    msh_in_hook--;
+}
+
+/* An OOM report per failed request, capped so a job retrying in a loop cannot fill the disk. */
+#define OOM_REPORTS_MAX 16
+void msh_core_note_oom(int device)
+{
+    static _Atomic int written;
+    if (atomic_fetch_add(&written, 1) >= OOM_REPORTS_MAX) return;
+    msh_in_hook++;
+    pthread_mutex_lock(&epoch_lock);
+    struct msh_report r;
+    fill_report(&r, "oom", "oom");
+    r.epoch = (uint64_t)atomic_load(&written) - 1;
+    pthread_mutex_unlock(&epoch_lock);
+    for (int i = 0; i < r.ndev; i++)
+        if (r.dev[i].device == device) {
+            r.dev[0] = r.dev[i];
+            r.ndev = 1;
+            msh_report_write(&r);
+            break;
+        }
+    msh_in_hook--;
+}
+
+/* ---- public API (memshim.h) ---------------------------------------------------------------------- */
+
+MSH_EXPORT void *memshim_malloc(ssize_t size, int device, memshim_stream_t stream)
+{
+    if (size < 0) return NULL;
+    msh_in_hook++;
+    struct msh_pool *p = msh_core_pool(device);
+    void *out = NULL;
+    if (!p) {
+        msh_error("memshim_malloc: no pool for device %d (is memshim off, or the driver unusable?)", device);
+    } else {
+        uint64_t a = 0;
+        if (msh_pool_alloc(p, (size_t)size, (uint64_t)(uintptr_t)stream, &a) == 0) out = (void *)(uintptr_t)a;
+        else msh_core_note_oom(device);
+        msh_core_tick();
+    }
+    msh_in_hook--;
+    return out;
+}
+
+MSH_EXPORT void memshim_free(void *ptr, ssize_t size, int device, memshim_stream_t stream)
+{
+    (void)size;
+    if (!ptr) return;
+    msh_in_hook++;
+    struct msh_pool *p = device >= 0 && device < MSH_MAX_DEVICES ? atomic_load(&pools[device]) : NULL;
+    if (!p || msh_pool_free(p, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream)) {
+        int d = -1;
+        struct msh_pool *q = msh_core_pool_owning((uint64_t)(uintptr_t)ptr, &d);
+        if (q) msh_pool_free(q, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream);
+        else msh_warn("memshim_free: %p was not allocated by memshim (device %d); ignored", ptr, device);
+    }
+    msh_in_hook--;
+}
+
+MSH_EXPORT void memshim_record_stream(void *ptr, memshim_stream_t stream)
+{
+    msh_in_hook++;
+    int d;
+    struct msh_pool *p = msh_core_pool_owning((uint64_t)(uintptr_t)ptr, &d);
+    if (p) msh_pool_record_stream(p, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream);
+    msh_in_hook--;
+}
+
+MSH_EXPORT void memshim_empty_cache(void)
+{
+    if (!msh_core_init()) return;
+    msh_in_hook++;
+    for (int d = 0; d < MSH_MAX_DEVICES; d++) {
+        struct msh_pool *p = atomic_load(&pools[d]);
+        if (!p) continue;
+        size_t n = msh_pool_empty_cache(p);
+        pthread_mutex_lock(&epoch_lock);
+        ec_runs++;
+        ec_bytes += n;
+        pthread_mutex_unlock(&epoch_lock);
+    }
+    msh_in_hook--;
+}
+
+MSH_EXPORT void memshim_epoch(void)
+{
+    if (!msh_core_init()) return;
+    close_epoch("manual");
+}
+
+MSH_EXPORT void memshim_step(void)
+{
+    if (!msh_core_init()) return;
+    bool close = false;
+    pthread_mutex_lock(&epoch_lock);
+    steps_total++;
+    steps_in_epoch++;
+    if (msh_cfg.epoch_src == MSH_EPOCH_STEPS && msh_cfg.epoch_steps && steps_in_epoch >= msh_cfg.epoch_steps)
+        close = true;
+    pthread_mutex_unlock(&epoch_lock);
+    if (close) close_epoch("steps");
+}
+
+MSH_EXPORT void memshim_set_gc_callback(memshim_gc_fn fn, void *arg)
+{
+    gc_user_arg = arg;
+    gc_user_fn = fn;
+}
+
+MSH_EXPORT int memshim_get_stats(int device, struct memshim_stats *out)
+{
+    if (device < 0 || device >= MSH_MAX_DEVICES || !out) return EINVAL;
+    struct msh_pool *p = atomic_load(&pools[device]);
+    if (!p) return ENODEV;
+    struct msh_pool_stats st;
+    msh_pool_get_stats(p, &st);
+    out->live_bytes = st.live_bytes;
+    out->peak_live_bytes = st.peak_live_bytes;
+    out->reserved_bytes = st.mapped_bytes;
+    out->peak_reserved_bytes = st.peak_mapped_bytes;
+    out->map_ops = st.map_ops;
+    out->unmap_ops = st.unmap_ops;
+    out->reclaimed_pages = st.reclaimed_pages;
+    out->allocs = st.allocs;
+    out->frees = st.frees;
+    out->ooms = st.oom_events;
+    return 0;
+}

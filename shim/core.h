@@ -1,0 +1,38 @@
+/*
+ * core.h: process-wide state of libmemshim.so (shim/core.c): start-up, the per-device pools,
+ * epochs, accounting of memory memshim does not serve, and shutdown. The hooks (hooks/) call
+ * only this and the pool; nothing here calls a hook.
+ */
+#ifndef MSH_CORE_H
+#define MSH_CORE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "pool.h"
+
+/* Re-entry guard: set while a hook or memshim itself is working on this thread. A hook that
+ * finds it set passes straight through to the real function. */
+extern __thread int msh_in_hook;
+
+/* Idempotent and thread-safe. Reads the configuration, opens the log, registers atexit/atfork.
+ * Returns true when memshim may serve memory (mode is not off and a driver is usable). */
+bool msh_core_init(void);
+/* The effective mode after start-up (enum msh_mode; AUTO resolves to SEGMENT or TENSOR). */
+int msh_core_mode(void);
+
+/* The pool of `device`, created on first use (the caller has made a context current for that
+ * device, as the CUDA runtime does). NULL when no pool can exist: the caller passes through. */
+struct msh_pool *msh_core_pool(int device);
+/* The pool that handed out `addr`, or NULL; *device gets its ordinal. */
+struct msh_pool *msh_core_pool_owning(uint64_t addr, int *device);
+
+/* Memory that memshim does not serve but accounts ("other" in reports). */
+enum msh_ext_kind { MSH_EXT_MALLOC, MSH_EXT_ASYNC, MSH_EXT_VMM, MSH_EXT_NKINDS };
+void msh_core_note_external(int device, int kind, int64_t delta_bytes);
+/* A request failed after the whole rescue chain: write an OOM report (capped). */
+void msh_core_note_oom(int device);
+/* Called on each allocation: epoch timers, signals and idle/threshold policies. Cheap. */
+void msh_core_tick(void);
+
+#endif

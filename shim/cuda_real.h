@@ -1,0 +1,70 @@
+/*
+ * cuda_real.h: the real CUDA driver, resolved at run time (never linked).
+ *
+ * libmemshim.so must not have libcuda or libcudart as NEEDED (a preloaded library with a missing
+ * dependency kills the host with exit 127). The driver is opened with dlopen("libcuda.so.1") and
+ * each function is looked up by its versioned ABI name (cuMemAlloc_v2, ...) with a handle-based
+ * dlsym, which never returns memshim's own exported hooks. msh_cu is filled once; a function
+ * the driver lacks stays NULL and its user falls back. The pool and the hooks call the driver
+ * only through this table.
+ */
+#ifndef MSH_CUDA_REAL_H
+#define MSH_CUDA_REAL_H
+
+#include <cuda.h>
+#include <stdbool.h>
+
+struct msh_cuda_driver {
+    void *handle;
+    bool loaded;
+    CUresult (*cuInit)(unsigned int);
+    CUresult (*cuDriverGetVersion)(int *);
+    CUresult (*cuDeviceGetCount)(int *);
+    CUresult (*cuDeviceGet)(CUdevice *, int);
+    CUresult (*cuDeviceGetName)(char *, int, CUdevice);
+    CUresult (*cuDeviceTotalMem)(size_t *, CUdevice);           /* _v2 */
+    CUresult (*cuDeviceGetAttribute)(int *, CUdevice_attribute, CUdevice);
+    CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+    CUresult (*cuCtxGetCurrent)(CUcontext *);
+    CUresult (*cuCtxSetCurrent)(CUcontext);
+    CUresult (*cuCtxPushCurrent)(CUcontext);                    /* _v2 */
+    CUresult (*cuCtxPopCurrent)(CUcontext *);                   /* _v2 */
+    CUresult (*cuCtxGetDevice)(CUdevice *);
+    CUresult (*cuCtxSynchronize)(void);
+    CUresult (*cuMemGetInfo)(size_t *, size_t *);               /* _v2 */
+    CUresult (*cuMemAlloc)(CUdeviceptr *, size_t);              /* _v2 */
+    CUresult (*cuMemFree)(CUdeviceptr);                         /* _v2 */
+    CUresult (*cuMemAllocAsync)(CUdeviceptr *, size_t, CUstream);
+    CUresult (*cuMemFreeAsync)(CUdeviceptr, CUstream);
+    CUresult (*cuMemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
+                            unsigned long long);
+    CUresult (*cuMemRelease)(CUmemGenericAllocationHandle);
+    CUresult (*cuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+    CUresult (*cuMemAddressFree)(CUdeviceptr, size_t);
+    CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                         unsigned long long);
+    CUresult (*cuMemUnmap)(CUdeviceptr, size_t);
+    CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+    CUresult (*cuMemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *,
+                                              CUmemAllocationGranularity_flags);
+    CUresult (*cuMemRetainAllocationHandle)(CUmemGenericAllocationHandle *, void *);
+    CUresult (*cuEventCreate)(CUevent *, unsigned int);
+    CUresult (*cuEventRecord)(CUevent, CUstream);
+    CUresult (*cuEventQuery)(CUevent);
+    CUresult (*cuEventSynchronize)(CUevent);
+    CUresult (*cuEventDestroy)(CUevent);                        /* _v2 */
+    CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned int);
+    CUresult (*cuGetProcAddress)(const char *, void **, int, cuuint64_t,
+                                 CUdriverProcAddressQueryResult *); /* _v2 */
+    CUresult (*cuGetErrorString)(CUresult, const char **);
+};
+
+extern struct msh_cuda_driver msh_cu;
+
+/* Open the driver and fill msh_cu (once, thread-safe). Returns 0, or ENODEV when libcuda.so.1
+ * cannot be opened or cuInit fails (a CPU-only process): the caller then passes through. */
+int msh_cuda_load(void);
+/* A short name for a CUresult ("CUDA_ERROR_OUT_OF_MEMORY"), usable before the driver loads. */
+const char *msh_cuda_errname(CUresult r);
+
+#endif
