@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The main job: memshim-train-demo (a training-loop allocation pattern through the CUDA runtime)
+# under LD_PRELOAD=libmemshim.so, with per-epoch JSON reports in memreport/ and a summary table.
+# Without a GPU it runs on the CUDA driver double (build/double); with one, on the real driver.
+set -euo pipefail
+BUILD="${BUILD:-build}"
+cd "$(dirname "$0")/.."
+
+if [ -e /dev/nvidiactl ] && ldconfig -p 2>/dev/null | grep -q 'libcuda.so.1'; then
+    echo "demo: a GPU driver is present: using the real driver"
+    libpath="$BUILD/double-runtime-only"
+    mkdir -p "$libpath"
+    ln -sf "$(realpath "$BUILD/double/libcudart.so.13")" "$libpath/libcudart.so.13"
+else
+    echo "demo: no GPU driver here: using the CUDA driver double ($BUILD/double/libcuda.so.1)"
+    libpath="$BUILD/double"
+    export CUDBL_CAPACITY="${CUDBL_CAPACITY:-8G}"
+fi
+
+report_dir="${MEMSHIM_REPORT_DIR:-memreport}"
+rm -rf "$report_dir"
+echo "demo: LD_PRELOAD=$BUILD/libmemshim.so MEMSHIM_REPORT_DIR=$report_dir $BUILD/memshim-train-demo $*"
+LD_LIBRARY_PATH="$libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+LD_PRELOAD="$BUILD/libmemshim.so" \
+MEMSHIM_REPORT_DIR="$report_dir" MEMSHIM_REPORT_FORMAT="${MEMSHIM_REPORT_FORMAT:-json-pretty}" \
+MEMSHIM_LOG="${MEMSHIM_LOG:-info}" \
+    "$BUILD/memshim-train-demo" "$@"
+
+echo
+echo "demo: reports written to $report_dir/:"
+ls -1 "$report_dir"
+echo
+python3 scripts/memshim_report.py "$report_dir"

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Install what building and testing memshim needs, only when it is missing (Debian 12).
+# Safe to run again: it checks before it installs. Needs root (or sudo) only to install.
+set -euo pipefail
+
+need=()
+have() { command -v "$1" >/dev/null 2>&1; }
+have gcc || need+=(gcc)
+have make || need+=(make)
+have clang || need+=(clang)
+have readelf || need+=(binutils)
+have python3 || need+=(python3)
+[ -f /usr/include/jansson.h ] || need+=(libjansson-dev)
+dpkg -s libclang-rt-14-dev >/dev/null 2>&1 || need+=(libclang-rt-14-dev)
+
+if [ ${#need[@]} -gt 0 ]; then
+    echo "setup: installing ${need[*]}"
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+cuda_home="${CUDA_HOME:-}"
+if [ -z "$cuda_home" ]; then
+    for d in /usr/local/cuda /usr/local/cuda-*; do
+        [ -f "$d/include/cuda.h" ] && { cuda_home="$d"; break; }
+    done
+fi
+if [ -z "$cuda_home" ] || [ ! -f "$cuda_home/include/cuda.h" ] || [ ! -f "$cuda_home/include/cuda_runtime_api.h" ]; then
+    echo "setup: error: CUDA headers (cuda.h, cuda_runtime_api.h) not found." >&2
+    echo "setup: install the NVIDIA CUDA toolkit (only its headers are needed to build memshim)" >&2
+    echo "setup: and set CUDA_HOME to it, e.g. CUDA_HOME=/usr/local/cuda-13.0." >&2
+    exit 1
+fi
+echo "setup: ok (CUDA headers in $cuda_home/include)"

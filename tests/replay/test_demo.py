@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""The main job end to end: memshim-train-demo under LD_PRELOAD=libmemshim.so on the driver double.
+Checks that the pool serves it, that per-epoch reports and the summary are complete JSON of the
+documented schema, that steady epochs map nothing new, and that bad settings and an unwritable
+report directory cost a warning, never the job. Ends with "N passed, N failed, N skipped"."""
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = os.path.join(ROOT, os.environ.get("BUILD", "build"))
+res = {"passed": 0, "failed": 0}
+
+
+def case(name, ok, detail=""):
+    res["passed" if ok else "failed"] += 1
+    print(("ok   " if ok else "FAIL ") + name + ("" if ok else f": {detail}"))
+
+
+def demo(env_extra, *args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSHIM_")}
+    env.update({"LD_LIBRARY_PATH": os.path.join(BUILD, "double"), "LD_PRELOAD": os.path.join(BUILD, "libmemshim.so"),
+                "CUDBL_CAPACITY": "8G"})
+    env.update(env_extra)
+    return subprocess.run([os.path.join(BUILD, "memshim-train-demo"), *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    rdir = os.path.join(tmp, "reports", "nested")
+    p = demo({"MEMSHIM_REPORT_DIR": rdir}, "--epochs", "3", "--steps", "5")
+    case("demo completes under memshim", p.returncode == 0 and "finished, 0 failed" in p.stdout, p.stderr[-500:])
+    case("demo is served by the pool", "memshim preloaded" in p.stdout and "peak live" in p.stdout, p.stdout[-300:])
+    files = sorted(glob.glob(os.path.join(rdir, "memshim-*.json")))
+    epochs = [f for f in files if "-epoch" in f]
+    summary = [f for f in files if f.endswith("-summary.json")]
+    case("one report per epoch and a summary", len(epochs) == 3 and len(summary) == 1, files)
+    case("no temp files left behind", not glob.glob(os.path.join(rdir, "*.tmp*")))
+    reps = []
+    for f in files:
+        try:
+            reps.append(json.load(open(f)))
+        except ValueError as e:
+            case(f"{os.path.basename(f)} is valid JSON", False, str(e))
+    for r in reps:
+        keys = ["schema_version", "kind", "memshim_version", "pid", "device", "epoch", "memory", "fragmentation",
+                "operations", "size_histogram", "oom", "policies", "config"]
+        missing = [k for k in keys if k not in r]
+        case(f"{r.get('kind')} {r.get('epoch')}: schema fields present", not missing and r["schema_version"] == 1,
+             missing)
+    ep = [r for r in reps if r["kind"] == "epoch"]
+    if len(ep) == 3:
+        m = [r["memory"] for r in ep]
+        case("peak reserved within 5% of peak allocated",
+             all(x["reserved_peak_bytes"] <= 1.05 * x["allocated_peak_bytes"] + 8 * 2**20 for x in m),
+             [(x["reserved_peak_bytes"], x["allocated_peak_bytes"]) for x in m])
+        maps = [r["operations"]["map_ops"] for r in ep]
+        case("steady epochs map nothing new (cumulative map_ops flat after epoch 0)", maps[1] == maps[0] == maps[2]
+             or maps[2] == maps[1], maps)
+        case("config in reports names MEMSHIM_REPORT_DIR from the environment",
+             ep[0]["config"].get("MEMSHIM_REPORT_DIR", {}).get("source") == "environment", ep[0]["config"].get("MEMSHIM_REPORT_DIR"))
+
+    p = demo({"MEMSHIM_MODE": "off"}, "--epochs", "1", "--steps", "2")
+    case("MEMSHIM_MODE=off: the demo runs on the plain runtime", p.returncode == 0 and "finished" in p.stdout
+         and "peak live" not in p.stdout, p.stdout[-300:] + p.stderr[-300:])
+
+    p = demo({"MEMSHIM_LIMIT": "banana", "MEMSHIM_LIMT": "1G"}, "--epochs", "1", "--steps", "2")
+    warn = [l for l in p.stderr.splitlines() if "warning" in l]
+    case("bad value and unknown name: job completes with one warning each",
+         p.returncode == 0 and "finished" in p.stdout and sum("MEMSHIM_LIMIT='banana'" in l for l in warn) == 1
+         and sum("MEMSHIM_LIMT" in l for l in warn) == 1, warn)
+
+    ro = os.path.join(tmp, "ro")
+    os.makedirs(ro)
+    open(os.path.join(ro, "file"), "w").close()
+    p = demo({"MEMSHIM_REPORT_DIR": os.path.join(ro, "file", "sub")}, "--epochs", "2", "--steps", "2")
+    case("unusable report directory: one warning, the job continues",
+         p.returncode == 0 and "finished" in p.stdout and sum("report" in l for l in p.stderr.splitlines()
+                                                              if "warning" in l) == 1, p.stderr[-400:])
+
+    p = demo({"MEMSHIM_LIMIT": "1200M", "MEMSHIM_REPORT_DIR": os.path.join(tmp, "lim")}, "--epochs", "2", "--steps", "4")
+    case("under a limit the job still completes (reclaim or fail cleanly)", p.returncode == 0 and "finished" in p.stdout,
+         p.stdout[-300:] + p.stderr[-300:])
+
+print(f"{res['passed']} passed, {res['failed']} failed, 0 skipped")
+sys.exit(1 if res["failed"] else 0)

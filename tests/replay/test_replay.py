@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Tests of build/memshim-replay: its CLI contract, bad input, and the pool's targets on the real
+PyTorch snapshots in ../shared/traces (skipped with a message when that folder is absent).
+Prints one line per case and ends with "N passed, N failed, N skipped"."""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = os.path.join(ROOT, os.environ.get("BUILD", "build"))
+REPLAY = os.path.join(BUILD, "memshim-replay")
+TRACES = os.path.join(os.path.dirname(ROOT), "shared", "traces")
+results = {"passed": 0, "failed": 0, "skipped": 0}
+
+
+def case(name, ok, detail=""):
+    results["passed" if ok else "failed"] += 1
+    print(("ok   " if ok else "FAIL ") + name + ("" if ok else f": {detail}"))
+
+
+def skip(name, why):
+    results["skipped"] += 1
+    print(f"skip {name} ({why})")
+
+
+def run(*args):
+    p = subprocess.run([REPLAY, *args], capture_output=True, text=True, timeout=600)
+    return p.returncode, p.stdout, p.stderr
+
+
+REQUIRED = ["trace", "device", "policy", "events", "allocs", "peak_live_bytes", "peak_reserved_bytes",
+            "capacity_bytes", "min_capacity_bytes", "ooms", "map_ops", "unmap_ops", "wall_seconds",
+            "events_per_second"]
+
+with tempfile.TemporaryDirectory() as tmp:
+    rc, out, err = run()
+    case("no arguments is a usage error", rc == 2 and "usage" in err, f"rc={rc}")
+    rc, out, err = run(os.path.join(tmp, "missing.pickle"))
+    case("missing file: exit 2 with the reason", rc == 2 and "missing.pickle" in err, f"rc={rc} err={err!r}")
+    junk = os.path.join(tmp, "junk.bin")
+    open(junk, "wb").write(b"\x00\x01garbage" * 10)
+    rc, out, err = run(junk)
+    case("unrecognised format: exit 2", rc == 2 and err.strip() != "", f"rc={rc} err={err!r}")
+    evil = os.path.join(tmp, "evil.pickle")
+    # protocol 2: GLOBAL 'os system' then REDUCE: must be refused, never executed
+    open(evil, "wb").write(b"\x80\x02cos\nsystem\nq\x00X\x04\x00\x00\x00trueq\x01\x85q\x02Rq\x03.")
+    rc, out, err = run(evil)
+    case("pickle with a global is refused", rc == 2 and ("GLOBAL" in err or "subset" in err), f"rc={rc} err={err!r}")
+    bad = os.path.join(tmp, "bad.txt")
+    open(bad, "w").write("# memshim-trace 1\na 0 0x0 0x1000 zz\n")
+    rc, out, err = run(bad)
+    case("malformed text trace names the line", rc == 2 and ":2" in err, f"rc={rc} err={err!r}")
+    good = os.path.join(tmp, "good.txt")
+    lines = ["# memshim-trace 1"]
+    for i in range(200):
+        lines.append(f"a 0 0x0 {0x10000 + i * 0x1000000:#x} {(i % 7 + 1) * 3 * 1024 * 1024}")
+        if i >= 10:
+            j = i - 10
+            lines.append(f"f 0 0x0 {0x10000 + j * 0x1000000:#x} {(j % 7 + 1) * 3 * 1024 * 1024}")
+    open(good, "w").write("\n".join(lines) + "\n")
+    rc, out, err = run("--json", "--capacity", "auto", "--passes", "2", good)
+    try:
+        d = json.loads(out.splitlines()[0])
+        missing = [k for k in REQUIRED if k not in d]
+        case("--json carries every documented field", rc == 0 and not missing, f"missing {missing}")
+        case("auto capacity is at least peak live and within 3%",
+             d["peak_live_bytes"] <= d["min_capacity_bytes"] <= d["peak_live_bytes"] * 1.03 + 4 * 2**20,
+             f"{d['min_capacity_bytes']} vs {d['peak_live_bytes']}")
+        case("no OOM at the minimum capacity", d["ooms"] == 0, d["ooms"])
+    except (ValueError, IndexError, KeyError) as e:
+        case("--json output parses", False, f"{e}: {out!r} {err!r}")
+    rc, out, err = run("--json", "--capacity", "8MiB", good)
+    try:
+        d = json.loads(out.splitlines()[0])
+        case("an OOM during replay is a result (exit 0, ooms > 0)", rc == 0 and d["ooms"] > 0, f"rc={rc} {d['ooms']}")
+    except (ValueError, IndexError, KeyError) as e:
+        case("--json output parses at small capacity", False, str(e))
+    rc, out, err = run("--capacity", "lots", good)
+    case("bad --capacity is a usage error", rc == 2 and "capacity" in err, f"rc={rc}")
+
+if not os.path.isdir(TRACES):
+    skip("real traces", f"{TRACES} not found: skipping the capacity and steady-state checks")
+else:
+    readme = open(os.path.join(TRACES, "README.md")).read()
+    ref = {}
+    for m in re.finditer(r"^\| (\S+\.pickle) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|", readme, re.M):
+        ref[m.group(1)] = {"events": int(m.group(3)), "allocs": int(m.group(4)), "prefix": int(m.group(5)),
+                           "peak_live": int(m.group(6)), "torch_reserved": int(m.group(7))}
+    picks = sorted(os.path.relpath(os.path.join(dp, f), TRACES)
+                   for dp, _, fs in os.walk(TRACES) for f in fs if f.endswith(".pickle"))
+    case("the traces README lists reference figures", len(ref) >= 10, len(ref))
+    for rel in picks:
+        path = os.path.join(TRACES, rel)
+        rc, out, err = run("--json", "--capacity", "auto", path)
+        if rc != 0:
+            case(f"{rel}: replays", False, err.strip())
+            continue
+        for line in out.splitlines():
+            d = json.loads(line)
+            ratio = d["min_capacity_bytes"] / d["peak_live_bytes"] if d["peak_live_bytes"] else 1.0
+            case(f"{rel}: min capacity {ratio:.4f} x peak live <= 1.03", ratio <= 1.03 and d["ooms"] == 0,
+                 f"ratio {ratio:.4f}, ooms {d['ooms']}")
+            if rel in ref:
+                r = ref[rel]
+                case(f"{rel}: peak live and counts match the reference",
+                     d["peak_live_bytes"] == r["peak_live"] and d["allocs"] == r["allocs"]
+                     and d["prefix_blocks"] == r["prefix"] and d["events"] == r["events"],
+                     f"{d['peak_live_bytes']}/{r['peak_live']} allocs {d['allocs']}/{r['allocs']} "
+                     f"prefix {d['prefix_blocks']}/{r['prefix']} events {d['events']}/{r['events']}")
+        rc, out, err = run("--json", "--passes", "2", path)
+        for line in out.splitlines():
+            d = json.loads(line)
+            case(f"{rel}: second pass at the first pass's capacity maps nothing",
+                 rc == 0 and d["steady_map_ops"] == 0 and d["steady_unmap_ops"] == 0 and d["steady_ooms"] == 0,
+                 f"maps {d.get('steady_map_ops')} unmaps {d.get('steady_unmap_ops')}")
+
+print(f"{results['passed']} passed, {results['failed']} failed, {results['skipped']} skipped")
+sys.exit(1 if results["failed"] else 0)

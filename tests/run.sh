@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Runs memshim's test suites and adds up their "N passed, N failed" lines.
+#   tests/run.sh          every suite on $BUILD (default build), then the sanitizer builds
+#   tests/run.sh quick    only the suites on $BUILD
+#   tests/run.sh stress   only the stress and pool tests (used for the TSan build)
+# The last line is the total: "N passed, N failed, N skipped". Exit 1 when anything failed.
+set -u
+cd "$(dirname "$0")/.."
+BUILD="${BUILD:-build}"
+what="${1:-all}"
+P=0; F=0; S=0
+
+add_counts() { # suite-name exit-code output
+    local name="$1" rc="$2" out="$3" line p f s
+    line=$(printf '%s\n' "$out" | grep -Eo '[0-9]+ passed, [0-9]+ failed(, [0-9]+ skipped)?' | tail -1)
+    p=0; f=0; s=0
+    if [ -n "$line" ]; then
+        p=$(echo "$line" | sed -E 's/^([0-9]+) passed.*/\1/')
+        f=$(echo "$line" | sed -E 's/.* ([0-9]+) failed.*/\1/')
+        s=$(echo "$line" | grep -Eo '[0-9]+ skipped' | grep -Eo '[0-9]+' || echo 0)
+    fi
+    if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then f=1; fi
+    if [ -z "$line" ] && [ "$rc" -eq 0 ]; then p=1; fi
+    P=$((P + p)); F=$((F + f)); S=$((S + s))
+    printf '%-34s %4d passed, %d failed, %d skipped\n' "$name" "$p" "$f" "$s"
+    if [ "$f" -ne 0 ]; then
+        printf '%s\n' "$out" | grep -vE '^ok ' | tail -40 | sed 's/^/    | /'
+    fi
+}
+
+run_suite() { # name command...
+    local name="$1"; shift
+    local out rc
+    out=$(timeout 900 "$@" 2>&1); rc=$?
+    add_counts "$name" "$rc" "$out"
+}
+
+unit_suites() { # build-dir label [filter]
+    local b="$1" label="$2" filter="${3:-}"
+    for t in "$b"/tests/test_*; do
+        [ -x "$t" ] || continue
+        case "$(basename "$t")" in $filter*) ;; *) [ -n "$filter" ] && continue ;; esac
+        run_suite "$label $(basename "$t")" "$t"
+    done
+}
+
+case "$what" in
+stress)
+    unit_suites "$BUILD" "[${MSH_SANITIZER:-plain}]" test_stress
+    unit_suites "$BUILD" "[${MSH_SANITIZER:-plain}]" test_pool
+    ;;
+quick|all)
+    unit_suites "$BUILD" "[${MSH_SANITIZER:-plain}]"
+    if [ -z "${MSH_SANITIZER:-}" ]; then
+        [ -f tests/preload/run_preload.sh ] && run_suite "preload (LD_PRELOAD + double)" env BUILD="$BUILD" bash tests/preload/run_preload.sh
+        run_suite "replay (CLI, traces, targets)" env BUILD="$BUILD" bash tests/replay/run_replay.sh
+        run_suite "demo (main job, reports)" env BUILD="$BUILD" bash tests/replay/run_demo.sh
+    fi
+    if [ "$what" = all ] && [ -z "${MSH_SANITIZER:-}" ]; then
+        echo "== AddressSanitizer + UndefinedBehaviorSanitizer build"
+        if make -s BUILD=build-asan SAN=address,undefined OPT=-O1 tests >/tmp/memshim-asan-build.log 2>&1; then
+            ASAN_OPTIONS=detect_leaks=1 unit_suites build-asan "[asan]"
+        else
+            add_counts "asan build" 1 "$(tail -20 /tmp/memshim-asan-build.log)"
+        fi
+        echo "== ThreadSanitizer build (clang)"
+        if make -s BUILD=build-tsan CC=clang SAN=thread OPT=-O1 tests >/tmp/memshim-tsan-build.log 2>&1; then
+            TSAN_OPTIONS=halt_on_error=1 unit_suites build-tsan "[tsan]" test_stress
+            TSAN_OPTIONS=halt_on_error=1 unit_suites build-tsan "[tsan]" test_pool
+        else
+            add_counts "tsan build" 1 "$(tail -20 /tmp/memshim-tsan-build.log)"
+        fi
+    fi
+    ;;
+*) echo "usage: tests/run.sh [all|quick|stress]" >&2; exit 2 ;;
+esac
+echo "$P passed, $F failed, $S skipped"
+[ "$F" -eq 0 ]
