@@ -14,6 +14,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -42,6 +43,12 @@ static uint64_t epoch_index, epoch_start_ns, steps_in_epoch, steps_total;
 static _Atomic uint64_t last_activity_ns;
 static volatile sig_atomic_t epoch_signalled;
 static uint64_t ec_runs, ec_bytes, gc_runs;
+
+/* MEMSHIM_TRACE_FILE: memshim's text trace (docs/trace-format.md), buffered, flushed at exit */
+static pthread_mutex_t trace_lock = PTHREAD_MUTEX_INITIALIZER;
+static int trace_fd = -1;
+static char trace_buf[64 * 1024];
+static size_t trace_len;
 
 static memshim_gc_fn gc_user_fn;
 static void *gc_user_arg;
@@ -77,6 +84,57 @@ static void install_epoch_signal(void)
     sigaction(msh_cfg.epoch_signal, &sa, NULL);
 }
 
+static void trace_flush_locked(void)
+{
+    size_t off = 0;
+    while (off < trace_len) {
+        ssize_t w = write(trace_fd, trace_buf + off, trace_len - off);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) {
+            msh_warn("MEMSHIM_TRACE_FILE: write failed (%s); tracing stops, the job continues", strerror(errno));
+            close(trace_fd);
+            trace_fd = -1;
+            break;
+        }
+        off += (size_t)w;
+    }
+    trace_len = 0;
+}
+
+static void trace_open(void)
+{
+    char path[4096];
+    if (msh_expand_path(msh_cfg.trace_file, path, sizeof path)) {
+        msh_warn("MEMSHIM_TRACE_FILE='%s' is too long after expansion; no trace", msh_cfg.trace_file);
+        return;
+    }
+    /* 0600: a trace reveals the job's allocation pattern; never follow a planted symlink. */
+    trace_fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (trace_fd < 0) {
+        msh_warn("cannot open MEMSHIM_TRACE_FILE '%s': %s; no trace", path, strerror(errno));
+        return;
+    }
+    static const char hdr[] = "# memshim-trace 1\n";
+    memcpy(trace_buf, hdr, sizeof hdr - 1);
+    trace_len = sizeof hdr - 1;
+}
+
+void msh_core_trace(char op, int device, uint64_t stream, uint64_t addr, uint64_t size)
+{
+    if (trace_fd < 0) return;
+    char line[128];
+    int n = snprintf(line, sizeof line, "%c %d 0x%llx 0x%llx %llu %llu\n", op, device, (unsigned long long)stream,
+                     (unsigned long long)addr, (unsigned long long)size,
+                     (unsigned long long)((msh_now_ns() - t0_ns) / 1000));
+    pthread_mutex_lock(&trace_lock);
+    if (trace_fd >= 0) {
+        if (trace_len + (size_t)n > sizeof trace_buf) trace_flush_locked();
+        memcpy(trace_buf + trace_len, line, (size_t)n);
+        trace_len += (size_t)n;
+    }
+    pthread_mutex_unlock(&trace_lock);
+}
+
 static void do_init(void)
 {
     msh_in_hook++;
@@ -97,6 +155,7 @@ static void do_init(void)
     enabled = true;
     if (msh_log_level >= MSH_LOG_INFO) msh_config_dump(MSH_LOG_INFO);
     msh_report_init();
+    if (msh_cfg.trace_file[0]) trace_open();
     atexit(at_exit);
     pthread_atfork(fork_prepare, fork_parent, fork_child);
     if (msh_cfg.epoch_src == MSH_EPOCH_SIGNAL) install_epoch_signal();
@@ -342,16 +401,23 @@ static void fork_prepare(void)
 {
     pthread_mutex_lock(&pools_lock);
     pthread_mutex_lock(&epoch_lock);
+    pthread_mutex_lock(&trace_lock);
 }
 
 static void fork_parent(void)
 {
+    pthread_mutex_unlock(&trace_lock);
     pthread_mutex_unlock(&epoch_lock);
     pthread_mutex_unlock(&pools_lock);
 }
 
 static void fork_child(void)
 {
+    /* The child must not append the parent's buffered lines a second time. */
+    trace_len = 0;
+    if (trace_fd >= 0) close(trace_fd);
+    trace_fd = -1;
+    pthread_mutex_unlock(&trace_lock);
     pthread_mutex_unlock(&epoch_lock);
     pthread_mutex_unlock(&pools_lock);
     for (int d = 0; d < MSH_MAX_DEVICES; d++) atomic_store(&pools[d], NULL);
@@ -362,6 +428,13 @@ static void at_exit(void)
 {
     if (!enabled) return;
     msh_in_hook++;
+    pthread_mutex_lock(&trace_lock);
+    if (trace_fd >= 0) {
+        trace_flush_locked();
+        if (trace_fd >= 0) close(trace_fd);
+        trace_fd = -1;
+    }
+    pthread_mutex_unlock(&trace_lock);
     bool any = false;
     for (int d = 0; d < MSH_MAX_DEVICES; d++) any |= atomic_load(&pools[d]) != NULL;
     if (any) {
@@ -414,8 +487,12 @@ MSH_EXPORT void *memshim_malloc(ssize_t size, int device, memshim_stream_t strea
         msh_error("memshim_malloc: no pool for device %d (is memshim off, or the driver unusable?)", device);
     } else {
         uint64_t a = 0;
-        if (msh_pool_alloc(p, (size_t)size, (uint64_t)(uintptr_t)stream, &a) == 0) out = (void *)(uintptr_t)a;
-        else msh_core_note_oom(device);
+        if (msh_pool_alloc(p, (size_t)size, (uint64_t)(uintptr_t)stream, &a) == 0) {
+            out = (void *)(uintptr_t)a;
+            msh_core_trace('a', device, (uint64_t)(uintptr_t)stream, a, (uint64_t)size);
+        } else {
+            msh_core_note_oom(device);
+        }
         msh_core_tick();
     }
     msh_in_hook--;
@@ -428,7 +505,10 @@ MSH_EXPORT void memshim_free(void *ptr, ssize_t size, int device, memshim_stream
     if (!ptr) return;
     msh_in_hook++;
     struct msh_pool *p = device >= 0 && device < MSH_MAX_DEVICES ? atomic_load(&pools[device]) : NULL;
-    if (!p || msh_pool_free(p, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream)) {
+    size_t req = p ? msh_pool_block_size(p, (uint64_t)(uintptr_t)ptr) : 0;
+    if (p && msh_pool_free(p, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream) == 0) {
+        msh_core_trace('f', device, (uint64_t)(uintptr_t)stream, (uint64_t)(uintptr_t)ptr, req);
+    } else {
         int d = -1;
         struct msh_pool *q = msh_core_pool_owning((uint64_t)(uintptr_t)ptr, &d);
         if (q) msh_pool_free(q, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream);

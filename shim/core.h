@@ -30,6 +30,8 @@ struct msh_pool *msh_core_pool_owning(uint64_t addr, int *device);
 /* Memory that memshim does not serve but accounts ("other" in reports). */
 enum msh_ext_kind { MSH_EXT_MALLOC, MSH_EXT_ASYNC, MSH_EXT_VMM, MSH_EXT_NKINDS };
 void msh_core_note_external(int device, int kind, int64_t delta_bytes);
+/* Append one event to MEMSHIM_TRACE_FILE (op 'a' alloc, 'f' free); a no-op when tracing is off. */
+void msh_core_trace(char op, int device, uint64_t stream, uint64_t addr, uint64_t size);
 /* A request failed after the whole rescue chain: write an OOM report (capped). */
 void msh_core_note_oom(int device);
 /* Called on each allocation: epoch timers, signals and idle/threshold policies. Cheap. */
