@@ -1,0 +1,590 @@
+/*
+ * cudart_double.c: a small test double of the CUDA runtime (built as libcudart.so.13) for test
+ * programs run on the driver double. Like the real libcudart 13 it does not link libcuda: it
+ * dlopens libcuda.so.1, looks up only cuGetProcAddress_v2 with dlsym on that handle, and gets
+ * every other driver function through it, which is how the real runtime bypasses a driver symbol
+ * that an LD_PRELOADed library exports (memshim must hook cuGetProcAddress to see these calls).
+ * It keeps the runtime's habits that matter to an allocator: a per-device primary context made
+ * current on first use, cudaFree that synchronizes the device, stream-ordered cudaMallocAsync,
+ * a per-thread last error. It must never call a driver function it did not get from
+ * cuGetProcAddress_v2, never link or dlsym other libcuda symbols, and never emulate device
+ * memory itself (the driver, real or double, owns every byte).
+ */
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define RUNTIME_VERSION 13000
+#define MAX_DEVICES 16
+
+/* The driver functions, as returned by cuGetProcAddress_v2 (field names avoid cuda.h's macros). */
+static struct {
+    CUresult (*init)(unsigned int);
+    CUresult (*driverGetVersion)(int *);
+    CUresult (*deviceGetCount)(int *);
+    CUresult (*deviceGetAttribute)(int *, CUdevice_attribute, CUdevice);
+    CUresult (*primaryCtxRetain)(CUcontext *, CUdevice);
+    CUresult (*ctxGetCurrent)(CUcontext *);
+    CUresult (*ctxSetCurrent)(CUcontext);
+    CUresult (*ctxGetDevice)(CUdevice *);
+    CUresult (*ctxSynchronize)(void);
+    CUresult (*memGetInfo)(size_t *, size_t *);
+    CUresult (*memAlloc)(CUdeviceptr *, size_t);
+    CUresult (*memFree)(CUdeviceptr);
+    CUresult (*memAllocAsync)(CUdeviceptr *, size_t, CUstream);
+    CUresult (*memFreeAsync)(CUdeviceptr, CUstream);
+    CUresult (*streamCreate)(CUstream *, unsigned int);
+    CUresult (*streamDestroy)(CUstream);
+    CUresult (*streamSynchronize)(CUstream);
+    CUresult (*streamQuery)(CUstream);
+    CUresult (*streamWaitEvent)(CUstream, CUevent, unsigned int);
+    CUresult (*launchHostFunc)(CUstream, CUhostFn, void *);
+    CUresult (*eventCreate)(CUevent *, unsigned int);
+    CUresult (*eventRecord)(CUevent, CUstream);
+    CUresult (*eventQuery)(CUevent);
+    CUresult (*eventSynchronize)(CUevent);
+    CUresult (*eventDestroy)(CUevent);
+    CUresult (*eventElapsedTime)(float *, CUevent, CUevent);
+    CUresult (*getProcAddress)(const char *, void **, int, cuuint64_t,
+                               CUdriverProcAddressQueryResult *);
+} drv;
+
+static pthread_once_t init_once = PTHREAD_ONCE_INIT;
+static cudaError_t init_error = cudaErrorInitializationError;
+static int device_count;
+static pthread_mutex_t primary_lock = PTHREAD_MUTEX_INITIALIZER;
+static CUcontext primary[MAX_DEVICES];
+
+static __thread cudaError_t tls_last_error;
+static __thread int tls_device;     /* used when no context is current */
+
+static cudaError_t map_error(CUresult r)
+{
+    switch (r) {
+    case CUDA_SUCCESS: return cudaSuccess;
+    case CUDA_ERROR_INVALID_VALUE: return cudaErrorInvalidValue;
+    case CUDA_ERROR_OUT_OF_MEMORY: return cudaErrorMemoryAllocation;
+    case CUDA_ERROR_NOT_INITIALIZED: return cudaErrorInitializationError;
+    case CUDA_ERROR_DEINITIALIZED: return cudaErrorCudartUnloading;
+    case CUDA_ERROR_NO_DEVICE: return cudaErrorNoDevice;
+    case CUDA_ERROR_INVALID_DEVICE: return cudaErrorInvalidDevice;
+    case CUDA_ERROR_INVALID_CONTEXT: return cudaErrorDeviceUninitialized;
+    case CUDA_ERROR_INVALID_HANDLE: return cudaErrorInvalidResourceHandle;
+    case CUDA_ERROR_NOT_FOUND: return cudaErrorSymbolNotFound;
+    case CUDA_ERROR_NOT_READY: return cudaErrorNotReady;
+    case CUDA_ERROR_ILLEGAL_ADDRESS: return cudaErrorIllegalAddress;
+    case CUDA_ERROR_NOT_PERMITTED: return cudaErrorNotPermitted;
+    case CUDA_ERROR_NOT_SUPPORTED: return cudaErrorNotSupported;
+    case CUDA_ERROR_CONTEXT_IS_DESTROYED: return cudaErrorContextIsDestroyed;
+    case CUDA_ERROR_TIMEOUT: return cudaErrorTimeout;
+    default: return cudaErrorUnknown;
+    }
+}
+
+/* Every API returns through here: the per-thread last error keeps the latest failure
+ * (cudaErrorNotReady is a status, not an error, as in the real runtime). */
+static cudaError_t ret(cudaError_t e)
+{
+    if (e != cudaSuccess && e != cudaErrorNotReady) tls_last_error = e;
+    return e;
+}
+
+static cudaError_t ret_cu(CUresult r)
+{
+    return ret(map_error(r));
+}
+
+static int resolve(const char *name, void **slot)
+{
+    CUdriverProcAddressQueryResult status;
+    return drv.getProcAddress(name, slot, RUNTIME_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &status) ==
+               CUDA_SUCCESS && *slot;
+}
+
+static void load_driver(void)
+{
+    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!h) { init_error = cudaErrorInsufficientDriver; return; }
+    /* the only symbol taken by name; the rest come through it, like the real runtime */
+    *(void **)&drv.getProcAddress = dlsym(h, "cuGetProcAddress_v2");
+    if (!drv.getProcAddress) { init_error = cudaErrorInsufficientDriver; return; }
+    int ok = 1;
+#define R(field, name) ok &= resolve(name, (void **)&drv.field)
+    R(init, "cuInit");
+    R(driverGetVersion, "cuDriverGetVersion");
+    R(deviceGetCount, "cuDeviceGetCount");
+    R(deviceGetAttribute, "cuDeviceGetAttribute");
+    R(primaryCtxRetain, "cuDevicePrimaryCtxRetain");
+    R(ctxGetCurrent, "cuCtxGetCurrent");
+    R(ctxSetCurrent, "cuCtxSetCurrent");
+    R(ctxGetDevice, "cuCtxGetDevice");
+    R(ctxSynchronize, "cuCtxSynchronize");
+    R(memGetInfo, "cuMemGetInfo");
+    R(memAlloc, "cuMemAlloc");
+    R(memFree, "cuMemFree");
+    R(memAllocAsync, "cuMemAllocAsync");
+    R(memFreeAsync, "cuMemFreeAsync");
+    R(streamCreate, "cuStreamCreate");
+    R(streamDestroy, "cuStreamDestroy");
+    R(streamSynchronize, "cuStreamSynchronize");
+    R(streamQuery, "cuStreamQuery");
+    R(streamWaitEvent, "cuStreamWaitEvent");
+    R(launchHostFunc, "cuLaunchHostFunc");
+    R(eventCreate, "cuEventCreate");
+    R(eventRecord, "cuEventRecord");
+    R(eventQuery, "cuEventQuery");
+    R(eventSynchronize, "cuEventSynchronize");
+    R(eventDestroy, "cuEventDestroy");
+    R(eventElapsedTime, "cuEventElapsedTime");
+#undef R
+    if (!ok) { init_error = cudaErrorInsufficientDriver; return; }
+    CUresult r = drv.init(0);
+    if (r != CUDA_SUCCESS) { init_error = map_error(r); return; }
+    r = drv.deviceGetCount(&device_count);
+    if (r != CUDA_SUCCESS) { init_error = map_error(r); return; }
+    if (device_count <= 0) { init_error = cudaErrorNoDevice; return; }
+    if (device_count > MAX_DEVICES) device_count = MAX_DEVICES;
+    init_error = cudaSuccess;
+}
+
+static cudaError_t rt_init(void)
+{
+    pthread_once(&init_once, load_driver);
+    return init_error;
+}
+
+static cudaError_t primary_of(int dev, CUcontext *out)
+{
+    pthread_mutex_lock(&primary_lock);
+    CUresult r = CUDA_SUCCESS;
+    if (!primary[dev]) r = drv.primaryCtxRetain(&primary[dev], dev);
+    *out = primary[dev];
+    pthread_mutex_unlock(&primary_lock);
+    return map_error(r);
+}
+
+/* Initialize the runtime and make sure the calling thread has a current context: the one
+ * already current (set through the driver API, say), else the primary context of this thread's
+ * device, made current as the real runtime does on first use. */
+static cudaError_t ensure_context(void)
+{
+    cudaError_t e = rt_init();
+    if (e != cudaSuccess) return e;
+    CUcontext c = NULL;
+    if (drv.ctxGetCurrent(&c) == CUDA_SUCCESS && c) return cudaSuccess;
+    e = primary_of(tls_device, &c);
+    if (e != cudaSuccess) return e;
+    return map_error(drv.ctxSetCurrent(c));
+}
+
+#define NEED_CONTEXT()                                                                          \
+    do {                                                                                        \
+        cudaError_t need_e_ = ensure_context();                                                 \
+        if (need_e_ != cudaSuccess) return ret(need_e_);                                        \
+    } while (0)
+
+/* ---- devices --------------------------------------------------------------------------------- */
+
+cudaError_t CUDARTAPI cudaGetDeviceCount(int *count)
+{
+    if (!count) return ret(cudaErrorInvalidValue);
+    cudaError_t e = rt_init();
+    if (e != cudaSuccess) { *count = 0; return ret(e); }
+    *count = device_count;
+    return cudaSuccess;
+}
+
+cudaError_t CUDARTAPI cudaSetDevice(int device)
+{
+    cudaError_t e = rt_init();
+    if (e != cudaSuccess) return ret(e);
+    if (device < 0 || device >= device_count) return ret(cudaErrorInvalidDevice);
+    CUcontext c;
+    e = primary_of(device, &c);
+    if (e != cudaSuccess) return ret(e);
+    e = map_error(drv.ctxSetCurrent(c));
+    if (e == cudaSuccess) tls_device = device;
+    return ret(e);
+}
+
+cudaError_t CUDARTAPI cudaGetDevice(int *device)
+{
+    if (!device) return ret(cudaErrorInvalidValue);
+    cudaError_t e = rt_init();
+    if (e != cudaSuccess) return ret(e);
+    CUcontext c = NULL;
+    CUdevice d;
+    if (drv.ctxGetCurrent(&c) == CUDA_SUCCESS && c && drv.ctxGetDevice(&d) == CUDA_SUCCESS)
+        *device = d;
+    else
+        *device = tls_device;
+    return cudaSuccess;
+}
+
+cudaError_t CUDARTAPI cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, int device)
+{
+    cudaError_t e = rt_init();
+    if (e != cudaSuccess) return ret(e);
+    return ret_cu(drv.deviceGetAttribute(value, (CUdevice_attribute)attr, device));
+}
+
+cudaError_t CUDARTAPI cudaDeviceSynchronize(void)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.ctxSynchronize());
+}
+
+cudaError_t CUDARTAPI cudaRuntimeGetVersion(int *runtimeVersion)
+{
+    if (!runtimeVersion) return ret(cudaErrorInvalidValue);
+    *runtimeVersion = RUNTIME_VERSION;
+    return cudaSuccess;
+}
+
+cudaError_t CUDARTAPI cudaDriverGetVersion(int *driverVersion)
+{
+    if (!driverVersion) return ret(cudaErrorInvalidValue);
+    if (rt_init() != cudaSuccess && !drv.driverGetVersion) { *driverVersion = 0; return cudaSuccess; }
+    return ret_cu(drv.driverGetVersion(driverVersion));
+}
+
+/* ---- memory ---------------------------------------------------------------------------------- */
+
+cudaError_t CUDARTAPI cudaMemGetInfo(size_t *free_bytes, size_t *total)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.memGetInfo(free_bytes, total));
+}
+
+cudaError_t CUDARTAPI cudaMalloc(void **devPtr, size_t size)
+{
+    if (!devPtr) return ret(cudaErrorInvalidValue);
+    NEED_CONTEXT();
+    if (size == 0) { *devPtr = NULL; return cudaSuccess; }
+    CUdeviceptr p = 0;
+    CUresult r = drv.memAlloc(&p, size);
+    if (r == CUDA_SUCCESS) *devPtr = (void *)(uintptr_t)p;
+    return ret_cu(r);
+}
+
+/* cudaFree(NULL) only initializes; a real free waits for the device first. */
+cudaError_t CUDARTAPI cudaFree(void *devPtr)
+{
+    NEED_CONTEXT();
+    if (!devPtr) return cudaSuccess;
+    CUresult r = drv.ctxSynchronize();
+    if (r == CUDA_SUCCESS) r = drv.memFree((CUdeviceptr)(uintptr_t)devPtr);
+    return ret_cu(r);
+}
+
+static cudaError_t malloc_async(void **devPtr, size_t size, cudaStream_t stream)
+{
+    if (!devPtr) return ret(cudaErrorInvalidValue);
+    NEED_CONTEXT();
+    if (size == 0) { *devPtr = NULL; return cudaSuccess; }
+    CUdeviceptr p = 0;
+    CUresult r = drv.memAllocAsync(&p, size, (CUstream)stream);
+    if (r == CUDA_SUCCESS) *devPtr = (void *)(uintptr_t)p;
+    return ret_cu(r);
+}
+
+static cudaError_t free_async(void *devPtr, cudaStream_t stream)
+{
+    NEED_CONTEXT();
+    if (!devPtr) return cudaSuccess;
+    return ret_cu(drv.memFreeAsync((CUdeviceptr)(uintptr_t)devPtr, (CUstream)stream));
+}
+
+cudaError_t CUDARTAPI cudaMallocAsync(void **devPtr, size_t size, cudaStream_t hStream)
+{
+    return malloc_async(devPtr, size, hStream);
+}
+
+cudaError_t CUDARTAPI cudaFreeAsync(void *devPtr, cudaStream_t hStream)
+{
+    return free_async(devPtr, hStream);
+}
+
+/* _ptsz: the entry points of code built with per-thread default streams (NULL = per-thread). */
+#define PTSZ_STREAM(s) ((s) == NULL ? cudaStreamPerThread : (s))
+cudaError_t CUDARTAPI cudaMallocAsync_ptsz(void **devPtr, size_t size, cudaStream_t hStream);
+cudaError_t CUDARTAPI cudaMallocAsync_ptsz(void **devPtr, size_t size, cudaStream_t hStream)
+{
+    return malloc_async(devPtr, size, PTSZ_STREAM(hStream));
+}
+
+cudaError_t CUDARTAPI cudaFreeAsync_ptsz(void *devPtr, cudaStream_t hStream);
+cudaError_t CUDARTAPI cudaFreeAsync_ptsz(void *devPtr, cudaStream_t hStream)
+{
+    return free_async(devPtr, PTSZ_STREAM(hStream));
+}
+
+/* Synchronous copies and sets: wait for the device, then plain host memory operations. */
+cudaError_t CUDARTAPI cudaMemset(void *devPtr, int value, size_t count)
+{
+    NEED_CONTEXT();
+    CUresult r = drv.ctxSynchronize();
+    if (r == CUDA_SUCCESS && count) memset(devPtr, value, count);
+    return ret_cu(r);
+}
+
+cudaError_t CUDARTAPI cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind)
+{
+    if ((unsigned)kind > cudaMemcpyDefault) return ret(cudaErrorInvalidMemcpyDirection);
+    NEED_CONTEXT();
+    CUresult r = drv.ctxSynchronize();
+    if (r == CUDA_SUCCESS && count) memmove(dst, src, count);
+    return ret_cu(r);
+}
+
+/* Asynchronous ones run in stream order as a host function queued on the stream. */
+struct async_op { void *dst; const void *src; int value; size_t count; };
+
+static void CUDA_CB run_copy(void *arg)
+{
+    struct async_op *op = arg;
+    memmove(op->dst, op->src, op->count);
+    free(op);
+}
+
+static void CUDA_CB run_set(void *arg)
+{
+    struct async_op *op = arg;
+    memset(op->dst, op->value, op->count);
+    free(op);
+}
+
+static cudaError_t queue_op(cudaStream_t stream, void (*fn)(void *), struct async_op *tmpl)
+{
+    NEED_CONTEXT();
+    if (!tmpl->count) return cudaSuccess;
+    struct async_op *op = malloc(sizeof *op);
+    if (!op) return ret(cudaErrorMemoryAllocation);
+    *op = *tmpl;
+    CUresult r = drv.launchHostFunc((CUstream)stream, fn, op);
+    if (r != CUDA_SUCCESS) free(op);
+    return ret_cu(r);
+}
+
+cudaError_t CUDARTAPI cudaMemcpyAsync(void *dst, const void *src, size_t count,
+                                      enum cudaMemcpyKind kind, cudaStream_t stream)
+{
+    if ((unsigned)kind > cudaMemcpyDefault) return ret(cudaErrorInvalidMemcpyDirection);
+    struct async_op op = {dst, src, 0, count};
+    return queue_op(stream, run_copy, &op);
+}
+
+cudaError_t CUDARTAPI cudaMemsetAsync(void *devPtr, int value, size_t count, cudaStream_t stream)
+{
+    struct async_op op = {devPtr, NULL, value, count};
+    return queue_op(stream, run_set, &op);
+}
+
+cudaError_t CUDARTAPI cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void *userData)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.launchHostFunc((CUstream)stream, fn, userData));
+}
+
+/* ---- streams and events ---------------------------------------------------------------------- */
+
+cudaError_t CUDARTAPI cudaStreamCreateWithFlags(cudaStream_t *pStream, unsigned int flags)
+{
+    if (!pStream) return ret(cudaErrorInvalidValue);
+    NEED_CONTEXT();
+    return ret_cu(drv.streamCreate((CUstream *)pStream, flags));
+}
+
+cudaError_t CUDARTAPI cudaStreamCreate(cudaStream_t *pStream)
+{
+    return cudaStreamCreateWithFlags(pStream, cudaStreamDefault);
+}
+
+cudaError_t CUDARTAPI cudaStreamDestroy(cudaStream_t stream)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.streamDestroy((CUstream)stream));
+}
+
+cudaError_t CUDARTAPI cudaStreamSynchronize(cudaStream_t stream)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.streamSynchronize((CUstream)stream));
+}
+
+cudaError_t CUDARTAPI cudaStreamQuery(cudaStream_t stream)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.streamQuery((CUstream)stream));
+}
+
+cudaError_t CUDARTAPI cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.streamWaitEvent((CUstream)stream, (CUevent)event, flags));
+}
+
+cudaError_t CUDARTAPI cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int flags)
+{
+    if (!event) return ret(cudaErrorInvalidValue);
+    NEED_CONTEXT();
+    return ret_cu(drv.eventCreate((CUevent *)event, flags));
+}
+
+cudaError_t CUDARTAPI cudaEventCreate(cudaEvent_t *event)
+{
+    return cudaEventCreateWithFlags(event, cudaEventDefault);
+}
+
+cudaError_t CUDARTAPI cudaEventRecord(cudaEvent_t event, cudaStream_t stream)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.eventRecord((CUevent)event, (CUstream)stream));
+}
+
+cudaError_t CUDARTAPI cudaEventQuery(cudaEvent_t event)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.eventQuery((CUevent)event));
+}
+
+cudaError_t CUDARTAPI cudaEventSynchronize(cudaEvent_t event)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.eventSynchronize((CUevent)event));
+}
+
+cudaError_t CUDARTAPI cudaEventDestroy(cudaEvent_t event)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.eventDestroy((CUevent)event));
+}
+
+cudaError_t CUDARTAPI cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.eventElapsedTime(ms, (CUevent)start, (CUevent)end));
+}
+
+/* ---- driver entry points --------------------------------------------------------------------- */
+
+static cudaError_t entry_point(const char *symbol, void **funcPtr, int version,
+                               unsigned long long flags, enum cudaDriverEntryPointQueryResult *st)
+{
+    if (!symbol || !funcPtr) return ret(cudaErrorInvalidValue);
+    if (flags & ~(unsigned long long)(cudaEnableLegacyStream | cudaEnablePerThreadDefaultStream))
+        return ret(cudaErrorInvalidValue);
+    cudaError_t e = rt_init();
+    if (e != cudaSuccess) return ret(e);
+    CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    *funcPtr = NULL;
+    CUresult r = drv.getProcAddress(symbol, funcPtr, version, (cuuint64_t)flags, &status);
+    if (r != CUDA_SUCCESS) *funcPtr = NULL;
+    /* like the real runtime: a symbol that is not found is cudaSuccess with a NULL pointer */
+    if (st) *st = (enum cudaDriverEntryPointQueryResult)status;
+    return r == CUDA_SUCCESS || r == CUDA_ERROR_NOT_FOUND ? cudaSuccess : ret_cu(r);
+}
+
+cudaError_t CUDARTAPI cudaGetDriverEntryPoint(const char *symbol, void **funcPtr,
+                                              unsigned long long flags,
+                                              enum cudaDriverEntryPointQueryResult *driverStatus)
+{
+    return entry_point(symbol, funcPtr, RUNTIME_VERSION, flags, driverStatus);
+}
+
+cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion(const char *symbol, void **funcPtr,
+                                                       unsigned int cudaVersion,
+                                                       unsigned long long flags,
+                                                       enum cudaDriverEntryPointQueryResult *driverStatus)
+{
+    return entry_point(symbol, funcPtr, (int)cudaVersion, flags, driverStatus);
+}
+
+/* cudaEnableDefault means per-thread for code built with per-thread default streams. */
+static unsigned long long ptsz_flags(unsigned long long flags)
+{
+    return flags == cudaEnableDefault ? cudaEnablePerThreadDefaultStream : flags;
+}
+
+cudaError_t CUDARTAPI cudaGetDriverEntryPoint_ptsz(const char *symbol, void **funcPtr,
+                                                   unsigned long long flags,
+                                                   enum cudaDriverEntryPointQueryResult *driverStatus);
+cudaError_t CUDARTAPI cudaGetDriverEntryPoint_ptsz(const char *symbol, void **funcPtr,
+                                                   unsigned long long flags,
+                                                   enum cudaDriverEntryPointQueryResult *driverStatus)
+{
+    return entry_point(symbol, funcPtr, RUNTIME_VERSION, ptsz_flags(flags), driverStatus);
+}
+
+cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion_ptsz(
+    const char *symbol, void **funcPtr, unsigned int cudaVersion, unsigned long long flags,
+    enum cudaDriverEntryPointQueryResult *driverStatus);
+cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion_ptsz(
+    const char *symbol, void **funcPtr, unsigned int cudaVersion, unsigned long long flags,
+    enum cudaDriverEntryPointQueryResult *driverStatus)
+{
+    return entry_point(symbol, funcPtr, (int)cudaVersion, ptsz_flags(flags), driverStatus);
+}
+
+/* ---- errors ---------------------------------------------------------------------------------- */
+
+cudaError_t CUDARTAPI cudaGetLastError(void)
+{
+    cudaError_t e = tls_last_error;
+    tls_last_error = cudaSuccess;
+    return e;
+}
+
+cudaError_t CUDARTAPI cudaPeekAtLastError(void)
+{
+    return tls_last_error;
+}
+
+struct rt_err { cudaError_t code; const char *name, *text; };
+static const struct rt_err rt_errors[] = {
+    {cudaSuccess, "cudaSuccess", "no error"},
+    {cudaErrorInvalidValue, "cudaErrorInvalidValue", "invalid argument"},
+    {cudaErrorMemoryAllocation, "cudaErrorMemoryAllocation", "out of memory"},
+    {cudaErrorInitializationError, "cudaErrorInitializationError", "initialization error"},
+    {cudaErrorCudartUnloading, "cudaErrorCudartUnloading", "driver shutting down"},
+    {cudaErrorInvalidMemcpyDirection, "cudaErrorInvalidMemcpyDirection",
+     "invalid copy direction for memcpy"},
+    {cudaErrorInsufficientDriver, "cudaErrorInsufficientDriver",
+     "CUDA driver version is insufficient for CUDA runtime version"},
+    {cudaErrorNoDevice, "cudaErrorNoDevice", "no CUDA-capable device is detected"},
+    {cudaErrorInvalidDevice, "cudaErrorInvalidDevice", "invalid device ordinal"},
+    {cudaErrorDeviceUninitialized, "cudaErrorDeviceUninitialized", "invalid device context"},
+    {cudaErrorInvalidResourceHandle, "cudaErrorInvalidResourceHandle", "invalid resource handle"},
+    {cudaErrorSymbolNotFound, "cudaErrorSymbolNotFound", "named symbol not found"},
+    {cudaErrorNotReady, "cudaErrorNotReady", "device not ready"},
+    {cudaErrorIllegalAddress, "cudaErrorIllegalAddress", "an illegal memory access was encountered"},
+    {cudaErrorContextIsDestroyed, "cudaErrorContextIsDestroyed", "context is destroyed"},
+    {cudaErrorNotPermitted, "cudaErrorNotPermitted", "operation not permitted"},
+    {cudaErrorNotSupported, "cudaErrorNotSupported", "operation not supported"},
+    {cudaErrorTimeout, "cudaErrorTimeout", "wait operation timed out"},
+    {cudaErrorUnknown, "cudaErrorUnknown", "unknown error"},
+};
+
+static const struct rt_err *rt_err_find(cudaError_t e)
+{
+    for (size_t i = 0; i < sizeof rt_errors / sizeof rt_errors[0]; i++)
+        if (rt_errors[i].code == e) return &rt_errors[i];
+    return NULL;
+}
+
+const char *CUDARTAPI cudaGetErrorName(cudaError_t error)
+{
+    const struct rt_err *e = rt_err_find(error);
+    return e ? e->name : "cudaErrorUnknown";
+}
+
+const char *CUDARTAPI cudaGetErrorString(cudaError_t error)
+{
+    const struct rt_err *e = rt_err_find(error);
+    return e ? e->text : "unrecognized error code";
+}

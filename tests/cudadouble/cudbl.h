@@ -1,0 +1,67 @@
+/*
+ * cudbl.h: the test-only extension API of the CUDA driver double (build/double/libcuda.so.1).
+ *
+ * These functions exist only in the double, never in a real libcuda: a test that calls them must
+ * link against (or dlsym from) the double. They let a test play the GPU (run queued work when it
+ * chooses), inject failures, and check that nothing leaked. All are thread-safe. See
+ * docs/test-double.md for the environment variables that do the same without code.
+ */
+#ifndef CUDBL_H
+#define CUDBL_H
+
+#include <cuda.h>
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Live objects of the double. handles: physical allocations still holding memory (a released
+ * handle that is still mapped counts until its last unmap); mappings: cuMemMap ranges;
+ * reservations: cuMemAddressReserve ranges; allocs: cuMemAlloc/cuMemAllocAsync blocks not yet
+ * freed (a cuMemFreeAsync still queued counts); events, streams: created and not destroyed
+ * (internal default streams are not counted); bytes_in_use: device bytes charged on all devices. */
+struct cudbl_counts {
+    long handles, mappings, reservations, allocs, events, streams;
+    size_t bytes_in_use;
+};
+void cudbl_get_counts(struct cudbl_counts *out);
+
+/* Enqueue fn(arg) on stream s (0, CU_STREAM_LEGACY and CU_STREAM_PER_THREAD mean the current
+ * context's default streams): an emulated kernel. It runs later, in stream order, on the thread
+ * that synchronizes, in cudbl_progress, or on the background "GPU" thread in async mode. fn must
+ * not call the CUDA API. Returns CUDA_SUCCESS or the CUresult of the failure. */
+int cudbl_stream_enqueue(CUstream s, void (*fn)(void *), void *arg);
+/* Run up to max_items queued items that are ready (any stream, round robin); returns how many
+ * ran. Items whose cross-stream waits are not yet satisfied are skipped. */
+int cudbl_progress(int max_items);
+/* Items queued on s and not yet complete (0 when idle, -1 for an invalid stream). */
+long cudbl_stream_pending(CUstream s);
+/* Async mode on/off: a background thread runs ready items after a small random delay
+ * (up to CUDBL_ASYNC_DELAY_US microseconds, default 200). Same as env CUDBL_ASYNC=1. */
+void cudbl_set_async(int on);
+
+/* Fault injection. name is a base name ("cuMemCreate"; "cuMemAlloc_v2" works too). cudbl_fail_nth
+ * fails the n-th call counted from now (n = 1: the next call) with err; err = CUDA_SUCCESS picks
+ * the default (CUDA_ERROR_OUT_OF_MEMORY for cuMemCreate, cuMemAlloc, cuMemAllocAsync and
+ * cuMemAddressReserve, CUDA_ERROR_UNKNOWN otherwise). cudbl_fail_prob fails each call with
+ * probability p drawn from a PRNG seeded with seed (same seed, same calls fail). A failed call has
+ * no side effect. cudbl_fail_clear removes every rule, including those from the environment. */
+void cudbl_fail_nth(const char *name, long n, CUresult err);
+void cudbl_fail_prob(const char *name, double p, unsigned long long seed, CUresult err);
+void cudbl_fail_clear(void);
+/* Calls of the named function since the process started (failed and injected calls included);
+ * -1 for a name the double does not know. */
+long cudbl_call_count(const char *name);
+
+/* Reconfigure the emulated machine: devices (1..16), capacity per device in bytes, VMM
+ * granularity (a power of two, at least the page size). 0 keeps a value. Allowed only while no
+ * memory is held (no handles, allocations or reservations); otherwise CUDA_ERROR_NOT_PERMITTED.
+ * Called before cuInit, it overrides CUDBL_DEVICES/CUDBL_CAPACITY/CUDBL_GRANULARITY. */
+int cudbl_configure(int devices, size_t capacity, size_t granularity);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,1084 @@
+/*
+ * test_double.c: unit tests of the CUDA driver double (build/double/libcuda.so.1) and, briefly,
+ * of the runtime double, against the real API's rules: VMM granularity, reserve/map/access/unmap/
+ * free rules, data surviving a remap, physical memory outliving its released handle while mapped,
+ * capacity and cuMemGetInfo, deferred stream and event completion with cross-stream ordering,
+ * cuGetProcAddress, fault injection and leak counts. If the double breaks one of these rules,
+ * memshim's own tests would pass on it and fail on a GPU. Tests run in order in one process and
+ * each cleans up after itself (the last one checks nothing leaked).
+ */
+#include <cuda.h>
+
+#include "cudadouble/cudbl.h"
+#include "harness.h"
+
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <limits.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdint.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define CU_OK(expr)                                                                             \
+    do {                                                                                        \
+        CUresult cu_ok_r_ = (expr);                                                             \
+        CHECKF(cu_ok_r_ == CUDA_SUCCESS, "%s returned %d", #expr, (int)cu_ok_r_);               \
+    } while (0)
+#define CU_IS(expr, want)                                                                       \
+    do {                                                                                        \
+        CUresult cu_is_r_ = (expr);                                                             \
+        CHECKF(cu_is_r_ == (want), "%s returned %d, want %d", #expr, (int)cu_is_r_, (int)(want)); \
+    } while (0)
+
+/* ABI names cuda.h only declares for the driver's own build */
+CUresult CUDAAPI cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev);
+
+static CUcontext g_ctx;
+
+/* Every test starts with the "GPU" idle (CUDBL_ASYNC=1 would start its thread at cuInit): the
+ * deferral checks need work to stay queued until they drive it. */
+static int setup(void)
+{
+    cudbl_set_async(0);
+    if (!g_ctx) {
+        if (cuInit(0) != CUDA_SUCCESS) return -1;
+        if (cuDevicePrimaryCtxRetain(&g_ctx, 0) != CUDA_SUCCESS) return -1;
+    }
+    return cuCtxSetCurrent(g_ctx) == CUDA_SUCCESS ? 0 : -1;
+}
+
+static CUmemAllocationProp prop_on(int dev)
+{
+    CUmemAllocationProp p;
+    memset(&p, 0, sizeof p);
+    p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    p.location.id = dev;
+    return p;
+}
+
+static size_t gran(void)
+{
+    CUmemAllocationProp p = prop_on(0);
+    size_t g = 0;
+    cuMemGetAllocationGranularity(&g, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    return g;
+}
+
+static CUmemGenericAllocationHandle create(size_t size)
+{
+    CUmemAllocationProp p = prop_on(0);
+    CUmemGenericAllocationHandle h = 0;
+    CUresult r = cuMemCreate(&h, size, &p, 0);
+    return r == CUDA_SUCCESS ? h : 0;
+}
+
+static CUdeviceptr reserve(size_t size)
+{
+    CUdeviceptr va = 0;
+    return cuMemAddressReserve(&va, size, 0, 0, 0) == CUDA_SUCCESS ? va : 0;
+}
+
+static CUresult grant(CUdeviceptr va, size_t size)
+{
+    CUmemAccessDesc d;
+    memset(&d, 0, sizeof d);
+    d.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    d.location.id = 0;
+    d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    return cuMemSetAccess(va, size, &d, 1);
+}
+
+static int counts_zero(void)
+{
+    struct cudbl_counts c;
+    cudbl_get_counts(&c);
+    return !c.handles && !c.mappings && !c.reservations && !c.allocs && !c.events && !c.streams &&
+           !c.bytes_in_use;
+}
+
+/* ---- initialization and devices -------------------------------------------------------------- */
+
+TEST(not_initialized_before_cuInit)
+{
+    int n = -1, v = 0;
+    CU_IS(cuDeviceGetCount(&n), CUDA_ERROR_NOT_INITIALIZED);
+    CU_OK(cuDriverGetVersion(&v));      /* works before cuInit, like the real one */
+    CHECK(v == 13000);
+    CU_IS(cuInit(1), CUDA_ERROR_INVALID_VALUE);
+}
+
+TEST(fail_init_env_emulates_no_gpu)
+{
+    setenv("CUDBL_FAIL_INIT", "1", 1);
+    CU_IS(cuInit(0), CUDA_ERROR_NO_DEVICE);
+    unsetenv("CUDBL_FAIL_INIT");
+    CU_OK(cuInit(0));
+}
+
+TEST(devices_and_attributes)
+{
+    REQUIRE(setup() == 0);
+    int n = 0, v = -1;
+    char name[64];
+    size_t total = 0;
+    CUdevice d;
+    CU_OK(cuDeviceGetCount(&n));
+    CHECK(n >= 1);
+    CU_OK(cuDeviceGet(&d, 0));
+    CU_IS(cuDeviceGet(&d, n), CUDA_ERROR_INVALID_DEVICE);
+    CU_OK(cuDeviceGetName(name, sizeof name, 0));
+    CHECK(strcmp(name, "memshim test double") == 0);
+    CU_OK(cuDeviceTotalMem(&total, 0));
+    size_t free_b = 0, total2 = 0;
+    CU_OK(cuMemGetInfo(&free_b, &total2));
+    CHECK(total == total2 && free_b == total);
+    CU_OK(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, 0));
+    CHECK(v == 1);
+    CU_OK(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, 0));
+    CHECK(v == 9);
+    CU_OK(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, 0));
+    CHECK(v == 0);
+    CU_IS(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_MAX, 0), CUDA_ERROR_INVALID_VALUE);
+    CU_IS(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_WARP_SIZE, n), CUDA_ERROR_INVALID_DEVICE);
+}
+
+TEST(context_stack)
+{
+    REQUIRE(setup() == 0);
+    CUcontext cur = NULL, c2 = NULL, popped = NULL;
+    CUdevice dev = -1;
+    CU_OK(cuCtxGetCurrent(&cur));
+    CHECK(cur == g_ctx);
+    CU_OK(cuCtxCreate_v2(&c2, 0, 0));       /* creates and pushes */
+    CU_OK(cuCtxGetCurrent(&cur));
+    CHECK(cur == c2 && c2 != g_ctx);
+    CU_OK(cuCtxGetDevice(&dev));
+    CHECK(dev == 0);
+    CU_OK(cuCtxPopCurrent(&popped));
+    CHECK(popped == c2);
+    CU_OK(cuCtxGetCurrent(&cur));
+    CHECK(cur == g_ctx);
+    CU_OK(cuCtxPushCurrent(c2));
+    CU_OK(cuCtxDestroy(c2));                /* pops it when current */
+    CU_OK(cuCtxGetCurrent(&cur));
+    CHECK(cur == g_ctx);
+    CU_IS(cuCtxPushCurrent(c2), CUDA_ERROR_INVALID_CONTEXT);
+    CU_IS(cuCtxDestroy(g_ctx), CUDA_ERROR_INVALID_CONTEXT);  /* primary: release, not destroy */
+    /* a thread with an empty stack: pop fails, context-bound calls fail */
+    CU_OK(cuCtxPopCurrent(&popped));
+    CU_IS(cuCtxPopCurrent(&popped), CUDA_ERROR_INVALID_CONTEXT);
+    size_t f, t;
+    CU_IS(cuMemGetInfo(&f, &t), CUDA_ERROR_INVALID_CONTEXT);
+    CU_OK(cuCtxSetCurrent(g_ctx));
+}
+
+/* ---- VMM rules ------------------------------------------------------------------------------- */
+
+TEST(granularity)
+{
+    REQUIRE(setup() == 0);
+    CUmemAllocationProp p = prop_on(0);
+    size_t min = 0, rec = 0;
+    CU_OK(cuMemGetAllocationGranularity(&min, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    CU_OK(cuMemGetAllocationGranularity(&rec, &p, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+    CHECK(min == rec);
+    const char *env = getenv("CUDBL_GRANULARITY");
+    if (!env || !*env) CHECK(min == 2u << 20);
+    p.type = CU_MEM_ALLOCATION_TYPE_INVALID;
+    CU_IS(cuMemGetAllocationGranularity(&min, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+          CUDA_ERROR_INVALID_VALUE);
+    p = prop_on(99);
+    CU_IS(cuMemGetAllocationGranularity(&min, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+          CUDA_ERROR_INVALID_DEVICE);
+}
+
+TEST(create_rules)
+{
+    REQUIRE(setup() == 0);
+    size_t g = gran();
+    CUmemAllocationProp p = prop_on(0);
+    CUmemGenericAllocationHandle h = 0;
+    CU_IS(cuMemCreate(&h, g + 4096, &p, 0), CUDA_ERROR_INVALID_VALUE);
+    CU_IS(cuMemCreate(&h, g / 2, &p, 0), CUDA_ERROR_INVALID_VALUE);
+    CU_IS(cuMemCreate(&h, 0, &p, 0), CUDA_ERROR_INVALID_VALUE);
+    CU_IS(cuMemCreate(&h, g, &p, 1), CUDA_ERROR_INVALID_VALUE);
+    CU_IS(cuMemCreate(&h, g, NULL, 0), CUDA_ERROR_INVALID_VALUE);
+    p.location.id = 7;
+    CU_IS(cuMemCreate(&h, g, &p, 0), CUDA_ERROR_INVALID_DEVICE);
+    p = prop_on(0);
+    p.location.type = CU_MEM_LOCATION_TYPE_HOST;
+    CU_IS(cuMemCreate(&h, g, &p, 0), CUDA_ERROR_INVALID_VALUE);
+    p = prop_on(0);
+    CU_OK(cuMemCreate(&h, 2 * g, &p, 0));
+    CUmemAllocationProp got;
+    CU_OK(cuMemGetAllocationPropertiesFromHandle(&got, h));
+    CHECK(got.type == CU_MEM_ALLOCATION_TYPE_PINNED && got.location.id == 0);
+    CU_OK(cuMemRelease(h));
+    CU_IS(cuMemRelease(h), CUDA_ERROR_INVALID_VALUE);       /* double release */
+    CU_IS(cuMemRelease(0xdeadbeef), CUDA_ERROR_INVALID_VALUE);
+    CHECK(counts_zero());
+}
+
+TEST(reserve_and_free_rules)
+{
+    REQUIRE(setup() == 0);
+    size_t g = gran();
+    CUdeviceptr va = 0;
+    CU_IS(cuMemAddressReserve(&va, g + 4096, 0, 0, 0), CUDA_ERROR_INVALID_VALUE);
+    CU_IS(cuMemAddressReserve(&va, 0, 0, 0, 0), CUDA_ERROR_INVALID_VALUE);
+    CU_IS(cuMemAddressReserve(&va, g, 3 * g, 0, 0), CUDA_ERROR_INVALID_VALUE);  /* not pow2 */
+    /* alignment is honoured */
+    size_t align = 64 * g;
+    CU_OK(cuMemAddressReserve(&va, 4 * g, align, 0, 0));
+    CHECK(va && va % align == 0);
+    /* only the whole reservation can be freed */
+    CU_IS(cuMemAddressFree(va, 2 * g), CUDA_ERROR_INVALID_VALUE);
+    CU_IS(cuMemAddressFree(va + g, 3 * g), CUDA_ERROR_INVALID_VALUE);
+    CU_OK(cuMemAddressFree(va, 4 * g));
+    CU_IS(cuMemAddressFree(va, 4 * g), CUDA_ERROR_INVALID_VALUE);
+    /* the hint is honoured when the range is free */
+    CUdeviceptr again = 0;
+    CU_OK(cuMemAddressReserve(&again, 4 * g, 0, va, 0));
+    CHECK(again == va);
+    CU_OK(cuMemAddressFree(again, 4 * g));
+    CHECK(counts_zero());
+}
+
+TEST(map_rules)
+{
+    REQUIRE(setup() == 0);
+    size_t g = gran();
+    CUdeviceptr va = reserve(4 * g);
+    CUmemGenericAllocationHandle h = create(g), h2 = create(2 * g);
+    REQUIRE(va && h && h2);
+    CU_IS(cuMemMap(va, g, g, h, 0), CUDA_ERROR_INVALID_VALUE);          /* offset must be 0 */
+    CU_IS(cuMemMap(va, g, 0, h, 1), CUDA_ERROR_INVALID_VALUE);          /* flags must be 0 */
+    CU_IS(cuMemMap(va + 4096, g, 0, h, 0), CUDA_ERROR_INVALID_VALUE);   /* unaligned va */
+    CU_IS(cuMemMap(va, 2 * g, 0, h, 0), CUDA_ERROR_INVALID_VALUE);      /* size != handle size */
+    CU_IS(cuMemMap(va + 3 * g, 2 * g, 0, h2, 0), CUDA_ERROR_INVALID_VALUE); /* past the end */
+    CU_IS(cuMemMap(va + 8 * g, g, 0, h, 0), CUDA_ERROR_INVALID_VALUE);  /* outside */
+    CU_IS(cuMemMap(va, g, 0, 0x12345, 0), CUDA_ERROR_INVALID_VALUE);    /* bad handle */
+    CU_OK(cuMemMap(va, g, 0, h, 0));
+    CU_IS(cuMemMap(va, g, 0, h, 0), CUDA_ERROR_INVALID_VALUE);          /* double map */
+    CU_IS(cuMemMap(va, 2 * g, 0, h2, 0), CUDA_ERROR_INVALID_VALUE);     /* overlaps */
+    CU_OK(cuMemMap(va + 2 * g, 2 * g, 0, h2, 0));
+    CU_OK(cuMemMap(va + g, g, 0, h, 0));    /* one handle may be mapped twice */
+    struct cudbl_counts c;
+    cudbl_get_counts(&c);
+    CHECK(c.mappings == 3 && c.handles == 2 && c.reservations == 1);
+    /* a released handle cannot be mapped again */
+    CUmemGenericAllocationHandle h3 = create(g);
+    CU_OK(cuMemRelease(h3));
+    CU_IS(cuMemMap(va + g, g, 0, h3, 0), CUDA_ERROR_INVALID_VALUE);
+    CU_OK(cuMemUnmap(va, 4 * g));           /* several whole mappings at once */
+    CU_OK(cuMemRelease(h));
+    CU_OK(cuMemRelease(h2));
+    CU_OK(cuMemAddressFree(va, 4 * g));
+    CHECK(counts_zero());
+}
+
+TEST(unmap_rules)
+{
+    REQUIRE(setup() == 0);
+    size_t g = gran();
+    CUdeviceptr va = reserve(8 * g);
+    CUmemGenericAllocationHandle h = create(2 * g);
+    REQUIRE(va && h);
+    CU_OK(cuMemMap(va, 2 * g, 0, h, 0));
+    CU_IS(cuMemUnmap(va, g), CUDA_ERROR_INVALID_VALUE);             /* part of a mapping */
+    CU_IS(cuMemUnmap(va + g, g), CUDA_ERROR_INVALID_VALUE);
+    CU_IS(cuMemUnmap(va, 3 * g), CUDA_ERROR_INVALID_VALUE);         /* runs into unmapped VA */
+    CU_IS(cuMemUnmap(va + 4 * g, 2 * g), CUDA_ERROR_INVALID_VALUE); /* nothing mapped there */
+    CU_IS(cuMemUnmap(va + 16 * g, 2 * g), CUDA_ERROR_INVALID_VALUE); /* not reserved */
+    struct cudbl_counts c;
+    cudbl_get_counts(&c);
+    CHECK(c.mappings == 1);                 /* failed unmaps changed nothing */
+    /* freeing a reservation that still has mappings is refused */
+    CU_IS(cuMemAddressFree(va, 8 * g), CUDA_ERROR_INVALID_VALUE);
+    CU_OK(cuMemUnmap(va, 2 * g));
+    CU_IS(cuMemUnmap(va, 2 * g), CUDA_ERROR_INVALID_VALUE);         /* already unmapped */
+    CU_OK(cuMemAddressFree(va, 8 * g));
+    CU_OK(cuMemRelease(h));
+    CHECK(counts_zero());
+}
+
+TEST(set_access_rules)
+{
+    REQUIRE(setup() == 0);
+    size_t g = gran();
+    CUdeviceptr va = reserve(4 * g);
+    CUmemGenericAllocationHandle h = create(2 * g);
+    REQUIRE(va && h);
+    CU_IS(grant(va, 2 * g), CUDA_ERROR_INVALID_VALUE);      /* nothing mapped yet */
+    CU_OK(cuMemMap(va, 2 * g, 0, h, 0));
+    CU_IS(grant(va, 4 * g), CUDA_ERROR_INVALID_VALUE);      /* part of the range unmapped */
+    CUmemAccessDesc d;
+    memset(&d, 0, sizeof d);
+    d.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    d.location.id = 5;
+    d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CU_IS(cuMemSetAccess(va, 2 * g, &d, 1), CUDA_ERROR_INVALID_DEVICE);
+    CU_IS(cuMemSetAccess(va, 2 * g, &d, 0), CUDA_ERROR_INVALID_VALUE);
+    unsigned long long flags = 99;
+    CUmemLocation loc = {CU_MEM_LOCATION_TYPE_DEVICE, 0};
+    CU_OK(cuMemGetAccess(&flags, &loc, va));
+    CHECK(flags == CU_MEM_ACCESS_FLAGS_PROT_NONE);
+    CU_OK(grant(va, 2 * g));
+    CU_OK(cuMemGetAccess(&flags, &loc, va + g + 100));
+    CHECK(flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+    memset((void *)(uintptr_t)va, 0x5a, 2 * g);             /* really writable now */
+    CHECK(((unsigned char *)(uintptr_t)va)[2 * g - 1] == 0x5a);
+    CU_OK(cuMemUnmap(va, 2 * g));
+    CU_IS(cuMemGetAccess(&flags, &loc, va), CUDA_ERROR_INVALID_VALUE);
+    CU_OK(cuMemRelease(h));
+    CU_OK(cuMemAddressFree(va, 4 * g));
+    CHECK(counts_zero());
+}
+
+static sigjmp_buf fault_jmp;
+static void on_fault(int sig)
+{
+    (void)sig;
+    siglongjmp(fault_jmp, 1);
+}
+
+/* Probe whether a read of p faults (the double keeps a mapping PROT_NONE until cuMemSetAccess). */
+static int read_faults(const volatile unsigned char *p)
+{
+    struct sigaction sa, old_segv, old_bus;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_fault;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &old_segv);
+    sigaction(SIGBUS, &sa, &old_bus);
+    volatile int faulted = 0;
+    if (sigsetjmp(fault_jmp, 1) == 0) {
+        unsigned char v = *p;
+        (void)v;
+    } else {
+        faulted = 1;
+    }
+    sigaction(SIGSEGV, &old_segv, NULL);
+    sigaction(SIGBUS, &old_bus, NULL);
+    return faulted;
+}
+
+TEST(access_required_after_map)
+{
+    REQUIRE(setup() == 0);
+    size_t g = gran();
+    CUdeviceptr va = reserve(g);
+    CUmemGenericAllocationHandle h = create(g);
+    REQUIRE(va && h);
+    CHECK(read_faults((const unsigned char *)(uintptr_t)va));   /* reserved only */
+    CU_OK(cuMemMap(va, g, 0, h, 0));
+    CHECK(read_faults((const unsigned char *)(uintptr_t)va));   /* mapped, no access */
+    CU_OK(grant(va, g));
+    CHECK(!read_faults((const unsigned char *)(uintptr_t)va));
+    CU_OK(cuMemUnmap(va, g));
+    CHECK(read_faults((const unsigned char *)(uintptr_t)va));   /* unmapped again */
+    CU_OK(cuMemRelease(h));
+    CU_OK(cuMemAddressFree(va, g));
+}
+
+TEST(data_survives_unmap_and_remap_elsewhere)
+{
+    REQUIRE(setup() == 0);
+    size_t g = gran();
+    CUdeviceptr a = reserve(4 * g), b = reserve(8 * g);
+    CUmemGenericAllocationHandle h = create(2 * g);
+    REQUIRE(a && b && h);
+    CU_OK(cuMemMap(a, 2 * g, 0, h, 0));
+    CU_OK(grant(a, 2 * g));
+    uint32_t *pa = (uint32_t *)(uintptr_t)a;
+    for (size_t i = 0; i < 2 * g / 4; i += 1021) pa[i] = (uint32_t)(i * 2654435761u);
+    CU_OK(cuMemUnmap(a, 2 * g));
+    CU_OK(cuMemMap(b + 4 * g, 2 * g, 0, h, 0));     /* another reservation, another offset */
+    CU_OK(grant(b + 4 * g, 2 * g));
+    uint32_t *pb = (uint32_t *)(uintptr_t)(b + 4 * g);
+    int bad = 0;
+    for (size_t i = 0; i < 2 * g / 4; i += 1021) bad += pb[i] != (uint32_t)(i * 2654435761u);
+    CHECK(bad == 0);
+    /* two live mappings of one handle alias the same memory */
+    CU_OK(cuMemMap(a, 2 * g, 0, h, 0));
+    CU_OK(grant(a, 2 * g));
+    pb[7] = 0xfeedface;
+    CHECK(pa[7] == 0xfeedface);
+    CU_OK(cuMemUnmap(a, 2 * g));
+    CU_OK(cuMemUnmap(b + 4 * g, 2 * g));
+    CU_OK(cuMemRelease(h));
+    CU_OK(cuMemAddressFree(a, 4 * g));
+    CU_OK(cuMemAddressFree(b, 8 * g));
+    CHECK(counts_zero());
+}
+
+TEST(release_while_mapped_keeps_memory_until_unmap)
+{
+    REQUIRE(setup() == 0);
+    size_t g = gran(), free0, free1, total;
+    CU_OK(cuMemGetInfo(&free0, &total));
+    CUdeviceptr va = reserve(2 * g);
+    CUmemGenericAllocationHandle h = create(2 * g);
+    REQUIRE(va && h);
+    CU_OK(cuMemMap(va, 2 * g, 0, h, 0));
+    CU_OK(grant(va, 2 * g));
+    ((char *)(uintptr_t)va)[123] = 42;
+    CU_OK(cuMemRelease(h));
+    CU_OK(cuMemGetInfo(&free1, &total));
+    CHECK(free1 == free0 - 2 * g);          /* still charged */
+    struct cudbl_counts c;
+    cudbl_get_counts(&c);
+    CHECK(c.handles == 1 && c.bytes_in_use == 2 * g);
+    CHECK(((char *)(uintptr_t)va)[123] == 42);
+    CU_IS(cuMemRelease(h), CUDA_ERROR_INVALID_VALUE);   /* the handle itself is gone */
+    CU_OK(cuMemUnmap(va, 2 * g));           /* last mapping: now freed */
+    CU_OK(cuMemGetInfo(&free1, &total));
+    CHECK(free1 == free0);
+    CU_OK(cuMemAddressFree(va, 2 * g));
+    CHECK(counts_zero());
+}
+
+TEST(retain_allocation_handle)
+{
+    REQUIRE(setup() == 0);
+    size_t g = gran();
+    CUdeviceptr va = reserve(4 * g);
+    CUmemGenericAllocationHandle h = create(2 * g), r = 0, r2 = 0;
+    REQUIRE(va && h);
+    CU_OK(cuMemMap(va + 2 * g, 2 * g, 0, h, 0));
+    CU_IS(cuMemRetainAllocationHandle(&r, (void *)(uintptr_t)va), CUDA_ERROR_INVALID_VALUE);
+    CU_OK(cuMemRetainAllocationHandle(&r, (void *)(uintptr_t)(va + 3 * g + 17)));
+    CHECK(r == h);
+    CU_OK(cuMemRelease(h));                 /* drops the create reference ... */
+    CU_OK(cuMemUnmap(va + 2 * g, 2 * g));
+    struct cudbl_counts c;
+    cudbl_get_counts(&c);
+    CHECK(c.handles == 1);                  /* ... the retained one keeps it */
+    CU_OK(cuMemMap(va, 2 * g, 0, r, 0));
+    /* retaining from a handle released while mapped brings the handle back */
+    CU_OK(cuMemRelease(r));
+    CU_OK(cuMemRetainAllocationHandle(&r2, (void *)(uintptr_t)va));
+    CHECK(r2 == h);
+    CU_OK(cuMemUnmap(va, 2 * g));
+    cudbl_get_counts(&c);
+    CHECK(c.handles == 1);
+    CU_OK(cuMemRelease(r2));
+    CU_OK(cuMemAddressFree(va, 4 * g));
+    CHECK(counts_zero());
+}
+
+/* ---- capacity ---------------------------------------------------------------------------------- */
+
+TEST(capacity_oom_and_meminfo)
+{
+    REQUIRE(setup() == 0);
+    size_t g = gran(), orig = 0, f = 0, t = 0;
+    CU_OK(cuDeviceTotalMem(&orig, 0));
+    REQUIRE(cudbl_configure(0, 8 * g, 0) == CUDA_SUCCESS);
+    CU_OK(cuMemGetInfo(&f, &t));
+    CHECK(f == 8 * g && t == 8 * g);
+    CUmemGenericAllocationHandle h[3];
+    for (int i = 0; i < 3; i++) h[i] = create(2 * g);
+    CHECK(h[0] && h[1] && h[2]);
+    CU_OK(cuMemGetInfo(&f, &t));
+    CHECK(f == 2 * g);
+    CUmemAllocationProp p = prop_on(0);
+    CUmemGenericAllocationHandle x;
+    CU_IS(cuMemCreate(&x, 4 * g, &p, 0), CUDA_ERROR_OUT_OF_MEMORY);
+    CUdeviceptr d = 0, d2 = 0;
+    CU_IS(cuMemAlloc(&d, 3 * g), CUDA_ERROR_OUT_OF_MEMORY);     /* plain allocs share capacity */
+    CU_OK(cuMemAlloc(&d, g));
+    CU_OK(cuMemGetInfo(&f, &t));
+    CHECK(f == g);
+    CU_IS(cuMemAllocAsync(&d2, g + 1, NULL), CUDA_ERROR_OUT_OF_MEMORY);
+    /* configuring while memory is held is refused */
+    CHECK(cudbl_configure(0, 16 * g, 0) == CUDA_ERROR_NOT_PERMITTED);
+    CU_OK(cuMemFree(d));
+    for (int i = 0; i < 3; i++) CU_OK(cuMemRelease(h[i]));
+    CU_OK(cuMemGetInfo(&f, &t));
+    CHECK(f == t);
+    CHECK(counts_zero());
+    CHECK(cudbl_configure(0, orig, 0) == CUDA_SUCCESS);
+}
+
+TEST(mem_alloc_and_free)
+{
+    REQUIRE(setup() == 0);
+    CUdeviceptr d[8];
+    for (int i = 0; i < 8; i++) {
+        CU_OK(cuMemAlloc(&d[i], 100 + (size_t)i * 1000));
+        CHECK(d[i] % 256 == 0);
+        memset((void *)(uintptr_t)d[i], i, 100);
+    }
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    CU_OK(cuMemGetAddressRange(&base, &size, d[3] + 50));
+    CHECK(base == d[3] && size == 3100);
+    CU_IS(cuMemAlloc(&d[0], 0), CUDA_ERROR_INVALID_VALUE);
+    for (int i = 0; i < 8; i++) CU_OK(cuMemFree(d[i]));
+    CU_IS(cuMemFree(d[2]), CUDA_ERROR_INVALID_VALUE);       /* double free */
+    CU_IS(cuMemFree(12345), CUDA_ERROR_INVALID_VALUE);
+    CHECK(counts_zero());
+}
+
+/* ---- streams and events ------------------------------------------------------------------------ */
+
+struct log { pthread_mutex_t mu; char buf[64]; int n; };
+struct log_item { struct log *log; char c; };
+
+static void log_append(void *arg)
+{
+    struct log_item *it = arg;
+    pthread_mutex_lock(&it->log->mu);
+    if (it->log->n < (int)sizeof it->log->buf - 1) it->log->buf[it->log->n++] = it->c;
+    pthread_mutex_unlock(&it->log->mu);
+}
+
+static void set_flag(void *arg)
+{
+    *(volatile int *)arg = 1;
+}
+
+TEST(deferred_completion)
+{
+    REQUIRE(setup() == 0);
+    CUstream s;
+    CUevent e, never;
+    volatile int ran = 0;
+    CU_OK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    CU_OK(cuEventCreate(&e, CU_EVENT_DEFAULT));
+    CU_OK(cuEventCreate(&never, CU_EVENT_DISABLE_TIMING));
+    CU_OK(cuEventQuery(never));             /* never recorded: complete */
+    CU_OK(cuStreamQuery(s));                /* idle */
+    CHECK(cudbl_stream_enqueue(s, set_flag, (void *)&ran) == CUDA_SUCCESS);
+    CU_OK(cuEventRecord(e, s));
+    CHECK(ran == 0);                        /* nothing runs by itself */
+    CU_IS(cuStreamQuery(s), CUDA_ERROR_NOT_READY);
+    CU_IS(cuEventQuery(e), CUDA_ERROR_NOT_READY);
+    CHECK(cudbl_stream_pending(s) == 2);
+    CU_OK(cuEventSynchronize(e));
+    CHECK(ran == 1);
+    CU_OK(cuEventQuery(e));
+    CU_OK(cuStreamQuery(s));
+    /* cudbl_progress and cuStreamSynchronize also drive the queue */
+    ran = 0;
+    CU_OK(cuLaunchHostFunc(s, set_flag, (void *)&ran));
+    CHECK(ran == 0);
+    CHECK(cudbl_progress(10) == 1);
+    CHECK(ran == 1);
+    ran = 0;
+    CU_OK(cuLaunchHostFunc(s, set_flag, (void *)&ran));
+    CU_OK(cuStreamSynchronize(s));
+    CHECK(ran == 1);
+    float ms = -1;
+    CU_OK(cuEventElapsedTime(&ms, e, e));
+    CHECK(ms == 0.0f);
+    CU_IS(cuEventElapsedTime(&ms, e, never), CUDA_ERROR_INVALID_HANDLE);
+    CU_OK(cuEventDestroy(e));
+    CU_OK(cuEventDestroy(never));
+    CU_IS(cuEventDestroy(never), CUDA_ERROR_INVALID_HANDLE);
+    CU_OK(cuStreamDestroy(s));
+    CU_IS(cuStreamDestroy(s), CUDA_ERROR_INVALID_HANDLE);
+    CHECK(counts_zero());
+}
+
+TEST(cross_stream_wait_orders_work)
+{
+    REQUIRE(setup() == 0);
+    struct log lg = {PTHREAD_MUTEX_INITIALIZER, {0}, 0};
+    struct log_item a = {&lg, 'A'}, b = {&lg, 'B'}, c = {&lg, 'C'}, d = {&lg, 'D'};
+    CUstream s, t;
+    CUevent e;
+    CU_OK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    CU_OK(cuStreamCreate(&t, CU_STREAM_NON_BLOCKING));
+    CU_OK(cuEventCreate(&e, CU_EVENT_DISABLE_TIMING));
+    CU_OK(cuLaunchHostFunc(t, log_append, &d));     /* before the wait: free to run */
+    CU_OK(cuLaunchHostFunc(s, log_append, &a));
+    CU_OK(cuEventRecord(e, s));
+    CU_OK(cuLaunchHostFunc(s, log_append, &c));     /* after the record: not waited for */
+    CU_OK(cuStreamWaitEvent(t, e, 0));
+    CU_OK(cuLaunchHostFunc(t, log_append, &b));
+    /* drive one item at a time: B must never run before A */
+    while (cudbl_progress(1) == 1) {
+        pthread_mutex_lock(&lg.mu);
+        const char *pa = memchr(lg.buf, 'A', (size_t)lg.n), *pb = memchr(lg.buf, 'B', (size_t)lg.n);
+        CHECK(!pb || (pa && pa < pb));
+        pthread_mutex_unlock(&lg.mu);
+    }
+    CHECK(lg.n == 4);
+    /* synchronizing the waiting stream runs what it waits for, and nothing more */
+    lg.n = 0;
+    CU_OK(cuLaunchHostFunc(s, log_append, &a));
+    CU_OK(cuEventRecord(e, s));
+    CU_OK(cuLaunchHostFunc(s, log_append, &c));
+    CU_OK(cuStreamWaitEvent(t, e, 0));
+    CU_OK(cuLaunchHostFunc(t, log_append, &b));
+    CU_OK(cuStreamSynchronize(t));
+    CHECK(lg.n == 2 && memcmp(lg.buf, "AB", 2) == 0);
+    CHECK(cudbl_stream_pending(s) == 1);    /* C still queued */
+    /* the wait uses the record at the time of the call; re-recording later changes nothing */
+    CU_OK(cuStreamSynchronize(s));
+    CU_OK(cuEventDestroy(e));
+    CU_OK(cuStreamDestroy(s));
+    CU_OK(cuStreamDestroy(t));
+    CHECK(counts_zero());
+}
+
+TEST(legacy_default_stream_synchronizes)
+{
+    REQUIRE(setup() == 0);
+    struct log lg = {PTHREAD_MUTEX_INITIALIZER, {0}, 0};
+    struct log_item x = {&lg, 'x'}, n = {&lg, 'n'}, l = {&lg, 'l'}, y = {&lg, 'y'};
+    CUstream blocking, nonblocking;
+    CU_OK(cuStreamCreate(&blocking, CU_STREAM_DEFAULT));
+    CU_OK(cuStreamCreate(&nonblocking, CU_STREAM_NON_BLOCKING));
+    CU_OK(cuLaunchHostFunc(blocking, log_append, &x));
+    CU_OK(cuLaunchHostFunc(nonblocking, log_append, &n));
+    CU_OK(cuLaunchHostFunc(NULL, log_append, &l));          /* waits for x, not for n */
+    CU_OK(cuLaunchHostFunc(blocking, log_append, &y));      /* waits for l */
+    CU_OK(cuStreamSynchronize(NULL));
+    CHECK(lg.n == 2 && memcmp(lg.buf, "xl", 2) == 0);
+    CU_OK(cuStreamSynchronize(blocking));
+    CHECK(lg.n == 3 && lg.buf[2] == 'y');
+    CU_OK(cuCtxSynchronize());
+    CHECK(lg.n == 4 && lg.buf[3] == 'n');
+    CU_OK(cuStreamDestroy(blocking));
+    CU_OK(cuStreamDestroy(nonblocking));
+    CHECK(counts_zero());
+}
+
+TEST(free_async_happens_in_stream_order)
+{
+    REQUIRE(setup() == 0);
+    CUstream s;
+    CU_OK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    CUdeviceptr d = 0;
+    CU_OK(cuMemAllocAsync(&d, 4096, s));
+    volatile int ran = 0;
+    CU_OK(cuLaunchHostFunc(s, set_flag, (void *)&ran));
+    CU_OK(cuMemFreeAsync(d, s));
+    CU_IS(cuMemFreeAsync(d, s), CUDA_ERROR_INVALID_VALUE);  /* already being freed */
+    CU_IS(cuMemFree(d), CUDA_ERROR_INVALID_VALUE);
+    struct cudbl_counts c;
+    cudbl_get_counts(&c);
+    CHECK(c.allocs == 1);                   /* the free waits behind the kernel */
+    ((char *)(uintptr_t)d)[0] = 1;          /* still valid memory until then */
+    CU_OK(cuStreamSynchronize(s));
+    CHECK(ran == 1);
+    cudbl_get_counts(&c);
+    CHECK(c.allocs == 0);
+    /* a stream destroyed with queued work still runs it */
+    ran = 0;
+    CU_OK(cuLaunchHostFunc(s, set_flag, (void *)&ran));
+    CU_OK(cuStreamDestroy(s));
+    CHECK(ran == 0);
+    CU_OK(cuCtxSynchronize());
+    CHECK(ran == 1);
+    CHECK(counts_zero());
+}
+
+/* Async "GPU" thread with several host threads enqueuing and synchronizing at once. */
+struct worker { int id; int errors; };
+struct seq_item { int *last; int want; int *errors; };
+
+static void check_seq(void *arg)
+{
+    struct seq_item *it = arg;
+    if (*it->last != it->want - 1) (*it->errors)++;
+    *it->last = it->want;
+}
+
+static void *worker_main(void *arg)
+{
+    struct worker *w = arg;
+    if (cuCtxSetCurrent(g_ctx) != CUDA_SUCCESS) { w->errors++; return NULL; }
+    CUstream s, t;
+    CUevent e;
+    if (cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) || cuStreamCreate(&t, CU_STREAM_NON_BLOCKING) ||
+        cuEventCreate(&e, CU_EVENT_DISABLE_TIMING)) {
+        w->errors++;
+        return NULL;
+    }
+    enum { N = 200 };
+    static __thread struct seq_item items[N];
+    int last = 0;
+    for (int round = 0; round < 4; round++) {
+        last = 0;
+        for (int i = 0; i < N; i++) {
+            items[i] = (struct seq_item){&last, i + 1, &w->errors};
+            /* alternate streams, chained by events: a single order across both */
+            CUstream on = i % 2 ? t : s, other = i % 2 ? s : t;
+            if (cuLaunchHostFunc(on, check_seq, &items[i]) || cuEventRecord(e, on) ||
+                cuStreamWaitEvent(other, e, 0))
+                w->errors++;
+        }
+        if (cuStreamSynchronize(round % 2 ? s : t) || cuStreamSynchronize(round % 2 ? t : s))
+            w->errors++;
+        if (last != N) w->errors++;
+    }
+    cuEventDestroy(e);
+    cuStreamDestroy(s);
+    cuStreamDestroy(t);
+    return NULL;
+}
+
+TEST(async_gpu_thread_and_concurrent_hosts)
+{
+    REQUIRE(setup() == 0);
+    cudbl_set_async(1);
+    enum { T = 4 };
+    pthread_t th[T];
+    struct worker w[T];
+    for (int i = 0; i < T; i++) {
+        w[i] = (struct worker){i, 0};
+        pthread_create(&th[i], NULL, worker_main, &w[i]);
+    }
+    for (int i = 0; i < T; i++) {
+        pthread_join(th[i], NULL);
+        CHECKF(w[i].errors == 0, "worker %d: %d errors", i, w[i].errors);
+    }
+    /* the GPU thread completes work nobody waits for */
+    volatile int ran = 0;
+    CU_OK(cuLaunchHostFunc(NULL, set_flag, (void *)&ran));
+    for (int i = 0; i < 2000 && cuStreamQuery(NULL) == CUDA_ERROR_NOT_READY; i++) usleep(1000);
+    CU_OK(cuStreamQuery(NULL));
+    CU_OK(cuStreamSynchronize(NULL));
+    CHECK(ran == 1);
+    cudbl_set_async(0);
+    CHECK(counts_zero());
+}
+
+static void *vmm_worker(void *arg)
+{
+    int *errors = arg;
+    size_t g = gran();
+    for (int i = 0; i < 50; i++) {
+        CUdeviceptr va = reserve(2 * g);
+        CUmemGenericAllocationHandle h = create(g);
+        if (!va || !h || cuMemMap(va + g, g, 0, h, 0) || grant(va + g, g)) { (*errors)++; continue; }
+        *(volatile int *)(uintptr_t)(va + g) = i;
+        if (cuMemUnmap(va + g, g) || cuMemRelease(h) || cuMemAddressFree(va, 2 * g)) (*errors)++;
+    }
+    return NULL;
+}
+
+TEST(concurrent_vmm_calls)
+{
+    REQUIRE(setup() == 0);
+    pthread_t th[4];
+    int errors[4] = {0};
+    for (int i = 0; i < 4; i++) pthread_create(&th[i], NULL, vmm_worker, &errors[i]);
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        CHECK(errors[i] == 0);
+    }
+    CHECK(counts_zero());
+}
+
+/* ---- proc address and errors ------------------------------------------------------------------- */
+
+#undef cuGetProcAddress
+CUresult CUDAAPI cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags);
+
+TEST(proc_address_lookups)
+{
+    REQUIRE(setup() == 0);
+    void *p = NULL;
+    CUdriverProcAddressQueryResult st = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    CU_OK(cuGetProcAddress_v2("cuMemAlloc", &p, 13000, 0, &st));
+    CHECK(p == (void *)cuMemAlloc_v2 && st == CU_GET_PROC_ADDRESS_SUCCESS);
+    CU_OK(cuGetProcAddress_v2("cuMemFree", &p, 12000, 0, &st));
+    CHECK(p == (void *)cuMemFree_v2);
+    CU_OK(cuGetProcAddress_v2("cuMemGetInfo", &p, 13000, 0, &st));
+    CHECK(p == (void *)cuMemGetInfo_v2);
+    CU_OK(cuGetProcAddress_v2("cuEventDestroy", &p, 13000, 0, &st));
+    CHECK(p == (void *)cuEventDestroy_v2);
+    CU_OK(cuGetProcAddress_v2("cuCtxPushCurrent", &p, 13000, 0, &st));
+    CHECK(p == (void *)cuCtxPushCurrent_v2);
+    CU_OK(cuGetProcAddress_v2("cuMemCreate", &p, 13000, 0, &st));
+    CHECK(p == (void *)cuMemCreate);
+    CU_OK(cuGetProcAddress_v2("cuGetProcAddress", &p, 13000, 0, &st));
+    CHECK(p == (void *)cuGetProcAddress_v2);
+    CU_OK(cuGetProcAddress_v2("cuGetProcAddress", &p, 11030, 0, &st));
+    CHECK(p == (void *)cuGetProcAddress);
+    /* an old ABI: cuEventDestroy before 4.0 is the unversioned symbol */
+    CU_OK(cuGetProcAddress_v2("cuEventDestroy", &p, 3000, 0, &st));
+    CHECK(p == dlsym(RTLD_DEFAULT, "cuEventDestroy"));
+    /* per-thread default stream flavour */
+    CU_OK(cuGetProcAddress_v2("cuStreamSynchronize", &p, 13000,
+                              CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, &st));
+    CHECK(p && p == dlsym(RTLD_DEFAULT, "cuStreamSynchronize_ptsz"));
+    /* too old for the symbol, and unknown */
+    CU_IS(cuGetProcAddress_v2("cuMemCreate", &p, 10010, 0, &st), CUDA_ERROR_NOT_FOUND);
+    CHECK(st == CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT && p == NULL);
+    CU_IS(cuGetProcAddress_v2("cuNoSuchFunction", &p, 13000, 0, &st), CUDA_ERROR_NOT_FOUND);
+    CHECK(st == CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND && p == NULL);
+    CU_IS(cuGetProcAddress("cuNoSuchFunction", &p, 13000, 0), CUDA_ERROR_NOT_FOUND);
+    CU_OK(cuGetProcAddress("cuMemAlloc", &p, 13000, 0));
+    CHECK(p == (void *)cuMemAlloc_v2);
+}
+
+TEST(error_names)
+{
+    const char *s = NULL;
+    CU_OK(cuGetErrorName(CUDA_ERROR_OUT_OF_MEMORY, &s));
+    CHECK(s && strcmp(s, "CUDA_ERROR_OUT_OF_MEMORY") == 0);
+    CU_OK(cuGetErrorString(CUDA_ERROR_NOT_READY, &s));
+    CHECK(s && strcmp(s, "device not ready") == 0);
+    static const CUresult used[] = {
+        CUDA_SUCCESS, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY,
+        CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_NO_DEVICE, CUDA_ERROR_INVALID_DEVICE,
+        CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_HANDLE, CUDA_ERROR_NOT_FOUND,
+        CUDA_ERROR_NOT_READY, CUDA_ERROR_NOT_PERMITTED, CUDA_ERROR_NOT_SUPPORTED, CUDA_ERROR_UNKNOWN,
+    };
+    for (size_t i = 0; i < sizeof used / sizeof used[0]; i++) {
+        s = NULL;
+        CU_OK(cuGetErrorName(used[i], &s));
+        CHECK(s && strncmp(s, "CUDA_", 5) == 0);
+        s = NULL;
+        CU_OK(cuGetErrorString(used[i], &s));
+        CHECK(s && *s);
+    }
+    CU_IS(cuGetErrorName((CUresult)12345, &s), CUDA_ERROR_INVALID_VALUE);
+    CHECK(s == NULL);
+}
+
+/* ---- fault injection --------------------------------------------------------------------------- */
+
+TEST(fault_injection_nth_call)
+{
+    REQUIRE(setup() == 0);
+    size_t g = gran();
+    long c0 = cudbl_call_count("cuMemCreate");
+    CHECK(c0 >= 0);
+    cudbl_fail_nth("cuMemCreate", 2, CUDA_ERROR_OUT_OF_MEMORY);
+    CUmemAllocationProp p = prop_on(0);
+    CUmemGenericAllocationHandle h[3] = {0};
+    CU_OK(cuMemCreate(&h[0], g, &p, 0));
+    CU_IS(cuMemCreate(&h[1], g, &p, 0), CUDA_ERROR_OUT_OF_MEMORY);
+    CU_OK(cuMemCreate(&h[2], g, &p, 0));
+    CHECK(cudbl_call_count("cuMemCreate") == c0 + 3);
+    struct cudbl_counts c;
+    cudbl_get_counts(&c);
+    CHECK(c.handles == 2);                  /* the failed call had no effect */
+    /* default error and a chosen error, by versioned name too */
+    CUdeviceptr va = reserve(g);
+    cudbl_fail_nth("cuMemMap", 1, CUDA_SUCCESS);
+    CU_IS(cuMemMap(va, g, 0, h[0], 0), CUDA_ERROR_UNKNOWN);
+    CU_OK(cuMemMap(va, g, 0, h[0], 0));
+    CUdeviceptr d;
+    cudbl_fail_nth("cuMemAlloc_v2", 1, CUDA_SUCCESS);
+    CU_IS(cuMemAlloc(&d, 100), CUDA_ERROR_OUT_OF_MEMORY);
+    cudbl_fail_nth("cuMemUnmap", 1, CUDA_ERROR_INVALID_VALUE);
+    CU_IS(cuMemUnmap(va, g), CUDA_ERROR_INVALID_VALUE);
+    cudbl_fail_nth("cuMemUnmap", 1, CUDA_ERROR_INVALID_VALUE);
+    cudbl_fail_clear();
+    CU_OK(cuMemUnmap(va, g));
+    CHECK(cudbl_call_count("cuNoSuchFunction") == -1);
+    CHECK(cudbl_call_count("cuMemAlloc") == cudbl_call_count("cuMemAlloc_v2"));
+    CU_OK(cuMemRelease(h[0]));
+    CU_OK(cuMemRelease(h[2]));
+    CU_OK(cuMemAddressFree(va, g));
+    CHECK(counts_zero());
+}
+
+static unsigned long long fail_pattern(unsigned long long seed)
+{
+    unsigned long long bits = 0;
+    int n;
+    cudbl_fail_prob("cuDeviceGetCount", 0.3, seed, CUDA_ERROR_NOT_PERMITTED);
+    for (int i = 0; i < 64; i++)
+        if (cuDeviceGetCount(&n) == CUDA_ERROR_NOT_PERMITTED) bits |= 1ull << i;
+    cudbl_fail_clear();
+    return bits;
+}
+
+TEST(fault_injection_probability_is_deterministic)
+{
+    REQUIRE(setup() == 0);
+    unsigned long long a = fail_pattern(42), b = fail_pattern(42), c = fail_pattern(43);
+    CHECK(a == b);
+    CHECK(a != c);
+    int ones = __builtin_popcountll(a);
+    CHECKF(ones > 5 && ones < 40, "%d of 64 failed at p=0.3", ones);
+    int n;
+    CU_OK(cuDeviceGetCount(&n));
+}
+
+/* ---- several devices --------------------------------------------------------------------------- */
+
+TEST(multi_device)
+{
+    REQUIRE(setup() == 0);
+    int n0 = 0, n = 0;
+    CU_OK(cuDeviceGetCount(&n0));
+    REQUIRE(cudbl_configure(2, 0, 0) == CUDA_SUCCESS);
+    CU_OK(cuDeviceGetCount(&n));
+    CHECK(n == 2);
+    CUdevice d1;
+    CU_OK(cuDeviceGet(&d1, 1));
+    CU_IS(cuDeviceGet(&d1, 2), CUDA_ERROR_INVALID_DEVICE);
+    CUcontext c1;
+    CU_OK(cuDevicePrimaryCtxRetain(&c1, 1));
+    CHECK(c1 != g_ctx);
+    size_t g = gran(), f0a, f0b, f1a, f1b, t;
+    CU_OK(cuMemGetInfo(&f0a, &t));
+    CU_OK(cuCtxPushCurrent(c1));
+    CU_OK(cuMemGetInfo(&f1a, &t));
+    CUmemAllocationProp p = prop_on(1);
+    CUmemGenericAllocationHandle h;
+    CU_OK(cuMemCreate(&h, 2 * g, &p, 0));
+    CUdeviceptr d;
+    CU_OK(cuMemAlloc(&d, 4096));            /* on the current context's device: 1 */
+    CU_OK(cuMemGetInfo(&f1b, &t));
+    CHECK(f1b == f1a - 2 * g - 4096);
+    CUdevice dev;
+    CU_OK(cuCtxGetDevice(&dev));
+    CHECK(dev == 1);
+    CUcontext popped;
+    CU_OK(cuCtxPopCurrent(&popped));
+    CHECK(popped == c1);
+    CU_OK(cuMemGetInfo(&f0b, &t));
+    CHECK(f0b == f0a);                      /* device 0 untouched */
+    /* access can be granted to device 1 */
+    CUdeviceptr va = reserve(2 * g);
+    CU_OK(cuMemMap(va, 2 * g, 0, h, 0));
+    CUmemAccessDesc desc = {{CU_MEM_LOCATION_TYPE_DEVICE, 1}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    CU_OK(cuMemSetAccess(va, 2 * g, &desc, 1));
+    CU_OK(cuMemUnmap(va, 2 * g));
+    CU_OK(cuMemAddressFree(va, 2 * g));
+    CU_OK(cuMemRelease(h));
+    CU_OK(cuMemFree(d));
+    CU_OK(cuDevicePrimaryCtxRelease(1));
+    CHECK(counts_zero());
+    CHECK(cudbl_configure(n0, 0, 0) == CUDA_SUCCESS);
+}
+
+/* ---- the runtime double ------------------------------------------------------------------------ */
+
+TEST(runtime_double)
+{
+    REQUIRE(setup() == 0);
+    char exe[PATH_MAX], path[PATH_MAX + 64];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    REQUIRE(n > 0);
+    exe[n] = 0;
+    char *slash = strrchr(exe, '/');
+    REQUIRE(slash);
+    *slash = 0;
+    snprintf(path, sizeof path, "%s/../double/libcudart.so.13", exe);
+    void *rt = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!rt) SKIP("cannot open ../double/libcudart.so.13: %.200s", dlerror());
+    cudaError_t (*rMalloc)(void **, size_t) = (cudaError_t (*)(void **, size_t))dlsym(rt, "cudaMalloc");
+    cudaError_t (*rFree)(void *) = (cudaError_t (*)(void *))dlsym(rt, "cudaFree");
+    cudaError_t (*rInfo)(size_t *, size_t *) = (cudaError_t (*)(size_t *, size_t *))dlsym(rt, "cudaMemGetInfo");
+    cudaError_t (*rLast)(void) = (cudaError_t (*)(void))dlsym(rt, "cudaGetLastError");
+    cudaError_t (*rMemcpy)(void *, const void *, size_t, enum cudaMemcpyKind) =
+        (cudaError_t (*)(void *, const void *, size_t, enum cudaMemcpyKind))dlsym(rt, "cudaMemcpy");
+    cudaError_t (*rEntry)(const char *, void **, unsigned long long, enum cudaDriverEntryPointQueryResult *) =
+        (cudaError_t (*)(const char *, void **, unsigned long long,
+                         enum cudaDriverEntryPointQueryResult *))dlsym(rt, "cudaGetDriverEntryPoint");
+    cudaError_t (*rMallocAsync)(void **, size_t, cudaStream_t) =
+        (cudaError_t (*)(void **, size_t, cudaStream_t))dlsym(rt, "cudaMallocAsync_ptsz");
+    cudaError_t (*rFreeAsync)(void *, cudaStream_t) =
+        (cudaError_t (*)(void *, cudaStream_t))dlsym(rt, "cudaFreeAsync");
+    cudaError_t (*rDevSync)(void) = (cudaError_t (*)(void))dlsym(rt, "cudaDeviceSynchronize");
+    REQUIRE(rMalloc && rFree && rInfo && rLast && rMemcpy && rEntry && rMallocAsync && rFreeAsync &&
+            rDevSync);
+    long gpa0 = cudbl_call_count("cuGetProcAddress");
+    CHECK(rFree(NULL) == cudaSuccess);      /* initializes */
+    CHECK(cudbl_call_count("cuGetProcAddress") > gpa0);  /* the runtime resolved through it */
+    size_t f0, f1, t;
+    CHECK(rInfo(&f0, &t) == cudaSuccess);
+    void *p = NULL;
+    CHECK(rMalloc(&p, 1 << 20) == cudaSuccess && p);
+    CHECK(rInfo(&f1, &t) == cudaSuccess && f1 == f0 - (1 << 20));
+    char src[64] = "through the runtime double", dst[64] = {0};
+    CHECK(rMemcpy(p, src, sizeof src, cudaMemcpyHostToDevice) == cudaSuccess);
+    CHECK(rMemcpy(dst, p, sizeof dst, cudaMemcpyDeviceToHost) == cudaSuccess);
+    CHECK(strcmp(dst, src) == 0);
+    CHECK(rFree(p) == cudaSuccess);
+    CHECK(rFree(p) == cudaErrorInvalidValue);
+    CHECK(rLast() == cudaErrorInvalidValue && rLast() == cudaSuccess);
+    CHECK(rMalloc(&p, (size_t)1 << 50) == cudaErrorMemoryAllocation);
+    CHECK(rLast() == cudaErrorMemoryAllocation);
+    void *fn = NULL;
+    enum cudaDriverEntryPointQueryResult st;
+    CHECK(rEntry("cuMemAlloc", &fn, cudaEnableDefault, &st) == cudaSuccess);
+    CHECK(fn == (void *)cuMemAlloc_v2 && st == cudaDriverEntryPointSuccess);
+    CHECK(rEntry("cuNoSuchFunction", &fn, cudaEnableDefault, &st) == cudaSuccess);
+    CHECK(fn == NULL && st == cudaDriverEntryPointSymbolNotFound);
+    CHECK(rMallocAsync(&p, 4096, NULL) == cudaSuccess);
+    CHECK(rFreeAsync(p, cudaStreamPerThread) == cudaSuccess);
+    CHECK(rDevSync() == cudaSuccess);
+    CHECK(rInfo(&f1, &t) == cudaSuccess && f1 == f0);
+    dlclose(rt);
+    CHECK(counts_zero());
+}
+
+/* ---- leak report at exit ----------------------------------------------------------------------- */
+
+/* Runs for real only in the child that exit_report_counts_leaks starts. */
+TEST(exit_report_child)
+{
+    if (!getenv("CUDBL_TEST_CHILD")) return;
+    REQUIRE(setup() == 0);
+    REQUIRE(create(gran()) != 0);           /* leaked on purpose */
+    REQUIRE(reserve(gran()) != 0);
+    exit(0);
+}
+
+TEST(exit_report_counts_leaks)
+{
+    extern char **environ;
+    size_t nenv = 0;
+    while (environ[nenv]) nenv++;
+    char **envp = calloc(nenv + 3, sizeof *envp);   /* built before fork: the child only execs */
+    REQUIRE(envp);
+    size_t k = 0;
+    for (size_t i = 0; i < nenv; i++)
+        if (strncmp(environ[i], "CUDBL_", 6) != 0) envp[k++] = environ[i];
+    envp[k++] = "CUDBL_TEST_CHILD=1";
+    envp[k++] = "CUDBL_REPORT_AT_EXIT=1";
+    char *argv[] = {"test_double", "exit_report_child", NULL};
+    int fds[2];
+    REQUIRE(pipe(fds) == 0);
+    pid_t pid = fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+        dup2(fds[1], 2);
+        close(fds[0]);
+        execve("/proc/self/exe", argv, envp);
+        _exit(127);
+    }
+    free(envp);
+    close(fds[1]);
+    char buf[8192];
+    size_t len = 0;
+    ssize_t r;
+    while (len < sizeof buf - 1 && (r = read(fds[0], buf + len, sizeof buf - 1 - len)) > 0)
+        len += (size_t)r;
+    buf[len] = 0;
+    close(fds[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    CHECKF(strstr(buf, "cudbl: exit handles=1 mappings=0 reservations=1 allocs=0 events=0\n"),
+           "child stderr: %s", buf);
+}
+
+TEST(nothing_leaked)
+{
+    REQUIRE(setup() == 0);
+    struct cudbl_counts c;
+    cudbl_get_counts(&c);
+    CHECKF(counts_zero(), "handles=%ld mappings=%ld reservations=%ld allocs=%ld events=%ld "
+           "streams=%ld bytes=%zu", c.handles, c.mappings, c.reservations, c.allocs, c.events,
+           c.streams, c.bytes_in_use);
+}
+
+TEST_MAIN()
