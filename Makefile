@@ -47,7 +47,7 @@ $(BUILD)/obj/%.o: %.c
 	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
 
 $(BUILD)/libmemshim.so: $(LIB_OBJ) shim/exports.map
-	$(CC) -shared -o $@ $(LIB_OBJ) $(LDFLAGS) -Wl,--version-script=shim/exports.map -Wl,-z,defs -Wl,-z,nodelete $(LIBS)
+	$(CC) -shared -o $@ $(LIB_OBJ) $(LDFLAGS) -Wl,--version-script=shim/exports.map $(if $(SAN),,-Wl,-z,defs) -Wl,-z,nodelete $(LIBS)
 
 $(BUILD)/libmemshim_core.a: $(CORE_OBJ)
 	@rm -f $@; ar rcs $@ $^
@@ -71,12 +71,12 @@ double: $(DOUBLE_DIR)/libcuda.so.1 $(DOUBLE_DIR)/libcudart.so.13
 
 $(DOUBLE_DIR)/libcuda.so.1: tests/cudadouble/cuda_double.c tests/cudadouble/cudbl.h
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -fvisibility=default -shared -Wl,-soname,libcuda.so.1 -o $@ $< $(LDFLAGS) -lrt $(LIBS)
+	$(CC) $(CFLAGS) -fvisibility=default -shared -Wl,-Bsymbolic -Wl,-soname,libcuda.so.1 -o $@ $< $(LDFLAGS) -lrt $(LIBS)
 	ln -sf libcuda.so.1 $(DOUBLE_DIR)/libcuda.so
 
 $(DOUBLE_DIR)/libcudart.so.13: tests/cudadouble/cudart_double.c
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -fvisibility=default -shared -Wl,-soname,libcudart.so.13 -o $@ $< $(LDFLAGS) $(LIBS)
+	$(CC) $(CFLAGS) -fvisibility=default -shared -Wl,-Bsymbolic -Wl,-soname,libcudart.so.13 -o $@ $< $(LDFLAGS) $(LIBS)
 	ln -sf libcudart.so.13 $(DOUBLE_DIR)/libcudart.so
 
 # ---- tests -------------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ struct msh_pool {
     struct blk *spare;
     size_t handles, touched, cached;
     bool dirty;           /* a free with unfinished stream work since the last synchronize */
+    bool driver_oom;      /* the driver itself refused a create since the last empty-cache */
     uint32_t sync_count;
     uint32_t rng;
     bool timing;
@@ -349,7 +350,8 @@ static int page_handle_get(struct msh_pool *pool, uint64_t *h, bool *reclaimed)
             pool->st.create_ops++;
             return 0;
         }
-        if (rc != ENOMEM) msh_debug("pool: create failed (error %d); trying to reclaim", rc);
+        if (rc == ENOMEM) pool->driver_oom = true;
+        else msh_debug("pool: create failed (error %d); trying to reclaim", rc);
     }
     if (!pool->prm.defrag || !pool->cached) return ENOMEM;
     for (int a = 0; a < NAREAS; a++) {
@@ -498,6 +500,9 @@ static void streams_merge(const struct msh_pool *pool, struct blk *into, const s
 static int streams_settle_for(struct msh_pool *pool, struct blk *b, uint64_t stream)
 {
     if (blk_clean(pool, b)) return 0;
+    /* VA above every page ever mapped was never touched by the GPU: no work to wait for, even
+     * though coalescing into the open end of the line copied a stream tag onto it. */
+    if (b->addr >= b->reg->base + (uint64_t)b->reg->hi_page * pool->gran) return 0;
     const struct msh_device_ops *ops = pool->dev->ops;
     if (b->sync_needed || stream == MSH_STREAM_COMPLETED) {
         int rc = ops->synchronize(pool->dev);
@@ -696,13 +701,18 @@ void msh_pool_destroy(struct msh_pool *pool)
     for (int a = 0; a < NAREAS; a++) {
         struct region *r = pool->areas[a];
         while (r) {
+            bool stuck = false;
             for (uint32_t p = 0; p < r->hi_page; p++) {
                 struct page *pg = &r->pages[p];
                 if (!pg->handle) continue;
-                ops->unmap(pool->dev, r->base + (uint64_t)p * pool->gran, pool->gran);
+                if (ops->unmap(pool->dev, r->base + (uint64_t)p * pool->gran, pool->gran)) {
+                    stuck = true; /* a mapped handle must not be released nor its range freed */
+                    continue;
+                }
                 ops->release(pool->dev, pg->handle);
             }
-            ops->unreserve(pool->dev, r->base, r->size);
+            if (!stuck) ops->unreserve(pool->dev, r->base, r->size);
+            else msh_warn("pool: unmap failed at shutdown; leaving a reserved range to the driver");
             struct region *nx = r->next;
             raw_free(r->pages, (size_t)r->npages * sizeof *r->pages);
             raw_free(r, sizeof *r);
@@ -759,7 +769,8 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
         rc = try_alloc(pool, rsize, size, stream, addr, &reclaimed);
         if (rc == 0) pool->st.rescue_gc++;
     }
-    if (rc == ENOMEM && pool->cached) {
+    if (rc == ENOMEM && pool->cached && pool->driver_oom) {
+        pool->driver_oom = false;
         /* Cached pages were already candidates for reclaim; giving them back only helps when
          * the driver itself ran out (other allocators in the process hold the rest). */
         release_cached(pool, 0);
@@ -804,15 +815,19 @@ int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream)
         b->nstreams = 0;
         b->sync_needed = 0;
     } else {
+        /* The free's stream plus every stream the block was used on (its allocation stream and
+         * those added by record_stream), without duplicates. */
         int n = b->nstreams;
         uint64_t s[MAX_STREAMS];
         memcpy(s, b->streams, sizeof s);
         b->streams[0] = stream;
         b->nstreams = 1;
-        for (int i = 1; i < n; i++) { /* streams added by record_stream */
+        for (int i = 0; i < n; i++) {
             bool seen = false;
             for (int j = 0; j < b->nstreams; j++) seen |= b->streams[j] == s[i];
-            if (!seen) b->streams[b->nstreams++] = s[i];
+            if (seen) continue;
+            if (b->nstreams < MAX_STREAMS) b->streams[b->nstreams++] = s[i];
+            else b->sync_needed = 1;
         }
         b->sync_epoch = pool->sync_count;
         pool->dirty = true;

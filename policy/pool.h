@@ -67,8 +67,11 @@ int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params
 /* Unmap and release everything. Live blocks are lost; the caller ensures the device is idle. */
 void msh_pool_destroy(struct msh_pool *pool);
 
-/* Allocate `size` bytes (0 gives a distinct minimal block) for use on `stream`. Returns 0 and
- * *addr (512-byte aligned) or ENOMEM after the rescue chain, EINVAL for an absurd size. */
+/* Allocate `size` bytes (0 gives a distinct minimal block) for use on `stream`
+ * (MSH_STREAM_COMPLETED: the caller uses the memory from the host at once, as after cudaMalloc).
+ * Returns 0 and *addr (512-byte aligned); ENOMEM after the rescue chain; EINVAL for an absurd
+ * size; EIO when the driver failed otherwise (a map or synchronize error): callers may fall
+ * back to another allocator. */
 int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t *addr);
 /* Free a block. `stream` is where its last use was enqueued (MSH_STREAM_COMPLETED when known
  * done). Returns EINVAL for an address the pool did not hand out (nothing changes). */

@@ -1,0 +1,1453 @@
+/*
+ * test_pool.c: the defragmenting pool (policy/pool.c) over the simulated device and over a
+ * recording fake device defined here.
+ *
+ * The fake device (struct fake) implements struct msh_device_ops, logs every call in order (so
+ * tests can check that a synchronize precedes an unmap, or that an event is recorded on the old
+ * stream before the new stream waits on it), can fail the N-th create/map/unmap, can run out of
+ * physical memory at a chosen capacity, and counts live handles, mappings, reservations and
+ * events so that a test can prove nothing leaked after msh_pool_destroy. It also checks device
+ * misuse the real driver would reject (mapping over a mapping, unmapping what is not mapped,
+ * releasing a handle still mapped, freeing a reservation with mappings) and counts it in
+ * `misuse`, which every test expects to stay 0.
+ */
+#include "harness.h"
+#include "msh.h"
+#include "pool.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MiB MSH_MiB
+#define GiB MSH_GiB
+#define GRAN (2 * MiB)
+
+/* ---- the recording fake device ---------------------------------------------------------------- */
+
+enum fk_op { OP_CREATE, OP_RELEASE, OP_MAP, OP_UNMAP, OP_SYNC, OP_EVREC, OP_EVREL, OP_EVQUERY,
+             OP_WAIT, OP_RESERVE, OP_UNRESERVE, OP_N };
+static const char fk_code[OP_N] = {'C', 'R', 'M', 'U', 'S', 'E', 'e', 'q', 'W', 'V', 'v'};
+
+#define FK_MAX 8192
+#define FK_LOG 65536
+
+struct fk_entry { char op; uint64_t a, b; };
+
+struct fake {
+    struct msh_device dev;
+    size_t gran, capacity; /* capacity: bytes of handles the device can hold (0: unlimited) */
+    uint64_t next_va, next_handle, next_event;
+    long live_handles, live_maps, live_resv, live_events, misuse;
+    long calls[OP_N];
+    long fail_at[OP_N]; /* fail the call whose number (1-based, counted from arming) is this */
+    long armed_base[OP_N];
+    int fail_err[OP_N];
+    long failures;
+    uint64_t handles[FK_MAX];
+    int nhandles;
+    struct { uint64_t va, h; } maps[FK_MAX];
+    int nmaps;
+    struct { uint64_t va, size; } resv[64];
+    int nresv;
+    struct fk_entry log[FK_LOG];
+    int nlog;
+};
+
+static struct fake *FK(struct msh_device *d) { return d->impl; }
+
+static void fk_log(struct fake *f, enum fk_op op, uint64_t a, uint64_t b)
+{
+    if (f->nlog < FK_LOG) f->log[f->nlog++] = (struct fk_entry){fk_code[op], a, b};
+}
+
+/* Count the call; returns an injected error or 0. */
+static int fk_enter(struct fake *f, enum fk_op op)
+{
+    f->calls[op]++;
+    if (f->fail_at[op] && f->calls[op] - f->armed_base[op] == f->fail_at[op]) {
+        f->failures++;
+        return f->fail_err[op];
+    }
+    return 0;
+}
+
+static int fk_find_map(struct fake *f, uint64_t va)
+{
+    for (int i = 0; i < f->nmaps; i++)
+        if (f->maps[i].va == va) return i;
+    return -1;
+}
+
+static int fk_find_handle(struct fake *f, uint64_t h)
+{
+    for (int i = 0; i < f->nhandles; i++)
+        if (f->handles[i] == h) return i;
+    return -1;
+}
+
+static int fk_mem_info(struct msh_device *d, size_t *fr, size_t *tot)
+{
+    struct fake *f = FK(d);
+    size_t cap = f->capacity ? f->capacity : 64 * GiB;
+    *tot = cap;
+    *fr = cap - (size_t)f->live_handles * f->gran;
+    return 0;
+}
+
+static int fk_granularity(struct msh_device *d, size_t *g)
+{
+    *g = FK(d)->gran;
+    return 0;
+}
+
+static int fk_reserve(struct msh_device *d, size_t size, size_t align, uint64_t *va)
+{
+    struct fake *f = FK(d);
+    fk_log(f, OP_RESERVE, size, 0);
+    if (!size || size % f->gran || f->nresv == 64) return EINVAL;
+    if (align < f->gran) align = f->gran;
+    uint64_t a = (f->next_va + align - 1) / align * align;
+    f->next_va = a + size + f->gran;
+    f->resv[f->nresv].va = a;
+    f->resv[f->nresv].size = size;
+    f->nresv++;
+    f->live_resv++;
+    *va = a;
+    return 0;
+}
+
+static int fk_unreserve(struct msh_device *d, uint64_t va, size_t size)
+{
+    struct fake *f = FK(d);
+    fk_log(f, OP_UNRESERVE, va, size);
+    for (int i = 0; i < f->nmaps; i++)
+        if (f->maps[i].va >= va && f->maps[i].va < va + size) f->misuse++; /* still mapped */
+    for (int i = 0; i < f->nresv; i++) {
+        if (f->resv[i].va == va && f->resv[i].size == size) {
+            f->resv[i] = f->resv[--f->nresv];
+            f->live_resv--;
+            return 0;
+        }
+    }
+    f->misuse++;
+    return EINVAL;
+}
+
+static int fk_create(struct msh_device *d, size_t size, uint64_t *h)
+{
+    struct fake *f = FK(d);
+    int rc = fk_enter(f, OP_CREATE);
+    fk_log(f, OP_CREATE, size, rc);
+    if (rc) return rc;
+    if (size != f->gran) f->misuse++;
+    if (f->capacity && (size_t)(f->live_handles + 1) * f->gran > f->capacity) return ENOMEM;
+    if (f->nhandles == FK_MAX) return ENOMEM;
+    *h = ++f->next_handle;
+    f->handles[f->nhandles++] = *h;
+    f->live_handles++;
+    return 0;
+}
+
+static int fk_release(struct msh_device *d, uint64_t h)
+{
+    struct fake *f = FK(d);
+    fk_enter(f, OP_RELEASE);
+    fk_log(f, OP_RELEASE, h, 0);
+    int i = fk_find_handle(f, h);
+    if (i < 0) {
+        f->misuse++;
+        return EINVAL;
+    }
+    for (int k = 0; k < f->nmaps; k++)
+        if (f->maps[k].h == h) f->misuse++; /* the pool never releases a mapped handle */
+    f->handles[i] = f->handles[--f->nhandles];
+    f->live_handles--;
+    return 0;
+}
+
+static int fk_map(struct msh_device *d, uint64_t va, size_t size, uint64_t h)
+{
+    struct fake *f = FK(d);
+    int rc = fk_enter(f, OP_MAP);
+    fk_log(f, OP_MAP, va, h);
+    if (rc) return rc;
+    if (size != f->gran || va % f->gran || fk_find_handle(f, h) < 0 || fk_find_map(f, va) >= 0) {
+        f->misuse++;
+        return EINVAL;
+    }
+    for (int k = 0; k < f->nmaps; k++)
+        if (f->maps[k].h == h) { /* one handle mapped twice: two pages would alias */
+            f->misuse++;
+            return EINVAL;
+        }
+    if (f->nmaps == FK_MAX) return ENOMEM;
+    f->maps[f->nmaps].va = va;
+    f->maps[f->nmaps].h = h;
+    f->nmaps++;
+    f->live_maps++;
+    return 0;
+}
+
+static int fk_unmap(struct msh_device *d, uint64_t va, size_t size)
+{
+    struct fake *f = FK(d);
+    int rc = fk_enter(f, OP_UNMAP);
+    fk_log(f, OP_UNMAP, va, size);
+    if (rc) return rc;
+    int i = fk_find_map(f, va);
+    if (i < 0 || size != f->gran) {
+        f->misuse++;
+        return EINVAL;
+    }
+    f->maps[i] = f->maps[--f->nmaps];
+    f->live_maps--;
+    return 0;
+}
+
+static int fk_event_record(struct msh_device *d, uint64_t stream, uint64_t *ev)
+{
+    struct fake *f = FK(d);
+    int rc = fk_enter(f, OP_EVREC);
+    *ev = ++f->next_event;
+    fk_log(f, OP_EVREC, stream, *ev);
+    if (rc) return rc;
+    f->live_events++;
+    return 0;
+}
+
+static int fk_event_query(struct msh_device *d, uint64_t ev)
+{
+    fk_enter(FK(d), OP_EVQUERY);
+    fk_log(FK(d), OP_EVQUERY, ev, 0);
+    return 0;
+}
+
+static int fk_event_release(struct msh_device *d, uint64_t ev)
+{
+    struct fake *f = FK(d);
+    fk_enter(f, OP_EVREL);
+    fk_log(f, OP_EVREL, ev, 0);
+    f->live_events--;
+    return 0;
+}
+
+static int fk_stream_wait(struct msh_device *d, uint64_t stream, uint64_t ev)
+{
+    struct fake *f = FK(d);
+    int rc = fk_enter(f, OP_WAIT);
+    fk_log(f, OP_WAIT, stream, ev);
+    return rc;
+}
+
+static int fk_synchronize(struct msh_device *d)
+{
+    struct fake *f = FK(d);
+    int rc = fk_enter(f, OP_SYNC);
+    fk_log(f, OP_SYNC, 0, 0);
+    return rc;
+}
+
+static const struct msh_device_ops fake_ops = {
+    .name = "fake",
+    .mem_info = fk_mem_info,
+    .granularity = fk_granularity,
+    .reserve = fk_reserve,
+    .unreserve = fk_unreserve,
+    .create = fk_create,
+    .release = fk_release,
+    .map = fk_map,
+    .unmap = fk_unmap,
+    .event_record = fk_event_record,
+    .event_query = fk_event_query,
+    .event_release = fk_event_release,
+    .stream_wait = fk_stream_wait,
+    .synchronize = fk_synchronize,
+};
+
+static struct fake *fake_new(size_t capacity, uint64_t base)
+{
+    struct fake *f = calloc(1, sizeof *f);
+    if (!f) abort();
+    f->gran = GRAN;
+    f->capacity = capacity;
+    f->next_va = base ? base : (uint64_t)1 << 44;
+    f->dev.ops = &fake_ops;
+    f->dev.impl = f;
+    return f;
+}
+
+/* Fail the n-th call of op counted from now (n = 0: disarm). */
+static void fake_fail_nth(struct fake *f, enum fk_op op, long n, int err)
+{
+    f->fail_at[op] = n;
+    f->armed_base[op] = f->calls[op];
+    f->fail_err[op] = err;
+}
+
+static void fake_log_clear(struct fake *f) { f->nlog = 0; }
+
+static int fake_log_count(const struct fake *f, char op)
+{
+    int n = 0;
+    for (int i = 0; i < f->nlog; i++) n += f->log[i].op == op;
+    return n;
+}
+
+/* Index of the first entry `op` in the log at or after `from`, or -1. */
+static int fake_log_find(const struct fake *f, char op, int from)
+{
+    for (int i = from; i < f->nlog; i++)
+        if (f->log[i].op == op) return i;
+    return -1;
+}
+
+static bool fake_is_mapped(const struct fake *f, uint64_t page_va)
+{
+    for (int i = 0; i < f->nmaps; i++)
+        if (f->maps[i].va == page_va) return true;
+    return false;
+}
+
+/* ---- helpers ------------------------------------------------------------------------------------ */
+
+__attribute__((constructor)) static void quiet(void)
+{
+    msh_log_level = MSH_LOG_ERROR; /* OOM warnings are expected in these tests */
+    alarm(600);                    /* a deadlock (GC callback under the lock) must not hang CI */
+}
+
+static struct msh_pool *mk_pool(struct msh_device *d, size_t limit, bool defrag, size_t small_max)
+{
+    struct msh_pool_params p;
+    msh_pool_params_default(&p);
+    p.limit_bytes = limit;
+    p.defrag = defrag;
+    if (small_max) p.small_max = small_max;
+    p.va_bytes = 8 * GiB;
+    struct msh_pool *pool = NULL;
+    if (msh_pool_create(d, &p, &pool)) return NULL;
+    return pool;
+}
+
+static struct msh_pool_stats stats(struct msh_pool *pool)
+{
+    struct msh_pool_stats s;
+    msh_pool_get_stats(pool, &s);
+    return s;
+}
+
+static uint32_t rng_next(uint32_t *s)
+{
+    *s ^= *s << 13;
+    *s ^= *s >> 17;
+    *s ^= *s << 5;
+    return *s;
+}
+
+/* Live blocks of a pool, gathered with msh_pool_for_each_live. */
+struct live_set { uint64_t addr[4096]; size_t size[4096]; int n; };
+
+static void live_cb(void *arg, uint64_t addr, size_t size, uint64_t stream)
+{
+    struct live_set *ls = arg;
+    if (ls->n < 4096) {
+        ls->addr[ls->n] = addr;
+        ls->size[ls->n] = size;
+        ls->n++;
+    }
+}
+
+/* No two live blocks overlap (size 0 counts as one byte). Returns the number of overlaps. */
+static int overlaps(struct msh_pool *pool, int *count)
+{
+    static struct live_set ls;
+    ls.n = 0;
+    msh_pool_for_each_live(pool, live_cb, &ls);
+    if (count) *count = ls.n;
+    int bad = 0;
+    for (int i = 0; i < ls.n; i++)
+        for (int j = i + 1; j < ls.n; j++) {
+            uint64_t ea = ls.addr[i] + (ls.size[i] ? ls.size[i] : 1);
+            uint64_t eb = ls.addr[j] + (ls.size[j] ? ls.size[j] : 1);
+            if (ls.addr[i] < eb && ls.addr[j] < ea) bad++;
+        }
+    return bad;
+}
+
+/* ---- addresses and sizes ------------------------------------------------------------------------ */
+
+TEST(alignment_and_sizes_1_byte_to_1_GiB)
+{
+    struct msh_device d;
+    REQUIRE(msh_dev_sim_init(&d, 16 * GiB, GRAN) == 0);
+    struct msh_pool *pool = mk_pool(&d, 0, true, 0);
+    REQUIRE(pool);
+    static const size_t sizes[] = {1, 2, 3, 511, 512, 513, 1000, 4095, 4096, 65535, 65537,
+                                   MiB - 1, MiB, MiB + 1, 2 * MiB - 1, 2 * MiB, 2 * MiB + 1,
+                                   3 * MiB, 7 * MiB + 3, 100 * MiB + 17, 512 * MiB, GiB};
+    enum { N = sizeof sizes / sizeof sizes[0] };
+    uint64_t a[N];
+    size_t total = 0;
+    for (int i = 0; i < N; i++) {
+        REQUIRE(msh_pool_alloc(pool, sizes[i], 7, &a[i]) == 0);
+        CHECKF(a[i] % 512 == 0, "size %zu at %#llx", sizes[i], (unsigned long long)a[i]);
+        CHECK(a[i] != 0);
+        CHECK(msh_pool_block_size(pool, a[i]) == sizes[i]);
+        CHECK(msh_pool_owns(pool, a[i]));
+        total += sizes[i];
+    }
+    CHECK(overlaps(pool, NULL) == 0);
+    struct msh_pool_stats s = stats(pool);
+    CHECK(s.live_bytes == total);
+    CHECK(s.live_blocks == N);
+    CHECK(s.mapped_bytes >= total);
+    CHECK(s.mapped_bytes <= total + 2 * N * GRAN);
+    /* every size, with odd neighbours, again interleaved: still aligned and disjoint */
+    uint32_t r = 12345;
+    uint64_t b[200];
+    for (int i = 0; i < 200; i++) {
+        size_t sz = 1 + rng_next(&r) % (3 * MiB);
+        REQUIRE(msh_pool_alloc(pool, sz, 7, &b[i]) == 0);
+        CHECK(b[i] % 512 == 0);
+    }
+    CHECK(overlaps(pool, NULL) == 0);
+    for (int i = 0; i < 200; i++) CHECK(msh_pool_free(pool, b[i], 7) == 0);
+    for (int i = 0; i < N; i++) CHECK(msh_pool_free(pool, a[i], 7) == 0);
+    s = stats(pool);
+    CHECK(s.live_bytes == 0 && s.live_blocks == 0 && s.touched_bytes == 0);
+    /* absurd sizes */
+    uint64_t x = 0;
+    CHECK(msh_pool_alloc(pool, SIZE_MAX, 7, &x) == EINVAL);
+    CHECK(msh_pool_alloc(pool, ((size_t)1 << 48) + 1, 7, &x) == EINVAL);
+    msh_pool_destroy(pool);
+    msh_dev_sim_fini(&d);
+}
+
+TEST(size_zero_gives_distinct_blocks)
+{
+    struct msh_device d;
+    REQUIRE(msh_dev_sim_init(&d, 0, GRAN) == 0);
+    struct msh_pool *pool = mk_pool(&d, 0, true, 0);
+    REQUIRE(pool);
+    uint64_t a = 0, b = 0, c = 0;
+    REQUIRE(msh_pool_alloc(pool, 0, 1, &a) == 0);
+    REQUIRE(msh_pool_alloc(pool, 0, 1, &b) == 0);
+    REQUIRE(msh_pool_alloc(pool, 1, 1, &c) == 0);
+    CHECK(a && b && a != b && c != a && c != b);
+    CHECK(a % 512 == 0 && b % 512 == 0);
+    CHECK(msh_pool_owns(pool, a) && msh_pool_owns(pool, b));
+    CHECK(msh_pool_block_size(pool, a) == 0);
+    struct msh_pool_stats s = stats(pool);
+    CHECK(s.live_blocks == 3 && s.live_bytes == 1);
+    CHECK(s.hist[0] == 3); /* 0, 0 and 1 byte: the first bucket */
+    CHECK(msh_pool_free(pool, a, 1) == 0);
+    CHECK(msh_pool_free(pool, b, 1) == 0);
+    CHECK(msh_pool_free(pool, c, 1) == 0);
+    CHECK(stats(pool).live_blocks == 0);
+    msh_pool_destroy(pool);
+    msh_dev_sim_fini(&d);
+}
+
+TEST(free_of_unknown_address_is_einval_and_changes_nothing)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0);
+    REQUIRE(pool);
+    uint64_t a = 0, b = 0;
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 1, &a) == 0);
+    REQUIRE(msh_pool_alloc(pool, 1000, 1, &b) == 0);
+    REQUIRE(msh_pool_free(pool, b, 1) == 0);
+    struct msh_pool_stats before = stats(pool);
+    int nlog = f->nlog;
+    CHECK(msh_pool_free(pool, 0, 1) == EINVAL);
+    CHECK(msh_pool_free(pool, a + 512, 1) == EINVAL);  /* inside a live block */
+    CHECK(msh_pool_free(pool, a - 512, 1) == EINVAL);
+    CHECK(msh_pool_free(pool, b, 1) == EINVAL);        /* double free */
+    CHECK(msh_pool_free(pool, 0xdeadbeef000ull, MSH_STREAM_COMPLETED) == EINVAL);
+    CHECK(msh_pool_record_stream(pool, b, 2) == EINVAL);
+    CHECK(msh_pool_block_size(pool, b) == 0);
+    CHECK(!msh_pool_owns(pool, b));
+    struct msh_pool_stats after = stats(pool);
+    CHECK(memcmp(&before, &after, sizeof before) == 0);
+    CHECK(f->nlog == nlog); /* no device call either */
+    CHECK(msh_pool_block_size(pool, a) == 3 * MiB);
+    CHECK(msh_pool_free(pool, a, 1) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->live_resv == 0 && f->misuse == 0);
+    free(f);
+}
+
+/* ---- placement ------------------------------------------------------------------------------------ */
+
+TEST(coalescing_frees_make_one_extent_reused_without_maps)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0);
+    REQUIRE(pool);
+    const size_t sa = 3 * MiB + 512, sb = 5 * MiB - 1024, sc = 2 * MiB + 4096;
+    uint64_t a, b, c, d;
+    REQUIRE(msh_pool_alloc(pool, sa, 1, &a) == 0);
+    REQUIRE(msh_pool_alloc(pool, sb, 1, &b) == 0);
+    REQUIRE(msh_pool_alloc(pool, sc, 1, &c) == 0);
+    REQUIRE(msh_pool_alloc(pool, 4 * MiB, 1, &d) == 0); /* bounds the hole */
+    CHECK(b == a + sa && c == b + sb && d == c + sc);    /* packed along the line */
+    CHECK(msh_pool_free(pool, b, 1) == 0);
+    CHECK(msh_pool_free(pool, a, 1) == 0);
+    CHECK(msh_pool_free(pool, c, 1) == 0);
+    struct msh_pool_stats s0 = stats(pool);
+    CHECK(s0.largest_free >= sa + sb + sc);
+    uint64_t e;
+    REQUIRE(msh_pool_alloc(pool, sa + sb + sc, 1, &e) == 0);
+    CHECK(e == a);
+    struct msh_pool_stats s1 = stats(pool);
+    CHECK(s1.map_ops == s0.map_ops && s1.create_ops == s0.create_ops && s1.unmap_ops == s0.unmap_ops);
+    CHECK(msh_pool_free(pool, e, 1) == 0);
+    CHECK(msh_pool_free(pool, d, 1) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST(small_requests_never_share_a_page_with_large_ones)
+{
+    struct msh_device d;
+    REQUIRE(msh_dev_sim_init(&d, 0, GRAN) == 0);
+    struct msh_pool *pool = mk_pool(&d, 0, true, MiB);
+    REQUIRE(pool);
+    uint64_t sm[300], lg[40];
+    size_t ssz[300], lsz[40];
+    uint32_t r = 99;
+    for (int i = 0, j = 0, k = 0; i < 340; i++) {
+        if (i % 8 == 7 && k < 40) {
+            lsz[k] = MiB + 1 + rng_next(&r) % (9 * MiB);
+            REQUIRE(msh_pool_alloc(pool, lsz[k], 1, &lg[k]) == 0);
+            k++;
+        } else if (j < 300) {
+            ssz[j] = 1 + rng_next(&r) % MiB; /* up to small_max inclusive */
+            if (j == 0) ssz[j] = MiB;
+            REQUIRE(msh_pool_alloc(pool, ssz[j], 1, &sm[j]) == 0);
+            j++;
+        }
+    }
+    int shared = 0;
+    for (int j = 0; j < 300; j++)
+        for (int k = 0; k < 40; k++) {
+            uint64_t s0 = sm[j] / GRAN, s1 = (sm[j] + ssz[j] - 1) / GRAN;
+            uint64_t l0 = lg[k] / GRAN, l1 = (lg[k] + lsz[k] - 1) / GRAN;
+            if (s0 <= l1 && l0 <= s1) shared++;
+        }
+    CHECK(shared == 0);
+    CHECK(overlaps(pool, NULL) == 0);
+    msh_pool_destroy(pool);
+    msh_dev_sim_fini(&d);
+}
+
+TEST(live_bytes_peak_and_counters)
+{
+    struct msh_device d;
+    REQUIRE(msh_dev_sim_init(&d, 0, GRAN) == 0);
+    struct msh_pool *pool = mk_pool(&d, 0, true, 0);
+    REQUIRE(pool);
+    uint64_t a, b, c;
+    REQUIRE(msh_pool_alloc(pool, 1000, 1, &a) == 0);
+    REQUIRE(msh_pool_alloc(pool, 5 * MiB, 1, &b) == 0);
+    struct msh_pool_stats s = stats(pool);
+    CHECK(s.live_bytes == 1000 + 5 * MiB && s.peak_live_bytes == s.live_bytes && s.live_blocks == 2);
+    CHECK(s.allocs == 2 && s.frees == 0);
+    CHECK(msh_pool_free(pool, b, 1) == 0);
+    REQUIRE(msh_pool_alloc(pool, 2 * MiB, 1, &c) == 0);
+    s = stats(pool);
+    CHECK(s.live_bytes == 1000 + 2 * MiB);
+    CHECK(s.peak_live_bytes == 1000 + 5 * MiB);
+    CHECK(s.allocs == 3 && s.frees == 1 && s.live_blocks == 2);
+    CHECK(s.peak_mapped_bytes >= s.mapped_bytes);
+    CHECK(s.peak_touched_bytes >= 4 * GRAN); /* 1000 B page + three 5 MiB pages */
+    msh_pool_reset_peaks(pool);
+    s = stats(pool);
+    CHECK(s.peak_live_bytes == s.live_bytes);
+    CHECK(s.peak_mapped_bytes == s.mapped_bytes);
+    CHECK(s.peak_touched_bytes == s.touched_bytes);
+    CHECK(msh_pool_free(pool, a, 1) == 0);
+    CHECK(msh_pool_free(pool, c, 1) == 0);
+    s = stats(pool);
+    CHECK(s.live_bytes == 0 && s.live_blocks == 0 && s.frees == 3 && s.touched_bytes == 0);
+    CHECK(s.peak_live_bytes == 1000 + 2 * MiB);
+    /* histogram: 1000 B in [512,1024) = bucket 1; 5 MiB in bucket 14; 2 MiB in bucket 13 */
+    CHECK(s.hist[1] == 1 && s.hist[14] == 1 && s.hist[13] == 1);
+    msh_pool_destroy(pool);
+    msh_dev_sim_fini(&d);
+}
+
+TEST(pages_are_mapped_only_where_live_blocks_touch)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0);
+    REQUIRE(pool);
+    uint64_t a, b;
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 1, &a) == 0);
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 1, &b) == 0);
+    CHECK(b == a + 3 * MiB);
+    struct msh_pool_stats s = stats(pool);
+    CHECK(s.map_ops == 3 && s.create_ops == 3); /* 6 MiB over pages 0,1,2: not 4 */
+    CHECK(s.mapped_bytes == 3 * GRAN && s.touched_bytes == 3 * GRAN);
+    CHECK(f->live_maps == 3 && f->live_handles == 3);
+    /* every byte handed out is mapped on the device */
+    for (uint64_t p = a / GRAN; p <= (b + 3 * MiB - 1) / GRAN; p++) CHECK(fake_is_mapped(f, p * GRAN));
+    CHECK(msh_pool_free(pool, a, 1) == 0);
+    s = stats(pool);
+    CHECK(s.touched_bytes == 2 * GRAN); /* page 1 is still shared with b */
+    CHECK(s.mapped_bytes == 3 * GRAN);  /* page 0 stays cached */
+    CHECK(s.free_bytes == 3 * MiB);     /* usable now without mapping: a's extent */
+    CHECK(msh_pool_free(pool, b, 1) == 0);
+    s = stats(pool);
+    CHECK(s.touched_bytes == 0 && s.mapped_bytes == 3 * GRAN);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->live_resv == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST(cached_pages_are_reused_without_map_ops)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0);
+    REQUIRE(pool);
+    uint64_t a[6];
+    for (int i = 0; i < 6; i++) REQUIRE(msh_pool_alloc(pool, (size_t)(i + 1) * 700 * 1024 + 3, 1, &a[i]) == 0);
+    for (int i = 0; i < 6; i++) CHECK(msh_pool_free(pool, a[i], 1) == 0);
+    long maps = f->calls[OP_MAP], creates = f->calls[OP_CREATE];
+    for (int round = 0; round < 3; round++) {
+        for (int i = 0; i < 6; i++) REQUIRE(msh_pool_alloc(pool, (size_t)(i + 1) * 700 * 1024 + 3, 1, &a[i]) == 0);
+        for (int i = 5; i >= 0; i--) CHECK(msh_pool_free(pool, a[i], 1) == 0);
+    }
+    CHECK(f->calls[OP_MAP] == maps && f->calls[OP_CREATE] == creates);
+    CHECK(f->calls[OP_UNMAP] == 0 && f->calls[OP_RELEASE] == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
+/* ---- limits, reclaim and the rescue chain ----------------------------------------------------- */
+
+/* Four 2 MiB blocks fill a 4-page limit; freeing the 1st and 3rd leaves two cached pages that no
+ * 4 MiB request can use in place. */
+static void fill_and_punch(struct msh_pool *pool, uint64_t blk[4])
+{
+    for (int i = 0; i < 4; i++)
+        if (msh_pool_alloc(pool, 2 * MiB, 1, &blk[i])) blk[i] = 0;
+    msh_pool_free(pool, blk[0], MSH_STREAM_COMPLETED);
+    msh_pool_free(pool, blk[2], MSH_STREAM_COMPLETED);
+}
+
+static int gc_calls;
+static struct msh_pool *gc_pool;
+static uint64_t gc_victim;
+static size_t gc_fn(void *arg)
+{
+    gc_calls++;
+    CHECK(arg == &gc_calls);
+    if (!gc_victim) return 0;
+    /* Calls back into the pool: this deadlocks unless the pool released its lock. */
+    size_t sz = msh_pool_block_size(gc_pool, gc_victim);
+    CHECK(msh_pool_free(gc_pool, gc_victim, MSH_STREAM_COMPLETED) == 0);
+    gc_victim = 0;
+    return sz;
+}
+
+static void gc_arm(struct msh_pool *pool, uint64_t victim)
+{
+    gc_calls = 0;
+    gc_pool = pool;
+    gc_victim = victim;
+    msh_pool_set_gc(pool, gc_fn, &gc_calls);
+}
+
+TEST(limit_with_defrag_reclaims_cached_pages)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 8 * MiB, true, 0);
+    REQUIRE(pool);
+    uint64_t blk[4], e;
+    fill_and_punch(pool, blk);
+    REQUIRE(blk[0] && blk[1] && blk[2] && blk[3]);
+    gc_arm(pool, 0);
+    REQUIRE(msh_pool_alloc(pool, 4 * MiB, 1, &e) == 0);
+    struct msh_pool_stats s = stats(pool);
+    CHECK(s.create_ops == 4);          /* the limit capped handles */
+    CHECK(s.reclaimed_pages == 2);     /* both cached pages were unmapped and remapped */
+    CHECK(s.unmap_ops == 2 && s.map_ops == 6);
+    CHECK(s.rescue_reclaim == 1 && s.rescue_gc == 0 && s.rescue_empty_cache == 0);
+    CHECK(s.oom_events == 0);
+    CHECK(gc_calls == 0);              /* reclaim comes before the GC callback */
+    CHECK(s.mapped_bytes == 8 * MiB && f->live_handles == 4);
+    for (uint64_t p = e / GRAN; p <= (e + 4 * MiB - 1) / GRAN; p++) CHECK(fake_is_mapped(f, p * GRAN));
+    CHECK(overlaps(pool, NULL) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST(limit_without_defrag_fails_or_needs_empty_cache)
+{
+    /* defrag off: no reclaim. The chain goes on to the GC callback and to empty-cache, which
+     * gives the cached pages back and creates new ones (also counted). With the empty-cache step
+     * unable to help (a live set at the limit), the request fails with ENOMEM. */
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 8 * MiB, false, 0);
+    REQUIRE(pool);
+    uint64_t blk[4], e;
+    fill_and_punch(pool, blk);
+    gc_arm(pool, 0);
+    int rc = msh_pool_alloc(pool, 4 * MiB, 1, &e);
+    struct msh_pool_stats s = stats(pool);
+    CHECK(s.reclaimed_pages == 0 && s.rescue_reclaim == 0);
+    CHECK(gc_calls == 1);
+    if (rc == 0) {
+        CHECK(s.rescue_empty_cache == 1 && s.released_pages == 2 && s.create_ops == 6);
+        CHECK(msh_pool_free(pool, e, 1) == 0);
+    } else {
+        CHECK(rc == ENOMEM && s.oom_events == 1);
+    }
+    /* live 4 MiB of 8: a 6 MiB request cannot fit whatever the chain does */
+    CHECK(msh_pool_alloc(pool, 6 * MiB, 1, &e) == ENOMEM);
+    s = stats(pool);
+    CHECK(s.oom_events >= 1 && s.alloc_fail >= 1);
+    CHECK(s.mapped_bytes <= 8 * MiB);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST(rescue_chain_order_reuse_map_reclaim_gc_empty_cache_fail)
+{
+    /* 1. reuse: no device call at all */
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 8 * MiB, true, 0);
+    REQUIRE(pool);
+    gc_arm(pool, 0);
+    uint64_t x, blk[4], e;
+    REQUIRE(msh_pool_alloc(pool, MiB + 512, 1, &x) == 0);
+    CHECK(msh_pool_free(pool, x, 1) == 0);
+    fake_log_clear(f);
+    REQUIRE(msh_pool_alloc(pool, MiB + 512, 1, &x) == 0);
+    CHECK(f->nlog == 0);
+    CHECK(msh_pool_free(pool, x, 1) == 0);
+    msh_pool_empty_cache(pool);
+    /* 2. map new: create + map, nothing else */
+    fake_log_clear(f);
+    REQUIRE(msh_pool_alloc(pool, 2 * MiB, 1, &x) == 0);
+    CHECK(fake_log_count(f, 'C') == 1 && fake_log_count(f, 'M') == 1 && fake_log_count(f, 'U') == 0);
+    CHECK(msh_pool_free(pool, x, MSH_STREAM_COMPLETED) == 0);
+    msh_pool_empty_cache(pool);
+    /* 3. reclaim before GC */
+    fill_and_punch(pool, blk);
+    fake_log_clear(f);
+    REQUIRE(msh_pool_alloc(pool, 4 * MiB, 1, &e) == 0);
+    struct msh_pool_stats s = stats(pool);
+    CHECK(s.rescue_reclaim == 1 && gc_calls == 0 && s.rescue_gc == 0);
+    CHECK(fake_log_count(f, 'U') == 2 && fake_log_count(f, 'M') == 2 && fake_log_count(f, 'R') == 0);
+    /* 4. GC: every page live, nothing cached; the callback frees blk[1] (from inside) */
+    REQUIRE(overlaps(pool, NULL) == 0);
+    gc_arm(pool, blk[1]);
+    uint64_t g;
+    REQUIRE(msh_pool_alloc(pool, 2 * MiB, 1, &g) == 0);
+    s = stats(pool);
+    /* the freed page becomes cached and is remapped into the best-fit hole (a reclaim inside
+     * the GC retry), or reused in place */
+    CHECK(gc_calls == 1 && s.rescue_gc == 1 && s.rescue_empty_cache == 0);
+    CHECK(!msh_pool_owns(pool, blk[1]) || g == blk[1]);
+    CHECK(fake_is_mapped(f, g));
+    CHECK(s.mapped_bytes == 8 * MiB && s.live_blocks == 3);
+    /* 5. fail: GC has nothing left, nothing cached */
+    gc_arm(pool, 0);
+    int rc = msh_pool_alloc(pool, 2 * MiB, 1, &x);
+    s = stats(pool);
+    CHECK(rc == ENOMEM);
+    CHECK(gc_calls == 1 && s.oom_events == 1 && s.alloc_fail == 1);
+    CHECK(s.rescue_gc == 1 && s.rescue_empty_cache == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+
+    /* 6. empty cache: the DRIVER is out of memory (capacity 8 MiB, no pool limit), defrag off:
+     * the GC callback comes first (frees nothing), then empty-cache gives the cached pages back
+     * to the driver and the retry creates new ones. */
+    f = fake_new(8 * MiB, 0);
+    pool = mk_pool(&f->dev, 0, false, 0);
+    REQUIRE(pool);
+    fill_and_punch(pool, blk);
+    gc_arm(pool, 0);
+    fake_log_clear(f);
+    REQUIRE(msh_pool_alloc(pool, 4 * MiB, 1, &e) == 0);
+    s = stats(pool);
+    CHECK(gc_calls == 1 && s.rescue_empty_cache == 1 && s.rescue_gc == 0 && s.rescue_reclaim == 0);
+    CHECK(s.released_pages == 2 && s.oom_events == 0);
+    /* order in the device log: failed create, (GC), unmap+release of cached pages, create+map */
+    int c0 = fake_log_find(f, 'C', 0), u0 = fake_log_find(f, 'U', 0), r0 = fake_log_find(f, 'R', 0);
+    int m0 = fake_log_find(f, 'M', 0);
+    CHECK(c0 >= 0 && u0 > c0 && r0 > u0 && m0 > r0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST(oom_diagnosis_capacity_and_fragmentation)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 16 * MiB, true, MiB);
+    REQUIRE(pool);
+    /* capacity: live blocks fill the limit */
+    static const size_t sz[] = {3 * MiB, 1 * MiB + 4096, 5 * MiB, 1536 * 1024, 2 * MiB + 512, 2 * MiB};
+    uint64_t a[6];
+    size_t live = 0;
+    for (int i = 0; i < 6; i++) {
+        REQUIRE(msh_pool_alloc(pool, sz[i], 1, &a[i]) == 0);
+        live += sz[i];
+    }
+    uint64_t x;
+    CHECK(msh_pool_alloc(pool, 8 * MiB, 1, &x) == ENOMEM);
+    struct msh_pool_oom o;
+    msh_pool_last_oom(pool, &o);
+    CHECK(o.requested == 8 * MiB);
+    CHECK(o.live_bytes == live);
+    CHECK(o.limit_bytes == 16 * MiB);
+    CHECK(o.mapped_bytes <= 16 * MiB);
+    CHECK(!o.fragmentation); /* live + requested > limit */
+    CHECK(o.ntop == 5);
+    CHECK(o.top[0].size == 5 * MiB && o.top[0].addr == a[2]);
+    CHECK(o.top[1].size == 3 * MiB && o.top[1].addr == a[0]);
+    CHECK(o.top[2].size == 2 * MiB + 512);
+    CHECK(o.top[3].size == 2 * MiB);
+    CHECK(o.top[4].size == 1536 * 1024);
+    for (int i = 1; i < o.ntop; i++) CHECK(o.top[i - 1].size >= o.top[i].size);
+    for (int i = 0; i < 6; i++) CHECK(msh_pool_free(pool, a[i], 1) == 0);
+    msh_pool_destroy(pool);
+    free(f);
+
+    /* fragmentation: small 1 MiB blocks fill every page of an 8 MiB limit; every other one is
+     * freed: 4 MiB free, but each page is pinned by a live neighbour, so 2 MiB do not fit */
+    f = fake_new(0, 0);
+    pool = mk_pool(&f->dev, 8 * MiB, true, MiB);
+    REQUIRE(pool);
+    uint64_t s[8];
+    for (int i = 0; i < 8; i++) REQUIRE(msh_pool_alloc(pool, MiB, 1, &s[i]) == 0);
+    for (int i = 0; i < 8; i += 2) CHECK(msh_pool_free(pool, s[i], 1) == 0);
+    struct msh_pool_stats st = stats(pool);
+    CHECK(st.free_bytes == 4 * MiB && st.largest_free == MiB);
+    CHECK(msh_pool_alloc(pool, 2 * MiB, 1, &x) == ENOMEM);
+    msh_pool_last_oom(pool, &o);
+    CHECK(o.requested == 2 * MiB && o.live_bytes == 4 * MiB && o.fragmentation);
+    CHECK(o.largest_free == MiB);
+    CHECK(o.ntop == 4);
+    for (int i = 0; i < o.ntop; i++) CHECK(o.top[i].size == MiB);
+    for (int i = 1; i < 8; i += 2) CHECK(msh_pool_free(pool, s[i], 1) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST(empty_cache_releases_exactly_the_cached_pages)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0);
+    REQUIRE(pool);
+    uint64_t a[20];
+    uint32_t r = 7;
+    for (int i = 0; i < 20; i++) REQUIRE(msh_pool_alloc(pool, 1 + rng_next(&r) % (6 * MiB), 1, &a[i]) == 0);
+    for (int i = 0; i < 20; i += 3) CHECK(msh_pool_free(pool, a[i], MSH_STREAM_COMPLETED) == 0);
+    struct msh_pool_stats s0 = stats(pool);
+    size_t cached = s0.mapped_bytes - s0.touched_bytes;
+    CHECK(cached > 0);
+    size_t rel = msh_pool_empty_cache(pool);
+    struct msh_pool_stats s1 = stats(pool);
+    CHECK(rel == cached);
+    CHECK(s1.released_pages - s0.released_pages == cached / GRAN);
+    CHECK(s1.mapped_bytes == s0.touched_bytes && s1.touched_bytes == s0.touched_bytes);
+    CHECK((size_t)f->live_handles * GRAN == s1.mapped_bytes && (size_t)f->live_maps * GRAN == s1.mapped_bytes);
+    CHECK(msh_pool_empty_cache(pool) == 0);
+    /* every live block is still fully mapped */
+    for (int i = 0; i < 20; i++) {
+        if (i % 3 == 0) continue;
+        size_t sz = msh_pool_block_size(pool, a[i]);
+        for (uint64_t p = a[i] / GRAN; p <= (a[i] + (sz ? sz : 1) - 1) / GRAN; p++)
+            CHECK(fake_is_mapped(f, p * GRAN));
+    }
+    for (int i = 0; i < 20; i++)
+        if (i % 3) CHECK(msh_pool_free(pool, a[i], 1) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST(release_threshold_caps_cached_bytes)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool_params p;
+    msh_pool_params_default(&p);
+    p.va_bytes = 8 * GiB;
+    p.release_threshold = 4 * MiB;
+    struct msh_pool *pool = NULL;
+    REQUIRE(msh_pool_create(&f->dev, &p, &pool) == 0);
+    uint64_t a[10];
+    for (int i = 0; i < 10; i++) REQUIRE(msh_pool_alloc(pool, 2 * MiB, 1, &a[i]) == 0);
+    for (int i = 0; i < 10; i++) {
+        CHECK(msh_pool_free(pool, a[i], 1) == 0);
+        struct msh_pool_stats s = stats(pool);
+        CHECKF(s.mapped_bytes - s.touched_bytes <= 4 * MiB, "after %d frees cached %zu", i + 1,
+               s.mapped_bytes - s.touched_bytes);
+    }
+    struct msh_pool_stats s = stats(pool);
+    CHECK(s.mapped_bytes == 4 * MiB && s.released_pages == 8);
+    /* the release unmapped pages freed on a stream: a synchronize came first */
+    int u = fake_log_find(f, 'U', 0), sy = fake_log_find(f, 'S', 0);
+    CHECK(u >= 0 && sy >= 0 && sy < u);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
+/* ---- streams ---------------------------------------------------------------------------------------- */
+
+TEST(stream_same_stream_reuse_needs_no_event)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0);
+    REQUIRE(pool);
+    uint64_t a, b;
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 11, &a) == 0);
+    CHECK(msh_pool_free(pool, a, 11) == 0);
+    fake_log_clear(f);
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 11, &b) == 0);
+    CHECK(b == a);
+    CHECK(f->nlog == 0);
+    CHECK(stats(pool).cross_stream_waits == 0);
+    CHECK(msh_pool_free(pool, b, 11) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_events == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST(stream_other_stream_reuse_records_event_and_waits)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0);
+    REQUIRE(pool);
+    uint64_t a, b, guard;
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 11, &a) == 0);
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, MSH_STREAM_COMPLETED, &guard) == 0); /* bounds the hole */
+    CHECK(msh_pool_free(pool, a, 11) == 0);
+    fake_log_clear(f);
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 22, &b) == 0);
+    CHECK(b == a);
+    int e = fake_log_find(f, 'E', 0), w = fake_log_find(f, 'W', 0), r = fake_log_find(f, 'e', 0);
+    REQUIRE(e >= 0 && w >= 0);
+    CHECK(f->log[e].a == 11);                       /* event on the old stream */
+    CHECK(w > e && f->log[w].a == 22 && f->log[w].b == f->log[e].b); /* new stream waits on it */
+    CHECK(r > w && f->log[r].a == f->log[e].b);     /* and the event is released */
+    CHECK(fake_log_count(f, 'S') == 0);             /* no host blocking */
+    CHECK(stats(pool).cross_stream_waits == 1);
+    CHECK(msh_pool_free(pool, b, 22) == 0);
+    /* back on 22: no wait needed any more */
+    fake_log_clear(f);
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 22, &b) == 0);
+    CHECK(fake_log_count(f, 'W') == 0);
+    CHECK(msh_pool_free(pool, b, 22) == 0);
+    CHECK(msh_pool_free(pool, guard, 22) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_events == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST(stream_completed_free_needs_no_wait)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0);
+    REQUIRE(pool);
+    uint64_t a, b;
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 11, &a) == 0);
+    CHECK(msh_pool_free(pool, a, MSH_STREAM_COMPLETED) == 0);
+    fake_log_clear(f);
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 22, &b) == 0);
+    CHECK(b == a && f->nlog == 0);
+    CHECK(msh_pool_free(pool, b, MSH_STREAM_COMPLETED) == 0);
+    /* ... and nothing to synchronize before unmapping */
+    fake_log_clear(f);
+    CHECK(msh_pool_empty_cache(pool) == 2 * GRAN);
+    CHECK(fake_log_count(f, 'S') == 0 && fake_log_count(f, 'U') == 2);
+    msh_pool_destroy(pool);
+    CHECK(f->live_events == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST(stream_host_alloc_of_stream_freed_block_synchronizes)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0);
+    REQUIRE(pool);
+    uint64_t a, b;
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 11, &a) == 0);
+    CHECK(msh_pool_free(pool, a, 11) == 0);
+    fake_log_clear(f);
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, MSH_STREAM_COMPLETED, &b) == 0);
+    CHECK(b == a);
+    CHECK(fake_log_count(f, 'S') == 1 && fake_log_count(f, 'E') == 0);
+    CHECK(msh_pool_free(pool, b, MSH_STREAM_COMPLETED) == 0);
+    /* the synchronize covered everything: no second one for the unmaps */
+    fake_log_clear(f);
+    msh_pool_empty_cache(pool);
+    CHECK(fake_log_count(f, 'S') == 0 && fake_log_count(f, 'U') > 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_events == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST(stream_record_stream_adds_a_stream_to_wait_on)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0);
+    REQUIRE(pool);
+    uint64_t a, b, guard;
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 11, &a) == 0);
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, MSH_STREAM_COMPLETED, &guard) == 0); /* bounds the hole */
+    CHECK(msh_pool_record_stream(pool, a, 33) == 0);
+    CHECK(msh_pool_record_stream(pool, a, 33) == 0); /* twice: one stream */
+    CHECK(msh_pool_free(pool, a, 11) == 0);
+    fake_log_clear(f);
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 44, &b) == 0);
+    CHECK(b == a);
+    int e1 = fake_log_find(f, 'E', 0), e2 = e1 >= 0 ? fake_log_find(f, 'E', e1 + 1) : -1;
+    REQUIRE(e1 >= 0 && e2 >= 0);
+    CHECK(fake_log_count(f, 'E') == 2 && fake_log_count(f, 'W') == 2);
+    CHECK((f->log[e1].a == 11 && f->log[e2].a == 33) || (f->log[e1].a == 33 && f->log[e2].a == 11));
+    for (int i = 0; i < f->nlog; i++)
+        if (f->log[i].op == 'W') CHECK(f->log[i].a == 44);
+    CHECK(stats(pool).cross_stream_waits == 2);
+    CHECK(msh_pool_free(pool, b, 44) == 0);
+    /* reuse on a recorded stream: only the other one needs an event */
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 11, &a) == 0);
+    CHECK(msh_pool_record_stream(pool, a, 33) == 0);
+    CHECK(msh_pool_free(pool, a, 11) == 0);
+    fake_log_clear(f);
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 33, &b) == 0);
+    CHECK(b == a);
+    CHECK(fake_log_count(f, 'E') == 1 && f->log[fake_log_find(f, 'E', 0)].a == 11);
+    CHECK(msh_pool_free(pool, b, 33) == 0);
+    CHECK(msh_pool_free(pool, guard, 33) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_events == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST(stream_record_stream_on_host_allocated_block_is_kept)
+{
+    /* A block allocated for host-synchronous use (MSH_STREAM_COMPLETED), then used on stream 33
+     * (record_stream) and freed on stream 11: reuse on stream 44 must wait for 11 AND 33. */
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0);
+    REQUIRE(pool);
+    uint64_t a, b, guard;
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, MSH_STREAM_COMPLETED, &a) == 0);
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, MSH_STREAM_COMPLETED, &guard) == 0);
+    CHECK(msh_pool_record_stream(pool, a, 33) == 0);
+    CHECK(msh_pool_free(pool, a, 11) == 0);
+    fake_log_clear(f);
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 44, &b) == 0);
+    CHECK(b == a);
+    bool on11 = false, on33 = false;
+    for (int i = 0; i < f->nlog; i++)
+        if (f->log[i].op == 'E') {
+            on11 |= f->log[i].a == 11;
+            on33 |= f->log[i].a == 33;
+        }
+    CHECK(on11);
+    CHECKF(on33 || fake_log_count(f, 'S') > 0,
+           "work recorded on stream 33 is not waited for (events: %d, syncs: %d)",
+           fake_log_count(f, 'E'), fake_log_count(f, 'S'));
+    CHECK(msh_pool_free(pool, b, 44) == 0);
+    msh_pool_destroy(pool);
+    free(f);
+}
+
+TEST(stream_unmap_is_preceded_by_synchronize)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 8 * MiB, true, 0);
+    REQUIRE(pool);
+    uint64_t blk[4], e;
+    /* reclaim path: the punched blocks were freed on a stream */
+    for (int i = 0; i < 4; i++) REQUIRE(msh_pool_alloc(pool, 2 * MiB, 5, &blk[i]) == 0);
+    CHECK(msh_pool_free(pool, blk[0], 5) == 0);
+    CHECK(msh_pool_free(pool, blk[2], 5) == 0);
+    fake_log_clear(f);
+    REQUIRE(msh_pool_alloc(pool, 4 * MiB, 6, &e) == 0);
+    int s0 = fake_log_find(f, 'S', 0), u0 = fake_log_find(f, 'U', 0);
+    CHECK(u0 >= 0 && s0 >= 0 && s0 < u0);
+    CHECK(fake_log_count(f, 'S') == 1); /* one synchronize covers both unmaps */
+    CHECK(stats(pool).reclaimed_pages == 2);
+    /* empty-cache path: freed on a stream since the last synchronize -> synchronize first */
+    CHECK(msh_pool_free(pool, blk[1], 5) == 0);
+    fake_log_clear(f);
+    CHECK(msh_pool_empty_cache(pool) == GRAN);
+    s0 = fake_log_find(f, 'S', 0);
+    u0 = fake_log_find(f, 'U', 0);
+    CHECK(u0 >= 0 && s0 >= 0 && s0 < u0);
+    /* nothing freed on a stream since: no synchronize */
+    CHECK(msh_pool_free(pool, blk[3], MSH_STREAM_COMPLETED) == 0);
+    fake_log_clear(f);
+    CHECK(msh_pool_empty_cache(pool) == GRAN);
+    CHECK(fake_log_count(f, 'S') == 0 && fake_log_count(f, 'U') == 1);
+    /* after a synchronize, a block freed before it is clean: reuse elsewhere needs no event */
+    CHECK(msh_pool_free(pool, e, 6) == 0);
+    fake_log_clear(f);
+    msh_pool_empty_cache(pool); /* synchronizes (e was freed on 6) and unmaps */
+    CHECK(fake_log_count(f, 'S') == 1);
+    REQUIRE(msh_pool_alloc(pool, 2 * MiB, 5, &blk[0]) == 0);
+    REQUIRE(msh_pool_alloc(pool, 2 * MiB, 7, &blk[1]) == 0);
+    CHECK(msh_pool_free(pool, blk[0], 5) == 0);
+    CHECK(msh_pool_free(pool, blk[1], 7) == 0);
+    fake_log_clear(f);
+    REQUIRE(msh_pool_alloc(pool, 4 * MiB, MSH_STREAM_COMPLETED, &e) == 0); /* synchronizes */
+    CHECK(fake_log_count(f, 'S') == 1);
+    CHECK(msh_pool_free(pool, e, 9) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->live_events == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST(stream_tags_spread_through_coalescing_note)
+{
+    /* A block freed on stream 11 coalesces with the open tail of the VA line; the merged extent
+     * carries stream 11, so every later block carved from the tail for stream 22 waits on 11
+     * although no work of 11 ever touched those bytes. Safe, but a false dependency between
+     * streams: counted and printed here, not failed. */
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0);
+    REQUIRE(pool);
+    uint64_t a, b[8];
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 11, &a) == 0);
+    CHECK(msh_pool_free(pool, a, 11) == 0);
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 22, &b[0]) == 0); /* a's bytes: one wait is right */
+    uint64_t w0 = stats(pool).cross_stream_waits;
+    for (int i = 1; i < 8; i++) REQUIRE(msh_pool_alloc(pool, 3 * MiB, 22, &b[i]) == 0);
+    uint64_t spurious = stats(pool).cross_stream_waits - w0;
+    printf("    note: 7 blocks carved on stream 22 from bytes stream 11 never used: %llu waits on 11\n",
+           (unsigned long long)spurious);
+    CHECK(w0 == 1);
+    for (int i = 0; i < 8; i++) CHECK(msh_pool_free(pool, b[i], 22) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_events == 0 && f->misuse == 0);
+    free(f);
+}
+
+/* ---- fault injection --------------------------------------------------------------------------- */
+
+struct wl_result { long calls[OP_N]; int ok, fail, einval, other_err; int bad_rc; int unmapped_live; int overlap; int acct; };
+
+/* Pages of every live block are mapped on the fake device; handles agree with the pool. */
+static void check_consistent(struct msh_pool *pool, struct fake *f, struct wl_result *res)
+{
+    static struct live_set ls;
+    ls.n = 0;
+    msh_pool_for_each_live(pool, live_cb, &ls);
+    for (int i = 0; i < ls.n; i++) {
+        uint64_t end = ls.addr[i] + (ls.size[i] ? ls.size[i] : 1);
+        for (uint64_t p = ls.addr[i] / GRAN; p <= (end - 1) / GRAN; p++)
+            if (!fake_is_mapped(f, p * GRAN)) res->unmapped_live++;
+    }
+    res->overlap += overlaps(pool, NULL);
+    if (msh_pool_mapped_bytes(pool) != (size_t)f->live_handles * GRAN) res->acct++;
+}
+
+static struct msh_pool *wl_gc_pool;
+static uint64_t wl_gc_victim;
+static size_t wl_gc(void *arg)
+{
+    (void)arg;
+    if (!wl_gc_victim) return 0;
+    uint64_t v = wl_gc_victim;
+    wl_gc_victim = 0;
+    return msh_pool_free(wl_gc_pool, v, MSH_STREAM_COMPLETED) == 0 ? 1 : 0;
+}
+
+/* A small workload under pressure: 6-page limit, defrag, streams, GC, empty cache. */
+static void workload(struct fake *f, struct msh_pool *pool, struct wl_result *res)
+{
+    uint64_t held[12] = {0};
+    uint32_t r = 2024;
+    wl_gc_pool = pool;
+    msh_pool_set_gc(pool, wl_gc, NULL);
+    for (int op = 0; op < 160; op++) {
+        uint32_t x = rng_next(&r);
+        int slot = (int)(x % 12);
+        if (held[slot]) {
+            uint64_t st = (x >> 8) % 3 == 0 ? MSH_STREAM_COMPLETED : 1 + (x >> 8) % 3;
+            if (msh_pool_free(pool, held[slot], st)) res->bad_rc++;
+            held[slot] = 0;
+        } else {
+            size_t sz = (x >> 4) % 4 == 0 ? 512 + (x >> 6) % (5 * MiB) : 1 + (x >> 6) % (600 * 1024);
+            uint64_t st = (x >> 10) % 4 == 0 ? MSH_STREAM_COMPLETED : 1 + (x >> 11) % 3;
+            uint64_t a = 0;
+            int rc = msh_pool_alloc(pool, sz, st, &a);
+            if (rc == 0) {
+                res->ok++;
+                held[slot] = a;
+                if ((x >> 13) % 5 == 0) msh_pool_record_stream(pool, a, 3);
+            } else if (rc == ENOMEM) {
+                res->fail++;
+            } else if (rc == EINVAL) {
+                res->einval++;
+            } else {
+                res->other_err++;
+            }
+        }
+        if (op % 40 == 39) msh_pool_empty_cache(pool);
+        if (op % 17 == 0 && !wl_gc_victim) {
+            for (int i = 0; i < 12; i++)
+                if (held[i]) { wl_gc_victim = held[i]; held[i] = 0; break; }
+        }
+        check_consistent(pool, f, res);
+    }
+    if (wl_gc_victim && msh_pool_free(pool, wl_gc_victim, 1)) res->bad_rc++;
+    wl_gc_victim = 0;
+    /* free half, keep half live into destroy (destroy must release them too) */
+    for (int i = 0; i < 12; i += 2)
+        if (held[i] && msh_pool_free(pool, held[i], 2)) res->bad_rc++;
+    check_consistent(pool, f, res);
+    memcpy(res->calls, f->calls, sizeof res->calls);
+}
+
+TEST(fault_injection_create_map_unmap_every_nth_call)
+{
+    /* a clean run gives the number of calls of each kind */
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 12 * MiB, true, 0);
+    REQUIRE(pool);
+    struct wl_result clean;
+    memset(&clean, 0, sizeof clean);
+    workload(f, pool, &clean);
+    CHECK(clean.unmapped_live == 0 && clean.overlap == 0 && clean.acct == 0 && clean.bad_rc == 0);
+    CHECK(clean.other_err == 0 && clean.einval == 0);
+    struct msh_pool_stats cs = stats(pool);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->live_resv == 0 && f->live_events == 0);
+    CHECK(f->misuse == 0);
+    printf("    clean workload: %d allocs ok, %d ENOMEM; create %ld map %ld unmap %ld sync %ld; "
+           "reclaimed %llu, rescue gc %llu, empty-cache %llu\n",
+           clean.ok, clean.fail, clean.calls[OP_CREATE], clean.calls[OP_MAP], clean.calls[OP_UNMAP],
+           clean.calls[OP_SYNC], (unsigned long long)cs.reclaimed_pages,
+           (unsigned long long)cs.rescue_gc, (unsigned long long)cs.rescue_empty_cache);
+    CHECK(clean.calls[OP_CREATE] > 0 && clean.calls[OP_MAP] > 0 && clean.calls[OP_UNMAP] > 0);
+    CHECK(cs.reclaimed_pages > 0);
+    free(f);
+
+    static const enum fk_op kinds[] = {OP_CREATE, OP_MAP, OP_UNMAP, OP_SYNC, OP_EVREC, OP_WAIT};
+    static const int errs[] = {ENOMEM, EIO, EIO, EIO, EIO, EIO};
+    int runs = 0, bad = 0, errs_seen = 0, ok_runs = 0;
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
+        int kind_errs = 0;
+        for (long n = 1; n <= clean.calls[kinds[k]]; n++) {
+            f = fake_new(0, 0);
+            pool = mk_pool(&f->dev, 12 * MiB, true, 0);
+            REQUIRE(pool);
+            fake_fail_nth(f, kinds[k], n, errs[k]);
+            struct wl_result res;
+            memset(&res, 0, sizeof res);
+            workload(f, pool, &res);
+            msh_pool_destroy(pool);
+            runs++;
+            errs_seen += res.other_err;
+            kind_errs += res.other_err;
+            ok_runs += f->failures == 0;
+            bool fine = res.unmapped_live == 0 && res.overlap == 0 && res.acct == 0 && res.bad_rc == 0 &&
+                        res.einval == 0 && f->live_handles == 0 && f->live_maps == 0 &&
+                        f->live_resv == 0 && f->live_events == 0 && f->misuse == 0;
+            if (!fine) {
+                bad++;
+                if (bad <= 5)
+                    fprintf(stderr,
+                            "    fail %c at call %ld: unmapped-live %d overlap %d acct %d bad-rc %d "
+                            "einval %d; after destroy: handles %ld maps %ld resv %ld events %ld misuse %ld\n",
+                            fk_code[kinds[k]], n, res.unmapped_live, res.overlap, res.acct, res.bad_rc,
+                            res.einval, f->live_handles, f->live_maps, f->live_resv, f->live_events,
+                            f->misuse);
+            }
+            free(f);
+        }
+        printf("    fail %c at each of its %ld calls: %d allocs returned an error other than ENOMEM\n",
+               fk_code[kinds[k]], clean.calls[kinds[k]], kind_errs);
+    }
+    printf("    %d fault-injection runs (create/map/unmap/sync/event/wait), %d inconsistent, "
+           "%d allocs failed with a non-ENOMEM error, %d runs where the N-th call never came\n",
+           runs, bad, errs_seen, ok_runs);
+    CHECK(bad == 0);
+}
+
+/* ---- threads, several pools, steady state --------------------------------------------------- */
+
+struct wk_arg {
+    struct msh_pool *pool;
+    pthread_barrier_t *bar;
+    int id;
+    long ops, fails;
+    size_t held_bytes;
+    int held_n;
+};
+
+static void *worker_main(void *p)
+{
+    struct wk_arg *t = p;
+    uint64_t held[64] = {0};
+    size_t hsz[64] = {0};
+    uint32_t r = 0x9e3779b9u * (uint32_t)(t->id + 1);
+    for (int i = 0; i < 20000; i++) {
+        uint32_t x = rng_next(&r);
+        int slot = (int)(x % 64);
+        uint64_t st = 100 + (uint64_t)t->id;
+        if (held[slot]) {
+            if (msh_pool_free(t->pool, held[slot], (x >> 7) & 1 ? st : MSH_STREAM_COMPLETED)) t->fails++;
+            held[slot] = 0;
+        } else {
+            size_t sz = (x >> 6) % 16 == 0 ? MiB + (x >> 10) % (20 * MiB) : (x >> 10) % (256 * 1024);
+            if (msh_pool_alloc(t->pool, sz, st, &held[slot])) {
+                t->fails++;
+                held[slot] = 0;
+            } else {
+                hsz[slot] = sz;
+            }
+        }
+        t->ops++;
+    }
+    t->held_bytes = 0;
+    t->held_n = 0;
+    for (int i = 0; i < 64; i++)
+        if (held[i]) {
+            t->held_bytes += hsz[i];
+            t->held_n++;
+        }
+    pthread_barrier_wait(t->bar); /* main checks the live set here */
+    pthread_barrier_wait(t->bar);
+    for (int i = 0; i < 64; i++)
+        if (held[i] && msh_pool_free(t->pool, held[i], MSH_STREAM_COMPLETED)) t->fails++;
+    return NULL;
+}
+
+TEST(eight_threads_on_the_sim_device)
+{
+    struct msh_device d;
+    REQUIRE(msh_dev_sim_init(&d, 0, GRAN) == 0);
+    struct msh_pool *pool = mk_pool(&d, 0, true, 0);
+    REQUIRE(pool);
+    enum { NT = 8 };
+    pthread_t th[NT];
+    struct wk_arg a[NT];
+    pthread_barrier_t bar;
+    pthread_barrier_init(&bar, NULL, NT + 1);
+    for (int i = 0; i < NT; i++) {
+        a[i] = (struct wk_arg){.pool = pool, .bar = &bar, .id = i};
+        REQUIRE(pthread_create(&th[i], NULL, worker_main, &a[i]) == 0);
+    }
+    pthread_barrier_wait(&bar);
+    int n = 0;
+    CHECK(overlaps(pool, &n) == 0);
+    size_t bytes = 0;
+    int held = 0;
+    for (int i = 0; i < NT; i++) {
+        bytes += a[i].held_bytes;
+        held += a[i].held_n;
+    }
+    struct msh_pool_stats s = stats(pool);
+    CHECK(n == held && s.live_blocks == (size_t)held && s.live_bytes == bytes);
+    CHECK(s.mapped_bytes >= s.touched_bytes && s.touched_bytes >= bytes);
+    pthread_barrier_wait(&bar);
+    long ops = 0, fails = 0;
+    for (int i = 0; i < NT; i++) {
+        pthread_join(th[i], NULL);
+        ops += a[i].ops;
+        fails += a[i].fails;
+    }
+    s = stats(pool);
+    CHECK(fails == 0);
+    CHECK(s.live_bytes == 0 && s.live_blocks == 0 && s.touched_bytes == 0);
+    CHECK(s.allocs == s.frees);
+    CHECK(s.allocs + s.frees == (uint64_t)ops + (uint64_t)held);
+    CHECK(s.mapped_bytes == s.create_ops * GRAN - s.release_ops * GRAN);
+    printf("    %d threads, %ld ops, %llu allocs, peak live %zu MiB, peak mapped %zu MiB\n", NT, ops,
+           (unsigned long long)s.allocs, s.peak_live_bytes >> 20, s.peak_mapped_bytes >> 20);
+    pthread_barrier_destroy(&bar);
+    msh_pool_destroy(pool);
+    msh_dev_sim_fini(&d);
+}
+
+TEST(two_pools_keep_separate_accounting)
+{
+    struct msh_device d;
+    REQUIRE(msh_dev_sim_init(&d, 0, GRAN) == 0);
+    struct fake *f = fake_new(0, (uint64_t)1 << 45);
+    struct msh_pool *p1 = mk_pool(&d, 0, true, 0), *p2 = mk_pool(&f->dev, 16 * MiB, true, 0);
+    REQUIRE(p1 && p2);
+    uint64_t a, b, c;
+    REQUIRE(msh_pool_alloc(p1, 5 * MiB, 1, &a) == 0);
+    REQUIRE(msh_pool_alloc(p2, 3 * MiB, 1, &b) == 0);
+    REQUIRE(msh_pool_alloc(p2, 1000, 1, &c) == 0);
+    struct msh_pool_stats s1 = stats(p1), s2 = stats(p2);
+    CHECK(s1.live_bytes == 5 * MiB && s1.live_blocks == 1 && s1.mapped_bytes == 3 * GRAN);
+    CHECK(s2.live_bytes == 3 * MiB + 1000 && s2.live_blocks == 2 && s2.mapped_bytes == 3 * GRAN);
+    CHECK(msh_pool_owns(p1, a) && !msh_pool_owns(p2, a) && msh_pool_owns(p2, b) && !msh_pool_owns(p1, b));
+    CHECK(msh_pool_free(p1, b, 1) == EINVAL); /* another pool's block */
+    CHECK(msh_pool_free(p2, a, 1) == EINVAL);
+    CHECK(msh_pool_free(p1, a, 1) == 0);
+    s1 = stats(p1);
+    s2 = stats(p2);
+    CHECK(s1.live_bytes == 0 && s2.live_bytes == 3 * MiB + 1000);
+    CHECK(msh_pool_empty_cache(p1) == 3 * GRAN);
+    CHECK(stats(p2).mapped_bytes == 3 * GRAN);
+    CHECK(f->live_handles == 3);
+    msh_pool_destroy(p1);
+    CHECK(msh_pool_block_size(p2, b) == 3 * MiB);
+    msh_pool_destroy(p2);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+    msh_dev_sim_fini(&d);
+}
+
+TEST(steady_state_second_round_maps_nothing)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0);
+    REQUIRE(pool);
+    enum { N = 2000 };
+    static uint64_t held[128];
+    struct msh_pool_stats s[2];
+    for (int round = 0; round < 2; round++) {
+        memset(held, 0, sizeof held);
+        uint32_t r = 4242;
+        for (int i = 0; i < N; i++) {
+            uint32_t x = rng_next(&r);
+            int slot = (int)(x % 128);
+            if (held[slot]) {
+                CHECK(msh_pool_free(pool, held[slot], 1 + (x >> 9) % 2) == 0);
+                held[slot] = 0;
+            } else {
+                size_t sz = (x >> 7) % 10 == 0 ? MiB + (x >> 11) % (50 * MiB) : 1 + (x >> 11) % MiB;
+                CHECK(msh_pool_alloc(pool, sz, 1 + (x >> 9) % 2, &held[slot]) == 0);
+            }
+        }
+        for (int i = 0; i < 128; i++)
+            if (held[i]) CHECK(msh_pool_free(pool, held[i], 1) == 0);
+        s[round] = stats(pool);
+    }
+    CHECK(s[0].map_ops > 0);
+    CHECKF(s[1].map_ops == s[0].map_ops && s[1].unmap_ops == s[0].unmap_ops &&
+               s[1].create_ops == s[0].create_ops,
+           "round 2 did %llu maps, %llu unmaps", (unsigned long long)(s[1].map_ops - s[0].map_ops),
+           (unsigned long long)(s[1].unmap_ops - s[0].unmap_ops));
+    CHECK(s[1].peak_mapped_bytes == s[0].peak_mapped_bytes);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST_MAIN()
