@@ -174,7 +174,7 @@ static int walk_events(struct snap_ctx *c, struct dev_build *b, const struct msh
         uint64_t addr = 0, size = 0, stream = 0;
         if (field_u64(e, "size", &size) != 0)
             return snap_fail(c, "device_traces[%d][%zu] (%.*s): 'size' missing or not a "
-                                "non-negative int", dev, i, (int)a->s.len, a->s.p);
+                                "non-negative int", dev, i, (int)(a->s.len < 32 ? a->s.len : 32), a->s.p);
         if (act == A_SEG_GROW || act == A_SEG_SHRINK) {
             if (size > INT64_MAX / 4)
                 return snap_fail(c, "device_traces[%d][%zu]: segment size %llu out of range", dev, i,
@@ -187,7 +187,7 @@ static int walk_events(struct snap_ctx *c, struct dev_build *b, const struct msh
         }
         if (field_u64(e, "addr", &addr) != 0)
             return snap_fail(c, "device_traces[%d][%zu] (%.*s): 'addr' missing or not a "
-                                "non-negative int", dev, i, (int)a->s.len, a->s.p);
+                                "non-negative int", dev, i, (int)(a->s.len < 32 ? a->s.len : 32), a->s.p);
         if (field_raw(e, "stream", &stream) == EINVAL)
             return snap_fail(c, "device_traces[%d][%zu]: 'stream' is not an int", dev, i);
         int rc = 0;
