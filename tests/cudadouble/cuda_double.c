@@ -360,6 +360,25 @@ static struct fault_rule g_rules[MAX_RULES];
 static atomic_int g_nrules;
 static pthread_once_t g_env_once = PTHREAD_ONCE_INIT;
 
+/* Fork safety: hold the double's locks across fork() so a child never inherits one locked by
+ * another thread; the background "GPU" thread does not exist in the child and is restarted on
+ * demand. */
+static void fork_prepare(void)
+{
+    pthread_mutex_lock(&g_fault_lock);
+    pthread_mutex_lock(&g_lock);
+}
+static void fork_parent(void)
+{
+    pthread_mutex_unlock(&g_lock);
+    pthread_mutex_unlock(&g_fault_lock);
+}
+static void fork_child(void);
+__attribute__((constructor)) static void register_fork_handlers(void)
+{
+    pthread_atfork(fork_prepare, fork_parent, fork_child);
+}
+
 static uint64_t splitmix64(uint64_t *state)
 {
     uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
@@ -2196,4 +2215,11 @@ __attribute__((destructor)) static void cudbl_at_exit(void)
             (void)w;
         }
     }
+}
+
+static void fork_child(void)
+{
+    g_gpu_started = 0;
+    pthread_mutex_unlock(&g_lock);
+    pthread_mutex_unlock(&g_fault_lock);
 }

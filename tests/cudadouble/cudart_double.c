@@ -58,6 +58,12 @@ static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 static cudaError_t init_error = cudaErrorInitializationError;
 static int device_count;
 static pthread_mutex_t primary_lock = PTHREAD_MUTEX_INITIALIZER;
+static void rt_fork_prepare(void) { pthread_mutex_lock(&primary_lock); }
+static void rt_fork_release(void) { pthread_mutex_unlock(&primary_lock); }
+__attribute__((constructor)) static void rt_register_fork_handlers(void)
+{
+    pthread_atfork(rt_fork_prepare, rt_fork_release, rt_fork_release);
+}
 static CUcontext primary[MAX_DEVICES];
 
 static __thread cudaError_t tls_last_error;

@@ -1,0 +1,416 @@
+/*
+ * driver.c: memshim's exported CUDA driver memory hooks (cuMemAlloc_v2, cuMemFree_v2,
+ * cuMemGetInfo_v2, cuMemAllocAsync[_ptsz], cuMemFreeAsync[_ptsz], cuMemCreate, cuMemRelease,
+ * cuMemMap, cuMemUnmap) and the accounting of memory that memshim passes through.
+ *
+ * Programs reach these either through a direct symbol reference bound to the preloaded library
+ * or through an entry-point lookup that hooks/entry.c substitutes. Apart from a pointer that
+ * memshim's pool handed out, memory is never served here: every call is forwarded to the real
+ * driver through msh_cu (a handle-based table, never RTLD_NEXT: libcuda may not even be a direct
+ * dependency of the program) and accounted as "other" memory. This file must never make a call
+ * that can re-enter a hook with the re-entry flag clear, never allocate, and never take a lock:
+ * the pass-through table below is lock-free so that a fork cannot leave it held.
+ */
+#include <cuda.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <dlfcn.h>
+
+#include "core.h"
+#include "cuda_real.h"
+#include "hooks.h"
+#include "memshim.h"
+#include "msh.h"
+#include "pool.h"
+
+/* Per-thread default stream variants, declared by cuda.h only for CUDA_API_PER_THREAD_DEFAULT_
+ * STREAM builds; we export both so that either kind of caller is seen. */
+CUresult CUDAAPI cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
+CUresult CUDAAPI cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream);
+
+bool msh_hooks_serving(void)
+{
+    /* msh_core_init() loads the driver and reads the configuration; whatever CUDA it touches goes
+     * through msh_cu, but hold the flag anyway so any hook it might reach passes straight on. */
+    int saved = msh_in_hook;
+    msh_in_hook = 1;
+    bool serving = msh_core_init();
+    msh_in_hook = saved;
+    return serving;
+}
+
+/* ---- pass-through table ---------------------------------------------------------------------
+ * Open addressing over a fixed array with a bounded probe window. Keys are stored as key + 2 so
+ * that 0 (empty) and 1 (tombstone) never collide with a real pointer or handle. An entry is
+ * removed before the real free runs and re-added if that free fails: the driver may hand the
+ * same address to another thread the moment the real free returns, and that thread's insert
+ * must not be undone by our late removal. */
+#define EXT_SLOTS (1u << 16)
+#define EXT_PROBE 128u
+#define EXT_EMPTY 0u
+#define EXT_TOMB 1u
+#define EXT_SIZE_MAX (((uint64_t)1 << 48) - 1)
+
+struct ext_slot {
+    _Atomic uint64_t key;
+    _Atomic uint64_t val; /* size << 16 | (device & 0xff) << 8 | kind */
+};
+static struct ext_slot ext_tab[2][EXT_SLOTS];
+_Atomic uint64_t msh_ext_dropped;
+
+static inline uint32_t ext_hash(uint64_t k)
+{
+    k ^= k >> 29;
+    k *= 0x9e3779b97f4a7c15ull;
+    return (uint32_t)(k >> 40);
+}
+
+static inline uint64_t ext_pack(size_t size, int device, int kind)
+{
+    return (uint64_t)size << 16 | (uint64_t)(device & 0xff) << 8 | (uint64_t)(kind & 0xff);
+}
+
+static inline void ext_unpack(uint64_t v, size_t *size, int *device, int *kind)
+{
+    *size = (size_t)(v >> 16);
+    int d = (int)((v >> 8) & 0xff);
+    *device = d == 0xff ? -1 : d;
+    *kind = (int)(v & 0xff);
+}
+
+static void ext_note(int device, int kind, int64_t delta)
+{
+    if (device >= 0 && device < MSH_MAX_DEVICES && kind >= 0 && kind < MSH_EXT_NKINDS)
+        msh_core_note_external(device, kind, delta);
+}
+
+void msh_ext_track(int table, uint64_t key, size_t size, int device, int kind)
+{
+    if (key >= UINT64_MAX - 2 || size > EXT_SIZE_MAX || (table != 0 && table != 1)) {
+        atomic_fetch_add_explicit(&msh_ext_dropped, 1, memory_order_relaxed);
+        return;
+    }
+    struct ext_slot *tab = ext_tab[table];
+    uint64_t k = key + 2, val = ext_pack(size, device, kind);
+    uint32_t h = ext_hash(key);
+
+    /* A stale entry for this key (its free went through a path we do not see) is replaced, so
+     * "other" memory cannot grow without bound. */
+    for (uint32_t i = 0; i < EXT_PROBE; i++) {
+        struct ext_slot *s = &tab[(h + i) & (EXT_SLOTS - 1)];
+        uint64_t cur = atomic_load_explicit(&s->key, memory_order_acquire);
+        if (cur == EXT_EMPTY) break;
+        if (cur == k) {
+            size_t osize; int odev, okind;
+            ext_unpack(atomic_exchange_explicit(&s->val, val, memory_order_acq_rel), &osize,
+                       &odev, &okind);
+            ext_note(odev, okind, -(int64_t)osize);
+            ext_note(device, kind, (int64_t)size);
+            return;
+        }
+    }
+    for (uint32_t i = 0; i < EXT_PROBE;) {
+        struct ext_slot *s = &tab[(h + i) & (EXT_SLOTS - 1)];
+        uint64_t cur = atomic_load_explicit(&s->key, memory_order_acquire);
+        if (cur != EXT_EMPTY && cur != EXT_TOMB) { i++; continue; }
+        /* Claim the slot, then publish the value; the matching untrack runs after the caller
+         * got the pointer back, so it cannot observe the slot between the two stores. */
+        if (atomic_compare_exchange_weak_explicit(&s->key, &cur, k, memory_order_acq_rel,
+                                                  memory_order_acquire)) {
+            atomic_store_explicit(&s->val, val, memory_order_release);
+            ext_note(device, kind, (int64_t)size);
+            return;
+        }
+        /* lost a race for this slot: look at it again */
+    }
+    /* Full: leave it out of the accounting altogether, since its free could not be matched and
+     * "other" would drift upward forever. */
+    atomic_fetch_add_explicit(&msh_ext_dropped, 1, memory_order_relaxed);
+}
+
+bool msh_ext_untrack(int table, uint64_t key, size_t *size, int *device, int *kind)
+{
+    if (key >= UINT64_MAX - 2 || (table != 0 && table != 1)) return false;
+    struct ext_slot *tab = ext_tab[table];
+    uint64_t k = key + 2;
+    uint32_t h = ext_hash(key);
+    for (uint32_t i = 0; i < EXT_PROBE; i++) {
+        struct ext_slot *s = &tab[(h + i) & (EXT_SLOTS - 1)];
+        uint64_t cur = atomic_load_explicit(&s->key, memory_order_acquire);
+        if (cur == EXT_EMPTY) return false;
+        if (cur != k) continue;
+        uint64_t v = atomic_load_explicit(&s->val, memory_order_acquire);
+        if (!atomic_compare_exchange_strong_explicit(&s->key, &cur, (uint64_t)EXT_TOMB,
+                                                     memory_order_acq_rel, memory_order_acquire))
+            return false; /* another thread freed the same pointer first */
+        ext_unpack(v, size, device, kind);
+        ext_note(*device, *kind, -(int64_t)*size);
+        return true;
+    }
+    return false;
+}
+
+/* ---- helpers ------------------------------------------------------------------------------- */
+
+/* The real driver function `field` of msh_cu, loading the table on first use. Loading calls the
+ * real cuInit; a program that reaches a driver memory hook has already done so. */
+#define REAL_DRV(field) (msh_cuda_load(), msh_cu.field)
+
+int msh_hooks_drv_missing(_Atomic int *reported, const char *name)
+{
+    if (!atomic_exchange(reported, 1))
+        msh_warn("the CUDA driver does not provide %s; returning CUDA_ERROR_NOT_INITIALIZED", name);
+    return CUDA_ERROR_NOT_INITIALIZED;
+}
+
+/* Device of the calling thread's current context, or -1 (then nothing is accounted). */
+static int current_device(void)
+{
+    CUdevice d;
+    if (msh_cu.cuCtxGetDevice && msh_cu.cuCtxGetDevice(&d) == CUDA_SUCCESS) return (int)d;
+    return -1;
+}
+
+/* _ptsz driver entry points are not in msh_cu; resolve them from the same handle once. */
+static CUresult (*real_cuMemAllocAsync_ptsz)(CUdeviceptr *, size_t, CUstream);
+static CUresult (*real_cuMemFreeAsync_ptsz)(CUdeviceptr, CUstream);
+static pthread_once_t ptsz_once = PTHREAD_ONCE_INIT;
+static void resolve_ptsz(void)
+{
+    msh_cuda_load(); /* fills msh_cu.handle even when cuInit fails */
+    if (!msh_cu.handle) return;
+    *(void **)&real_cuMemAllocAsync_ptsz = dlsym(msh_cu.handle, "cuMemAllocAsync_ptsz");
+    *(void **)&real_cuMemFreeAsync_ptsz = dlsym(msh_cu.handle, "cuMemFreeAsync_ptsz");
+}
+
+void msh_hooks_adjust_meminfo(int device, size_t *free_b, size_t *total_b)
+{
+    uint64_t limit = msh_cfg.limit_bytes;
+    if (!limit && msh_cfg.limit_fraction > 0)
+        limit = (uint64_t)(msh_cfg.limit_fraction * (double)*total_b);
+    if (!limit || device < 0) return;
+    /* memshim_get_stats does not create a pool: ENODEV means memshim serves nothing there yet,
+     * and the limit is only enforced where the pool serves. */
+    struct memshim_stats st;
+    if (memshim_get_stats(device, &st) != 0) return;
+    size_t total = limit < *total_b ? (size_t)limit : *total_b;
+    size_t avail = total > st.live_bytes ? total - st.live_bytes : 0;
+    /* The pool's mapped-but-unused pages count as used in the driver's free figure, yet the
+     * pool can hand them out; anything beyond real free + those is not actually available. */
+    size_t cached = st.reserved_bytes > st.live_bytes ? st.reserved_bytes - st.live_bytes : 0;
+    size_t reach = *free_b + cached < *free_b ? SIZE_MAX : *free_b + cached;
+    *total_b = total;
+    *free_b = avail < reach ? avail : reach;
+}
+
+/* Free a pool block the way cuMemFree would: after the work queued on the current context. */
+static CUresult pool_free_synced(struct msh_pool *pool, CUdeviceptr p, uint64_t stream)
+{
+    if (stream == MSH_STREAM_COMPLETED && msh_cu.cuCtxSynchronize) {
+        CUresult r = msh_cu.cuCtxSynchronize();
+        if (r != CUDA_SUCCESS) return r; /* the block may still be in use: keep it */
+    }
+    return msh_pool_free(pool, (uint64_t)p, stream) == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* ---- hooks ---------------------------------------------------------------------------------
+ * Stream-ordered allocation (cuMemAllocAsync) stays with the driver: its pools have semantics
+ * memshim does not emulate yet (cross-stream reuse rules, pool attributes, IPC export, graph
+ * capture of alloc/free nodes). Serving it from our pool is future work; until then it is
+ * passed through and shows up as "other". */
+
+static CUresult hk_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
+{
+    CUresult (*real)(CUdeviceptr *, size_t) = REAL_DRV(cuMemAlloc);
+    if (!real) MSH_DRV_MISSING("cuMemAlloc_v2");
+    if (msh_in_hook || !msh_hooks_serving()) return real(dptr, bytesize);
+    msh_in_hook = 1;
+    CUresult r = real(dptr, bytesize);
+    if (r == CUDA_SUCCESS && dptr && *dptr)
+        msh_ext_track(MSH_EXT_TABLE_PTR, (uint64_t)*dptr, bytesize, current_device(),
+                      MSH_EXT_MALLOC);
+    msh_core_tick();
+    msh_in_hook = 0;
+    return r;
+}
+
+static CUresult hk_cuMemFree_v2(CUdeviceptr dptr)
+{
+    CUresult (*real)(CUdeviceptr) = REAL_DRV(cuMemFree);
+    if (!real) MSH_DRV_MISSING("cuMemFree_v2");
+    if (msh_in_hook || !dptr || !msh_hooks_serving()) return real(dptr);
+    msh_in_hook = 1;
+    CUresult r;
+    int dev;
+    struct msh_pool *pool = msh_core_pool_owning((uint64_t)dptr, &dev);
+    if (pool) {
+        /* A program mixing APIs frees a cudaMalloc pointer with cuMemFree. */
+        r = pool_free_synced(pool, dptr, MSH_STREAM_COMPLETED);
+    } else {
+        size_t size; int d, kind;
+        bool tracked = msh_ext_untrack(MSH_EXT_TABLE_PTR, (uint64_t)dptr, &size, &d, &kind);
+        r = real(dptr);
+        if (r != CUDA_SUCCESS && tracked) msh_ext_track(MSH_EXT_TABLE_PTR, (uint64_t)dptr, size, d, kind);
+    }
+    msh_in_hook = 0;
+    return r;
+}
+
+static CUresult hk_cuMemGetInfo_v2(size_t *free_b, size_t *total_b)
+{
+    CUresult (*real)(size_t *, size_t *) = REAL_DRV(cuMemGetInfo);
+    if (!real) MSH_DRV_MISSING("cuMemGetInfo_v2");
+    if (msh_in_hook || !msh_hooks_serving()) return real(free_b, total_b);
+    msh_in_hook = 1;
+    CUresult r = real(free_b, total_b); /* the driver validates the arguments as it would */
+    if (r == CUDA_SUCCESS && free_b && total_b)
+        msh_hooks_adjust_meminfo(current_device(), free_b, total_b);
+    msh_in_hook = 0;
+    return r;
+}
+
+static CUresult async_alloc(CUresult (*real)(CUdeviceptr *, size_t, CUstream), CUdeviceptr *dptr,
+                            size_t bytesize, CUstream stream)
+{
+    if (msh_in_hook || !msh_hooks_serving()) return real(dptr, bytesize, stream);
+    msh_in_hook = 1;
+    CUresult r = real(dptr, bytesize, stream);
+    if (r == CUDA_SUCCESS && dptr && *dptr)
+        msh_ext_track(MSH_EXT_TABLE_PTR, (uint64_t)*dptr, bytesize, current_device(),
+                      MSH_EXT_ASYNC);
+    msh_core_tick();
+    msh_in_hook = 0;
+    return r;
+}
+
+static CUresult async_free(CUresult (*real)(CUdeviceptr, CUstream), CUdeviceptr dptr,
+                           CUstream stream, CUstream default_stream)
+{
+    if (msh_in_hook || !dptr || !msh_hooks_serving()) return real(dptr, stream);
+    msh_in_hook = 1;
+    CUresult r;
+    int dev;
+    struct msh_pool *pool = msh_core_pool_owning((uint64_t)dptr, &dev);
+    if (pool) {
+        /* The pool takes stream-ordered frees natively: reuse waits for `stream`. Stream 0 is
+         * the legacy default stream, except for _ptsz callers where it is the thread's own. */
+        CUstream s = stream ? stream : default_stream;
+        r = pool_free_synced(pool, dptr, (uint64_t)(uintptr_t)s);
+    } else {
+        size_t size; int d, kind;
+        bool tracked = msh_ext_untrack(MSH_EXT_TABLE_PTR, (uint64_t)dptr, &size, &d, &kind);
+        r = real(dptr, stream);
+        if (r != CUDA_SUCCESS && tracked) msh_ext_track(MSH_EXT_TABLE_PTR, (uint64_t)dptr, size, d, kind);
+    }
+    msh_in_hook = 0;
+    return r;
+}
+
+static CUresult hk_cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream stream)
+{
+    CUresult (*real)(CUdeviceptr *, size_t, CUstream) = REAL_DRV(cuMemAllocAsync);
+    if (!real) MSH_DRV_MISSING("cuMemAllocAsync");
+    return async_alloc(real, dptr, bytesize, stream);
+}
+
+static CUresult hk_cuMemFreeAsync(CUdeviceptr dptr, CUstream stream)
+{
+    CUresult (*real)(CUdeviceptr, CUstream) = REAL_DRV(cuMemFreeAsync);
+    if (!real) MSH_DRV_MISSING("cuMemFreeAsync");
+    return async_free(real, dptr, stream, (CUstream)0);
+}
+
+static CUresult hk_cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream stream)
+{
+    pthread_once(&ptsz_once, resolve_ptsz);
+    if (!real_cuMemAllocAsync_ptsz) MSH_DRV_MISSING("cuMemAllocAsync_ptsz");
+    return async_alloc(real_cuMemAllocAsync_ptsz, dptr, bytesize, stream);
+}
+
+static CUresult hk_cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream stream)
+{
+    pthread_once(&ptsz_once, resolve_ptsz);
+    if (!real_cuMemFreeAsync_ptsz) MSH_DRV_MISSING("cuMemFreeAsync_ptsz");
+    return async_free(real_cuMemFreeAsync_ptsz, dptr, stream, CU_STREAM_PER_THREAD);
+}
+
+/* VMM calls made by others (PyTorch expandable segments, NCCL buffers, when they obtained these
+ * through a hooked lookup or a direct reference): forwarded unchanged; the physical bytes of
+ * handles they create are "other" memory of the handle's device until released. memshim's own
+ * pool calls msh_cu directly and never comes through here. */
+static CUresult hk_cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                               const CUmemAllocationProp *prop, unsigned long long flags)
+{
+    CUresult (*real)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
+                     unsigned long long) = REAL_DRV(cuMemCreate);
+    if (!real) MSH_DRV_MISSING("cuMemCreate");
+    if (msh_in_hook || !msh_hooks_serving()) return real(handle, size, prop, flags);
+    msh_in_hook = 1;
+    CUresult r = real(handle, size, prop, flags);
+    if (r == CUDA_SUCCESS && handle) {
+        int dev = prop && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE ? prop->location.id : -1;
+        msh_ext_track(MSH_EXT_TABLE_HANDLE, (uint64_t)*handle, size, dev, MSH_EXT_VMM);
+    }
+    msh_core_tick();
+    msh_in_hook = 0;
+    return r;
+}
+
+static CUresult hk_cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    CUresult (*real)(CUmemGenericAllocationHandle) = REAL_DRV(cuMemRelease);
+    if (!real) MSH_DRV_MISSING("cuMemRelease");
+    if (msh_in_hook || !msh_hooks_serving()) return real(handle);
+    msh_in_hook = 1;
+    size_t size; int d, kind;
+    bool tracked = msh_ext_untrack(MSH_EXT_TABLE_HANDLE, (uint64_t)handle, &size, &d, &kind);
+    CUresult r = real(handle);
+    if (r != CUDA_SUCCESS && tracked) msh_ext_track(MSH_EXT_TABLE_HANDLE, (uint64_t)handle, size, d, kind);
+    msh_in_hook = 0;
+    return r;
+}
+
+static CUresult hk_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                            CUmemGenericAllocationHandle handle, unsigned long long flags)
+{
+    CUresult (*real)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                     unsigned long long) = REAL_DRV(cuMemMap);
+    if (!real) MSH_DRV_MISSING("cuMemMap");
+    return real(ptr, size, offset, handle, flags);
+}
+
+static CUresult hk_cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    CUresult (*real)(CUdeviceptr, size_t) = REAL_DRV(cuMemUnmap);
+    if (!real) MSH_DRV_MISSING("cuMemUnmap");
+    return real(ptr, size);
+}
+
+/* The exported names are aliases of the static functions above: memshim's own references (the
+ * substitution table) bind to these bodies even if another object defines the same names. */
+#define EXPORT_ALIAS(name, ret, args) MSH_EXPORT ret name args __attribute__((alias("hk_" #name)));
+EXPORT_ALIAS(cuMemAlloc_v2, CUresult, (CUdeviceptr *, size_t))
+EXPORT_ALIAS(cuMemFree_v2, CUresult, (CUdeviceptr))
+EXPORT_ALIAS(cuMemGetInfo_v2, CUresult, (size_t *, size_t *))
+EXPORT_ALIAS(cuMemAllocAsync, CUresult, (CUdeviceptr *, size_t, CUstream))
+EXPORT_ALIAS(cuMemFreeAsync, CUresult, (CUdeviceptr, CUstream))
+EXPORT_ALIAS(cuMemAllocAsync_ptsz, CUresult, (CUdeviceptr *, size_t, CUstream))
+EXPORT_ALIAS(cuMemFreeAsync_ptsz, CUresult, (CUdeviceptr, CUstream))
+EXPORT_ALIAS(cuMemCreate, CUresult,
+             (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long))
+EXPORT_ALIAS(cuMemRelease, CUresult, (CUmemGenericAllocationHandle))
+EXPORT_ALIAS(cuMemMap, CUresult,
+             (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long))
+EXPORT_ALIAS(cuMemUnmap, CUresult, (CUdeviceptr, size_t))
+
+void *const msh_hk_cuMemAlloc_v2 = (void *)hk_cuMemAlloc_v2;
+void *const msh_hk_cuMemFree_v2 = (void *)hk_cuMemFree_v2;
+void *const msh_hk_cuMemGetInfo_v2 = (void *)hk_cuMemGetInfo_v2;
+void *const msh_hk_cuMemAllocAsync = (void *)hk_cuMemAllocAsync;
+void *const msh_hk_cuMemFreeAsync = (void *)hk_cuMemFreeAsync;
+void *const msh_hk_cuMemAllocAsync_ptsz = (void *)hk_cuMemAllocAsync_ptsz;
+void *const msh_hk_cuMemFreeAsync_ptsz = (void *)hk_cuMemFreeAsync_ptsz;
+void *const msh_hk_cuMemCreate = (void *)hk_cuMemCreate;
+void *const msh_hk_cuMemRelease = (void *)hk_cuMemRelease;
+void *const msh_hk_cuMemMap = (void *)hk_cuMemMap;
+void *const msh_hk_cuMemUnmap = (void *)hk_cuMemUnmap;

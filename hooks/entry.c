@@ -1,0 +1,169 @@
+/*
+ * entry.c: the driver entry-point lookups (cuGetProcAddress v1 and _v2, exported here) and the
+ * substitution every lookup hook applies, including the runtime's cudaGetDriverEntryPoint*.
+ *
+ * PyTorch (expandable segments) and NCCL obtain cuMemCreate/cuMemMap/... through these lookups,
+ * not by symbol, so hooking the symbols alone would miss them (DESIGN.md 2). A lookup hook calls
+ * the real lookup and, when the pointer it returns is the real address of a driver function
+ * memshim hooks, hands back memshim's hook instead. Comparing addresses rather than names makes
+ * the driver's own version resolution decide: "cuMemAlloc" at version >= 3020 yields
+ * cuMemAlloc_v2 (hooked), at an older version the 32-bit v1 (left alone). Every other lookup is
+ * returned untouched, and in MEMSHIM_MODE=off all of them are. This file never interposes dlsym
+ * (see docs/interposition.md) and never changes what a lookup reports in its status argument.
+ */
+#include <cuda.h>
+#include <dlfcn.h>
+#include <pthread.h>
+
+#include "core.h"
+#include "cuda_real.h"
+#include "hooks.h"
+#include "msh.h"
+
+/* cuda.h maps cuGetProcAddress to cuGetProcAddress_v2; the v1 ABI symbol (no status argument)
+ * still exists in the driver and programs built against CUDA 11 reference it. */
+#undef cuGetProcAddress /* (so msh_cu's field, declared under the macro, is cuGetProcAddress_v2) */
+typedef CUresult (*lookup_v1_fn)(const char *, void **, int, cuuint64_t);
+typedef CUresult (*lookup_v2_fn)(const char *, void **, int, cuuint64_t,
+                                 CUdriverProcAddressQueryResult *);
+
+static CUresult hk_cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion,
+                                    cuuint64_t flags);
+static CUresult hk_cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
+                                       cuuint64_t flags, CUdriverProcAddressQueryResult *status);
+
+/* ---- the real lookups ----------------------------------------------------------------------
+ * Resolved from a handle of our own, without cuInit: a program may look functions up before it
+ * initializes the driver, and in off mode memshim must not initialize it for them. */
+static lookup_v1_fn real_lookup_v1;
+static lookup_v2_fn real_lookup_v2;
+static pthread_once_t lookup_once = PTHREAD_ONCE_INIT;
+
+static void resolve_lookups(void)
+{
+    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!h) return;
+    *(void **)&real_lookup_v2 = dlsym(h, "cuGetProcAddress_v2");
+    *(void **)&real_lookup_v1 = dlsym(h, "cuGetProcAddress");
+}
+
+/* ---- the substitution table ----------------------------------------------------------------
+ * Built once, after the driver is loaded, then read-only. Each hooked function contributes the
+ * address of its exported symbol in the driver and also what the driver's own lookup returns
+ * for it, in case a driver hands out addresses other than its exported symbols. */
+#define SUBST_MAX 48
+static struct subst { void *real, *hook; } subst[SUBST_MAX];
+static int nsubst;
+static pthread_once_t subst_once = PTHREAD_ONCE_INIT;
+
+static void subst_add(void *real, void *hook)
+{
+    if (!real || real == hook) return;
+    for (int i = 0; i < nsubst; i++)
+        if (subst[i].real == real) return; /* first mapping wins */
+    if (nsubst < SUBST_MAX) subst[nsubst++] = (struct subst){real, hook};
+}
+
+static void build_subst(void)
+{
+    if (msh_cuda_load() != 0 || !msh_cu.handle) return;
+    void *h = msh_cu.handle;
+    void *hk_v1 = (void *)hk_cuGetProcAddress, *hk_v2 = (void *)hk_cuGetProcAddress_v2;
+
+    subst_add((void *)msh_cu.cuMemAlloc, msh_hk_cuMemAlloc_v2);
+    subst_add((void *)msh_cu.cuMemFree, msh_hk_cuMemFree_v2);
+    subst_add((void *)msh_cu.cuMemGetInfo, msh_hk_cuMemGetInfo_v2);
+    subst_add((void *)msh_cu.cuMemAllocAsync, msh_hk_cuMemAllocAsync);
+    subst_add((void *)msh_cu.cuMemFreeAsync, msh_hk_cuMemFreeAsync);
+    subst_add(dlsym(h, "cuMemAllocAsync_ptsz"), msh_hk_cuMemAllocAsync_ptsz);
+    subst_add(dlsym(h, "cuMemFreeAsync_ptsz"), msh_hk_cuMemFreeAsync_ptsz);
+    subst_add((void *)msh_cu.cuMemCreate, msh_hk_cuMemCreate);
+    subst_add((void *)msh_cu.cuMemRelease, msh_hk_cuMemRelease);
+    subst_add((void *)msh_cu.cuMemMap, msh_hk_cuMemMap);
+    subst_add((void *)msh_cu.cuMemUnmap, msh_hk_cuMemUnmap);
+    subst_add((void *)msh_cu.cuGetProcAddress_v2, hk_v2);
+    subst_add(dlsym(h, "cuGetProcAddress"), hk_v1);
+
+    lookup_v2_fn lookup = (lookup_v2_fn)msh_cu.cuGetProcAddress_v2;
+    int ver = 0;
+    if (!lookup || !msh_cu.cuDriverGetVersion || msh_cu.cuDriverGetVersion(&ver) != CUDA_SUCCESS)
+        return;
+    static const struct { const char *name; int min_ver; cuuint64_t flags; int which; } q[] = {
+        {"cuMemAlloc", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 0},
+        {"cuMemFree", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 1},
+        {"cuMemGetInfo", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 2},
+        {"cuMemAllocAsync", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 3},
+        {"cuMemFreeAsync", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 4},
+        {"cuMemAllocAsync", 0, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, 5},
+        {"cuMemFreeAsync", 0, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, 6},
+        {"cuMemCreate", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 7},
+        {"cuMemRelease", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 8},
+        {"cuMemMap", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 9},
+        {"cuMemUnmap", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 10},
+        {"cuGetProcAddress", 12000, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 11},
+    };
+    void *const hooks[] = {
+        msh_hk_cuMemAlloc_v2, msh_hk_cuMemFree_v2, msh_hk_cuMemGetInfo_v2,
+        msh_hk_cuMemAllocAsync, msh_hk_cuMemFreeAsync, msh_hk_cuMemAllocAsync_ptsz,
+        msh_hk_cuMemFreeAsync_ptsz, msh_hk_cuMemCreate, msh_hk_cuMemRelease, msh_hk_cuMemMap,
+        msh_hk_cuMemUnmap, hk_v2,
+    };
+    for (size_t i = 0; i < sizeof q / sizeof q[0]; i++) {
+        if (ver < q[i].min_ver) continue;
+        void *p = NULL;
+        CUdriverProcAddressQueryResult st;
+        if (lookup(q[i].name, &p, ver, q[i].flags, &st) == CUDA_SUCCESS &&
+            st == CU_GET_PROC_ADDRESS_SUCCESS)
+            subst_add(p, hooks[q[i].which]);
+    }
+    msh_debug("entry-point substitution: %d driver addresses map to memshim hooks", nsubst);
+}
+
+void msh_entry_substitute(void **pfn)
+{
+    if (!pfn || !*pfn || !msh_hooks_serving()) return;
+    pthread_once(&subst_once, build_subst);
+    for (int i = 0; i < nsubst; i++) {
+        if (subst[i].real == *pfn) {
+            *pfn = subst[i].hook;
+            return;
+        }
+    }
+}
+
+/* ---- hooks --------------------------------------------------------------------------------- */
+
+static CUresult hk_cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
+                                       cuuint64_t flags, CUdriverProcAddressQueryResult *status)
+{
+    pthread_once(&lookup_once, resolve_lookups);
+    if (!real_lookup_v2) MSH_DRV_MISSING("cuGetProcAddress_v2");
+    if (msh_in_hook) return real_lookup_v2(symbol, pfn, cudaVersion, flags, status);
+    msh_in_hook = 1;
+    CUresult r = real_lookup_v2(symbol, pfn, cudaVersion, flags, status);
+    if (r == CUDA_SUCCESS) msh_entry_substitute(pfn);
+    msh_in_hook = 0;
+    return r;
+}
+
+static CUresult hk_cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion,
+                                    cuuint64_t flags)
+{
+    pthread_once(&lookup_once, resolve_lookups);
+    if (!real_lookup_v1 && !real_lookup_v2) MSH_DRV_MISSING("cuGetProcAddress");
+    if (msh_in_hook)
+        return real_lookup_v1 ? real_lookup_v1(symbol, pfn, cudaVersion, flags)
+                              : real_lookup_v2(symbol, pfn, cudaVersion, flags, NULL);
+    msh_in_hook = 1;
+    CUresult r = real_lookup_v1 ? real_lookup_v1(symbol, pfn, cudaVersion, flags)
+                                : real_lookup_v2(symbol, pfn, cudaVersion, flags, NULL);
+    if (r == CUDA_SUCCESS) msh_entry_substitute(pfn);
+    msh_in_hook = 0;
+    return r;
+}
+
+MSH_EXPORT CUresult cuGetProcAddress_v2(const char *, void **, int, cuuint64_t,
+                                        CUdriverProcAddressQueryResult *)
+    __attribute__((alias("hk_cuGetProcAddress_v2")));
+MSH_EXPORT CUresult cuGetProcAddress(const char *, void **, int, cuuint64_t)
+    __attribute__((alias("hk_cuGetProcAddress")));

@@ -1,0 +1,182 @@
+#!/usr/bin/env bash
+# run_preload.sh: memshim's LD_PRELOAD integration tests. Runs each program of tests/preload
+# (built by `make tests` as $BUILD/tests/preload/NAME) under LD_PRELOAD=$BUILD/libmemshim.so with
+# the driver double ($BUILD/double) in the environment it needs, plus the checks on the library
+# file itself (its NEEDED list and its exported symbols). Prints one line per program or check,
+# and as its LAST line "N passed, N failed": a harness program adds its own counts, a program or
+# check without a harness adds one case. Exit status 1 when anything failed.
+#
+# Environment: BUILD (default build), PRELOAD_TIMEOUT seconds per program (default 120),
+# MSH_SANITIZER=asan|tsan for sanitizer builds (the sanitizer runtime is preloaded first).
+
+set -u
+BUILD=${BUILD:-build}
+LIB=$BUILD/libmemshim.so
+DBL=$BUILD/double
+BIN=$BUILD/tests/preload
+TIMEOUT=${PRELOAD_TIMEOUT:-120}
+passed=0
+failed=0
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/memshim-preload.XXXXXX")
+trap 'rm -rf "$TMP"' EXIT
+
+PRELOAD=$(cd "$(dirname "$LIB")" && pwd)/$(basename "$LIB")
+case "${MSH_SANITIZER:-}" in
+    asan) PRELOAD="$(${CC:-gcc} -print-file-name=libasan.so):$PRELOAD"
+          export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0} ;;
+    tsan) rt=$(${CC:-clang} -print-file-name=libclang_rt.tsan-x86_64.so 2>/dev/null)
+          [ -f "$rt" ] && PRELOAD="$rt:$PRELOAD" ;;
+esac
+
+ok()   { echo "ok   $1"; passed=$((passed + 1)); }
+fail() { echo "FAIL $1${2:+: $2}"; failed=$((failed + 1)); }
+
+show_tail() { # FILE: the last lines of a program's output, indented
+    [ -s "$1" ] && tail -n 25 "$1" | sed 's/^/    | /'
+}
+
+# run_prog CASE PROGRAM [ARGS...] -- runs under preload with extra environment from $ENV_EXTRA
+# (an array). Adds the harness' own counts; a crash, timeout or missing summary is a failure.
+run_prog() {
+    local name=$1 prog=$2
+    shift 2
+    local exe=$BIN/$prog out=$TMP/$name.out err=$TMP/$name.err
+    if [ ! -x "$exe" ]; then
+        fail "$name" "$exe not built (make tests)"
+        return
+    fi
+    timeout "$TIMEOUT" env LD_PRELOAD="$PRELOAD" LD_LIBRARY_PATH="$DBL" "${ENV_EXTRA[@]}" \
+        "$exe" "$@" >"$out" 2>"$err"
+    local rc=$?
+    local summary
+    summary=$(grep -E '[0-9]+ passed, [0-9]+ failed' "$out" | tail -n 1)
+    if [ -z "$summary" ]; then
+        fail "$name" "no summary (exit $rc$([ $rc = 124 ] && echo ', timed out'))"
+        show_tail "$out"; show_tail "$err"
+        return
+    fi
+    local p f s
+    p=$(sed -E 's/.* ([0-9]+) passed.*/\1/' <<<"$summary")
+    f=$(sed -E 's/.* ([0-9]+) failed.*/\1/' <<<"$summary")
+    s=$(sed -nE 's/.* ([0-9]+) skipped.*/\1/p' <<<"$summary")
+    passed=$((passed + p))
+    failed=$((failed + f))
+    if [ "$f" -gt 0 ] || [ $rc -ne 0 ]; then
+        [ "$f" -eq 0 ] && failed=$((failed + 1))
+        echo "FAIL $name ($p passed, $f failed${s:+, $s skipped}; exit $rc)"
+        grep -E '^(FAIL|skip)' "$out" | sed 's/^/    /'
+        show_tail "$err"
+    else
+        echo "ok   $name ($p passed${s:+, $s skipped})"
+        grep -E '^skip' "$out" | sed 's/^/    /'
+    fi
+}
+
+# ---- (6) the library's NEEDED list: glibc only (a missing dependency would kill every job) ----
+if [ ! -f "$LIB" ]; then
+    fail "library" "$LIB not built"
+else
+    bad=$(readelf -d "$LIB" | sed -nE 's/.*\(NEEDED\).*\[(.*)\]/\1/p' |
+          grep -vE '^(libc\.so\.6|libm\.so\.6|libdl\.so\.2|libpthread\.so\.0|librt\.so\.1|ld-linux[-a-z0-9_.]*\.so\.[0-9]+|libasan\.so\.[0-9]+|libubsan\.so\.[0-9]+|libtsan\.so\.[0-9]+)$')
+    if [ -z "$bad" ]; then ok "needed_glibc_only"; else fail "needed_glibc_only" "NEEDED: $(echo $bad)"; fi
+
+    # ---- (7) exported symbols: only the hooks and memshim_* -----------------------------------
+    hooks="cudaMalloc cudaFree cudaMemGetInfo cudaMallocAsync cudaFreeAsync cudaMallocAsync_ptsz
+           cudaFreeAsync_ptsz cudaGetDriverEntryPoint cudaGetDriverEntryPoint_ptsz
+           cudaGetDriverEntryPointByVersion cudaGetDriverEntryPointByVersion_ptsz
+           cuMemAlloc_v2 cuMemFree_v2 cuMemGetInfo_v2 cuMemAllocAsync cuMemFreeAsync
+           cuMemAllocAsync_ptsz cuMemFreeAsync_ptsz cuMemCreate cuMemRelease cuMemMap cuMemUnmap
+           cuGetProcAddress cuGetProcAddress_v2"
+    exported=$(nm -D --defined-only "$LIB" | awk '$2 != "A" {print $3}' | sed 's/@.*//' | sort -u)
+    extra=""
+    for s in $exported; do
+        case " $(echo $hooks) " in *" $s "*) continue ;; esac
+        case "$s" in memshim_*) continue ;; esac
+        case "${MSH_SANITIZER:-}" in asan|tsan) case "$s" in __*|_*san*) continue ;; esac ;; esac
+        extra="$extra $s"
+    done
+    missing=""
+    for s in $hooks; do grep -qx "$s" <<<"$exported" || missing="$missing $s"; done
+    if [ -z "$extra$missing" ]; then ok "exports_hooks_only"
+    else fail "exports_hooks_only" "${extra:+unexpected:$extra}${missing:+ missing:$missing}"; fi
+fi
+
+# ---- (1) interception, (8) driver pass-through and accounting, (9) _ptsz, (10) threads --------
+ENV_EXTRA=(MEMSHIM_LOG=warn)
+run_prog intercept intercept
+mkdir -p "$TMP/reports"
+ENV_EXTRA=(MEMSHIM_REPORT_DIR="$TMP/reports")
+run_prog driverapi driverapi
+ENV_EXTRA=()
+run_prog ptsz ptsz
+run_prog threads threads
+
+# ---- (3) lookups; (2) off mode, where the same lookups must be untouched -----------------------
+ENV_EXTRA=()
+run_prog lookups lookups
+ENV_EXTRA=(MEMSHIM_MODE=off EXPECT_OFF=1)
+run_prog lookups_off lookups
+run_prog offmode offmode
+
+# ---- MEMSHIM_LIMIT as seen by cudaMemGetInfo / cuMemGetInfo_v2 -------------------------------
+ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=256M EXPECT_TOTAL_MIB=256)
+run_prog meminfo_limit_bytes meminfo_limit
+ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=0.5 EXPECT_TOTAL_MIB=1024)
+run_prog meminfo_limit_fraction meminfo_limit
+ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=100G EXPECT_TOTAL_MIB=2048)
+run_prog meminfo_limit_above_device meminfo_limit
+
+# ---- (4) fork while allocating ----------------------------------------------------------------
+ENV_EXTRA=()
+run_prog fork fork
+
+# ---- (5) no usable driver: untouched, quiet ----------------------------------------------------
+# quiet_case NAME EXPECT_RC COMMAND...: runs twice with LD_PRELOAD (environment from $ENV_EXTRA).
+# At the default log level memshim must write nothing at all; with MEMSHIM_LOG=info at most one
+# info line (the echo of the user's own MEMSHIM_LOG setting aside) and nothing at warning or
+# error level. Both runs must exit with EXPECT_RC.
+quiet_case() {
+    local name=$1 want=$2
+    shift 2
+    local out=$TMP/$name.out err=$TMP/$name.err err2=$TMP/$name.err2
+    timeout "$TIMEOUT" env LD_PRELOAD="$PRELOAD" "${ENV_EXTRA[@]}" "$@" >"$out" 2>"$err"
+    local rc=$?
+    timeout "$TIMEOUT" env LD_PRELOAD="$PRELOAD" MEMSHIM_LOG=info "${ENV_EXTRA[@]}" "$@" \
+        >>"$out" 2>"$err2"
+    local rc2=$?
+    local quiet warns infos
+    quiet=$(grep -c '^memshim\[' "$err")
+    warns=$(grep -cE '^memshim\[[0-9]+\]: (warning|error):' "$err2")
+    infos=$(grep -E '^memshim\[[0-9]+\]: info:' "$err2" | grep -vc 'set by environment')
+    if [ $rc -eq "$want" ] && [ $rc2 -eq "$want" ] && [ "$quiet" -eq 0 ] && [ "$warns" -eq 0 ] &&
+       [ "$infos" -le 1 ]; then
+        ok "$name"
+    else
+        fail "$name" "exit $rc/$rc2 (want $want); default level: $quiet memshim lines;" \
+             "info level: $warns warning/error lines, $infos info lines"
+        show_tail "$out"; show_tail "$err"; show_tail "$err2"
+    fi
+}
+mkdir -p "$TMP/empty"
+if [ -x "$BIN/nodriver" ]; then
+    ENV_EXTRA=(LD_LIBRARY_PATH="$DBL" CUDBL_FAIL_INIT=1)
+    quiet_case nodriver_init_fails_cudamalloc 0 "$BIN/nodriver"
+    quiet_case nodriver_init_fails_cpu_only 0 "$BIN/nodriver" cpu
+    # The program finds libcudart through its RUNPATH; the runtime's dlopen("libcuda.so.1") and
+    # memshim's both fail.
+    ENV_EXTRA=(LD_LIBRARY_PATH="$TMP/empty")
+    if readelf -d "$BIN/nodriver" | grep -q 'NEEDED.*\[libcuda\.so'; then
+        echo "skip nodriver_no_libcuda_cudamalloc (this build links nodriver to libcuda directly)"
+    else
+        quiet_case nodriver_no_libcuda_cudamalloc 0 "$BIN/nodriver"
+    fi
+    quiet_case nodriver_no_libcuda_cpu_only 0 "$BIN/nodriver" cpu
+else
+    fail "nodriver" "$BIN/nodriver not built (make tests)"
+fi
+# A program with no CUDA at all, where libcuda.so.1 cannot even be found.
+ENV_EXTRA=(LD_LIBRARY_PATH="$TMP/empty")
+quiet_case nodriver_plain_shell 0 /bin/sh -c 'echo hello >/dev/null'
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
