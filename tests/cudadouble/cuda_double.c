@@ -2057,9 +2057,6 @@ static CUresult proc_lookup(const char *symbol, void **pfn, int cudaVersion, cuu
         /* CUDBL_TRACE_LOOKUPS=1 names what a program wanted that the double lacks. (The real
          * libcudart cannot run over the double: it needs the driver's private cuGetExportTable.) */
         if (getenv("CUDBL_TRACE_LOOKUPS")) fprintf(stderr, "cudbl: lookup of %s (version %d) not found\n", symbol, cudaVersion);
-        if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
-            return CUDA_SUCCESS;
-        }
         if (status)
             *status = known ? CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT
                             : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
