@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
 # Install what building and testing memshim needs, only when it is missing (Debian 12).
 # Safe to run again: it checks before it installs. Needs root (or sudo) only to install.
+#   --with-torch   also pip-install PyTorch (for tests/gpu/test_torch.py; about 3.5 GB with its
+#                  CUDA libraries), when `import torch` fails
 set -euo pipefail
+with_torch=0
+for a in "$@"; do
+    case "$a" in
+    --with-torch) with_torch=1 ;;
+    *) echo "setup: unknown option $a (known: --with-torch)" >&2; exit 2 ;;
+    esac
+done
 
 need=()
 have() { command -v "$1" >/dev/null 2>&1; }
@@ -33,5 +42,9 @@ if [ -z "$cuda_home" ] || [ ! -f "$cuda_home/include/cuda.h" ] || [ ! -f "$cuda_
     echo "setup: install the NVIDIA CUDA toolkit (only its headers are needed to build memshim)" >&2
     echo "setup: and set CUDA_HOME to it, e.g. CUDA_HOME=/usr/local/cuda-13.0." >&2
     exit 1
+fi
+if [ "$with_torch" = 1 ] && ! python3 -c 'import torch' >/dev/null 2>&1; then
+    echo "setup: installing PyTorch with pip (the tests use its Python-level allocator API)"
+    python3 -m pip install --quiet torch || echo "setup: warning: PyTorch could not be installed; its tests will skip" >&2
 fi
 echo "setup: ok (CUDA headers in $cuda_home/include)"
