@@ -769,7 +769,7 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
         rc = try_alloc(pool, rsize, size, stream, addr, &reclaimed);
         if (rc == 0) pool->st.rescue_gc++;
     }
-    if (rc == ENOMEM && pool->cached && pool->driver_oom) {
+    if (rc == ENOMEM && pool->cached && pool->driver_oom && !pool->prm.no_release_on_oom) {
         pool->driver_oom = false;
         /* Cached pages were already candidates for reclaim; giving them back only helps when
          * the driver itself ran out (other allocators in the process hold the rest). */

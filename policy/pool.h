@@ -26,6 +26,7 @@ struct msh_pool_params {
     bool defrag;               /* reclaim and remap wholly free pages under pressure */
     size_t va_bytes;           /* size of each reserved VA range (0 = 4x device memory) */
     size_t release_threshold;  /* empty-cache when cached free bytes exceed this (0 = off) */
+    bool no_release_on_oom;    /* MEMSHIM_EMPTY_CACHE=never: the rescue chain skips empty-cache */
 };
 void msh_pool_params_default(struct msh_pool_params *p);
 

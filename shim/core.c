@@ -216,6 +216,7 @@ struct msh_pool *msh_core_pool(int device)
             prm.small_max = msh_cfg.small_max;
             prm.defrag = msh_cfg.defrag;
             if (msh_cfg.empty_cache == MSH_EC_THRESHOLD) prm.release_threshold = msh_cfg.empty_cache_threshold;
+            prm.no_release_on_oom = msh_cfg.empty_cache == MSH_EC_NEVER;
             rc = msh_pool_create(&devices[device], &prm, &p);
         }
         if (rc == 0) {
