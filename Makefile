@@ -57,7 +57,7 @@ $(BUILD)/libmemshim_trace.a: $(TRACE_OBJ)
 
 # ---- tools -----------------------------------------------------------------------------------
 $(BUILD)/memshim-replay: $(BUILD)/obj/report/replay/main.o $(BUILD)/libmemshim_trace.a $(BUILD)/libmemshim_core.a
-	$(CC) -o $@ $^ $(LDFLAGS) -ljansson $(LIBS)
+	$(CC) -o $@ $^ $(LDFLAGS) -ljansson -lz $(LIBS)
 
 $(BUILD)/memshim-options: $(BUILD)/obj/tests/tools/options_main.o $(BUILD)/libmemshim_core.a
 	$(CC) -o $@ $^ $(LDFLAGS) $(LIBS)
@@ -85,7 +85,7 @@ tests: all $(UNIT_BIN) $(PRELOAD_BIN)
 $(BUILD)/tests/%: tests/unit/%.c $(BUILD)/libmemshim_trace.a $(BUILD)/libmemshim_core.a double tests/harness.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(BUILD)/libmemshim_trace.a $(BUILD)/libmemshim_core.a \
-	    -L$(DOUBLE_DIR) -Wl,-rpath,'$$ORIGIN/../double' -lcuda $(LDFLAGS) -ljansson $(LIBS)
+	    -L$(DOUBLE_DIR) -Wl,-rpath,'$$ORIGIN/../double' -lcuda $(LDFLAGS) -ljansson -lz $(LIBS)
 
 $(BUILD)/tests/preload/%: tests/preload/%.c double tests/harness.h
 	@mkdir -p $(dir $@)
@@ -113,7 +113,7 @@ install: all
 	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/memshim/docs \
 	    $(DESTDIR)$(PREFIX)/share/memshim/scripts $(DESTDIR)$(PREFIX)/include
 	install -m 0755 $(BUILD)/libmemshim.so $(DESTDIR)$(PREFIX)/lib/
-	install -m 0755 $(BUILD)/memshim-replay $(DESTDIR)$(PREFIX)/bin/
+	install -m 0755 $(BUILD)/memshim-replay $(BUILD)/memshim-options $(DESTDIR)$(PREFIX)/bin/
 	install -m 0644 shim/memshim.h $(DESTDIR)$(PREFIX)/include/
 	install -m 0644 docs/*.md README.md $(DESTDIR)$(PREFIX)/share/memshim/docs/
 	install -m 0755 scripts/*.py $(DESTDIR)$(PREFIX)/share/memshim/scripts/ 2>/dev/null || true
