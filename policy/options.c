@@ -61,12 +61,16 @@ struct opt {
 
 static const struct enum_val mode_vals[] = {
     {"auto", MSH_MODE_AUTO,
-     "`tensor` when the Python start-up hook can make memshim PyTorch's allocator before CUDA "
-     "initializes, otherwise `segment`."},
+     "Serve the interposed `cudaMalloc`/`cudaFree` from the pool (as `segment`); tensors are "
+     "placed by memshim whenever the program points `CUDAPluggableAllocator` at `memshim_malloc`/"
+     "`memshim_free`. (A Python start-up hook that switches to `tensor` by itself is not part of "
+     "this release.)"},
     {"tensor", MSH_MODE_TENSOR,
-     "memshim becomes PyTorch's allocator (`CUDAPluggableAllocator`) and places every tensor. "
-     "`torch.cuda.memory_stats()` and friends are not available in this mode; memshim's "
-     "reports replace them."},
+     "Declares that PyTorch uses memshim's pluggable entry points (installed by the program with "
+     "`CUDAPluggableAllocator` before CUDA initializes): memshim places every tensor and reports "
+     "say `tensor`. The interposed calls are served as in `segment`. "
+     "`torch.cuda.memory_stats()` and friends are not available under a pluggable allocator; "
+     "memshim's reports replace them."},
     {"segment", MSH_MODE_SEGMENT,
      "PyTorch keeps its caching allocator; memshim serves the segments it asks for from the "
      "pool, accounts them, enforces the limit and runs the policies."},
@@ -97,8 +101,8 @@ static const struct enum_val gc_vals[] = {
 };
 static const struct enum_val epoch_vals[] = {
     {"auto", MSH_EPOCH_AUTO,
-     "memshim picks the source from what the job provides; `memshim_epoch()` calls always "
-     "close an epoch."},
+     "`steps` when `MEMSHIM_EPOCH_STEPS` is set, else `seconds` when `MEMSHIM_EPOCH_SECONDS` is "
+     "set, else `manual`; `memshim_epoch()` calls always close an epoch."},
     {"steps", MSH_EPOCH_STEPS,
      "An epoch closes every `MEMSHIM_EPOCH_STEPS` optimizer steps (`memshim_step()` calls, "
      "which the Python integration makes after each `optimizer.step()`)."},
@@ -161,8 +165,10 @@ static const struct opt opts[O_COUNT] = {
               "When memshim runs Python's `gc.collect()` to free tensors held by reference "
               "cycles.",
               F(gc), 0, 0, 0, gc_vals,
-              "When memshim runs Python's `gc.collect()`. It calls into Python only from a thread "
-              "that holds the GIL (see DESIGN.md section 2)."},
+              "When memshim runs the GC callback registered with `memshim_set_gc_callback()` (the "
+              "Python side registers one that runs `gc.collect()`, and must only call into Python "
+              "on a thread that holds the GIL: DESIGN.md section 2). Without a registered "
+              "callback nothing runs."},
     [O_GC_THRESHOLD] = {"MEMSHIM_GC_THRESHOLD", T_FRACTION, "0.9", NULL, "a fraction 0..1",
                         "fraction",
                         "With `MEMSHIM_GC=threshold`: fraction of the limit (of device memory "

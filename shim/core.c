@@ -158,6 +158,9 @@ static void do_init(void)
     if (msh_cfg.trace_file[0]) trace_open();
     atexit(at_exit);
     pthread_atfork(fork_prepare, fork_parent, fork_child);
+    if (msh_cfg.epoch_src == MSH_EPOCH_AUTO) /* documented in the option table */
+        msh_cfg.epoch_src = msh_cfg.epoch_steps ? MSH_EPOCH_STEPS
+                            : msh_cfg.epoch_seconds > 0 ? MSH_EPOCH_SECONDS : MSH_EPOCH_MANUAL;
     if (msh_cfg.epoch_src == MSH_EPOCH_SIGNAL) install_epoch_signal();
     if (msh_cfg.empty_cache == MSH_EC_IDLE) {
         pthread_t th;
