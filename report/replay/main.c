@@ -7,25 +7,58 @@
  * this job need under memshim (--capacity auto searches the minimum), what did the pool do (maps,
  * unmaps, reclaims), and is the loop steady (--passes 2). It never modifies its inputs; an OOM
  * during replay is a result, malformed input an error (exit 2) with the reason.
+ *
+ * --policy torch|torch-expandable replays the same stream through the models of PyTorch's caching
+ * allocator (policy.h, docs/models.md), seeded with the segments a snapshot recorded; --compare
+ * puts the three side by side per device trace (minimum capacity, ratio to the live peak, OOMs
+ * and fit at --capacity, which also takes device names such as A100-80GB).
  */
+#include <errno.h>
 #include <getopt.h>
 #include <stdio.h>
+#include <strings.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "device.h"
 #include "msh.h"
+#include "policy.h"
 #include "pool.h"
 #include "trace.h"
 
 struct opts {
     bool json, use_device, auto_cap;
     uint64_t capacity; /* 0 = unlimited */
+    const char *capacity_name; /* the device named with --capacity, or NULL */
     uint64_t gran, small_max;
     bool defrag;
     int passes;
+    enum msh_policy_kind policy;
+    const char *torch_conf; /* --torch-conf, or NULL: the snapshot's recorded settings */
+    bool compare, validate, torch_empty_start;
 };
+
+/* Devices users plan for: memory as nvidia-smi reports it (MiB), less 512 MiB for the CUDA
+ * context, cuBLAS/cuDNN workspaces and the like (docs/models.md). */
+static const struct { const char *name; uint64_t total_mib; } devices[] = {
+    {"A100-40GB", 40960}, {"A100-80GB", 81920}, {"H100-80GB", 81559}, {"H200-141GB", 143771},
+    {"L4", 23034},        {"L40S", 46068},      {"A10G", 23028},      {"T4", 15360},
+    {"V100-16GB", 16160}, {"V100-32GB", 32510}, {"RTX3090", 24576},   {"RTX4090", 24564},
+    {"A6000", 49140},
+};
+#define DEVICE_RESERVE_MIB 512
+
+static int device_capacity(const char *name, uint64_t *out, const char **canon)
+{
+    for (size_t i = 0; i < sizeof devices / sizeof devices[0]; i++)
+        if (!strcasecmp(name, devices[i].name)) {
+            *out = (devices[i].total_mib - DEVICE_RESERVE_MIB) * MSH_MiB;
+            *canon = devices[i].name;
+            return 0;
+        }
+    return ENOENT;
+}
 
 /* original block address -> pool address, open addressing with backward-shift deletion */
 struct amap {
@@ -265,6 +298,421 @@ static int replay_trace(const struct msh_trace_set *set, const struct msh_trace 
     return 0;
 }
 
+/* ---- the policies behind policy.h: torch models and memshim through one runner ---------------- */
+struct loaded {
+    struct msh_trace_set *set;
+    struct msh_snap_extra *x; /* snapshots only */
+};
+
+static const struct msh_snap_dev *extra_for(const struct loaded *L, size_t d)
+{
+    return L->x && d < L->x->ndev ? &L->x->dev[d] : NULL;
+}
+
+struct prun {
+    struct msh_policy_stats st;
+    uint64_t ooms;          /* failed requests (seeding past the capacity counts one) */
+    size_t events;          /* stream events replayed */
+    size_t placed;          /* prefix blocks seeded in place */
+    size_t addr_match;      /* allocations at the address the recording gave them */
+    size_t recorded_allocs; /* allocations of the recorded window */
+    double wall;
+    bool seeded;
+};
+
+/* Replay t through one policy at `capacity`. With keep, the policy is handed back (for its log). */
+static int policy_replay(const struct msh_trace *t, const struct msh_snap_dev *d, enum msh_policy_kind kind,
+                         const struct msh_torch_conf *conf, const struct opts *o, uint64_t capacity,
+                         bool log, struct prun *r, struct msh_policy **keep)
+{
+    memset(r, 0, sizeof *r);
+    struct msh_policy *p = NULL;
+    int rc = kind == MSH_POLICY_MEMSHIM ? msh_memshim_policy_create(capacity, o->gran, t->peak_live_bytes, &p)
+                                        : msh_policy_create(kind, capacity, conf, o->gran, &p);
+    if (rc) {
+        fprintf(stderr, "memshim-replay: cannot create the %s policy (error %d)\n", msh_policy_name(kind), rc);
+        return rc;
+    }
+    struct amap m;
+    uint8_t *placed = calloc(t->nprefix + 1, 1);
+    if (!placed || amap_init(&m, t->n)) {
+        free(placed);
+        msh_policy_destroy(p);
+        return ENOMEM;
+    }
+    bool torch = kind != MSH_POLICY_MEMSHIM;
+    if (torch && log) msh_torch_log_segments(p, true);
+    double t0 = now_s();
+    if (torch && d && !o->torch_empty_start && p->kind == MSH_POLICY_TORCH) {
+        r->placed = msh_torch_seed_from_snapshot(p, t, d, conf, placed);
+        struct msh_policy_stats s0;
+        msh_policy_get_stats(p, &s0);
+        r->seeded = s0.seeded_bytes > 0;
+        for (size_t i = 0; i < t->nprefix; i++)
+            if (placed[i]) *amap_get(&m, t->ev[i].addr, true) = t->ev[i].addr;
+        if (capacity && s0.reserved > capacity) {
+            /* the recorded state does not fit: what an OOM retry would free first */
+            msh_policy_empty_cache(p);
+            msh_policy_get_stats(p, &s0);
+            if (s0.reserved > capacity) r->ooms++;
+        }
+    }
+    /* emptyCache() calls show in a snapshot only as segment_free events: replay them there */
+    size_t nrel = 0, *rel = NULL;
+    if (torch && d && d->nev) {
+        rel = malloc(d->nev * sizeof *rel);
+        for (size_t i = 0; rel && i < d->nev; i++)
+            if (d->ev[i].op == MSH_SEG_FREE && (!nrel || rel[nrel - 1] != d->ev[i].at)) rel[nrel++] = d->ev[i].at;
+    }
+    size_t ri = 0;
+    for (size_t i = 0; i < t->n; i++) {
+        const struct msh_trace_event *e = &t->ev[i];
+        if (torch) msh_torch_set_clock(p, i);
+        while (ri < nrel && rel[ri] <= i) {
+            msh_policy_empty_cache(p);
+            ri++;
+        }
+        r->events++;
+        if (e->op == MSH_OP_ALLOC) {
+            if (i < t->nprefix && placed[i]) continue;
+            uint64_t *slot = amap_get(&m, e->addr, true);
+            if (*slot) continue;
+            uint64_t a = 0;
+            if (msh_policy_alloc(p, e->size, e->stream, &a)) {
+                r->ooms++;
+                amap_del(&m, e->addr);
+                continue;
+            }
+            *slot = a;
+            if (!e->prefix) {
+                r->recorded_allocs++;
+                r->addr_match += a == e->addr;
+            }
+        } else {
+            uint64_t *slot = amap_get(&m, e->addr, false);
+            if (!slot) continue;
+            msh_policy_free(p, *slot, e->stream);
+            amap_del(&m, e->addr);
+        }
+    }
+    while (ri < nrel) { /* a release recorded after the last event */
+        msh_policy_empty_cache(p);
+        ri++;
+    }
+    if (torch) msh_torch_set_clock(p, t->n);
+    r->wall = now_s() - t0;
+    msh_policy_get_stats(p, &r->st);
+    free(rel);
+    free(m.t);
+    free(placed);
+    if (keep) *keep = p;
+    else msh_policy_destroy(p);
+    return 0;
+}
+
+/* Smallest capacity (to the granularity) at which the stream replays with no OOM, by bisection
+ * between the live peak and what the policy held with no limit. */
+static int policy_min_capacity(const struct msh_trace *t, const struct msh_snap_dev *d, enum msh_policy_kind kind,
+                               const struct msh_torch_conf *conf, const struct opts *o, uint64_t unlimited_peak,
+                               uint64_t *out)
+{
+    uint64_t g = o->gran;
+    uint64_t lo = (t->peak_live_bytes + g - 1) / g, hi = (unlimited_peak + g - 1) / g;
+    if (hi < lo) hi = lo;
+    struct prun r;
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        int rc = policy_replay(t, d, kind, conf, o, mid * g, false, &r, NULL);
+        if (rc) return rc;
+        if (r.ooms) lo = mid + 1;
+        else hi = mid;
+    }
+    *out = lo * g;
+    return 0;
+}
+
+/* The torch settings for a trace: --torch-conf on top of the defaults, else the recorded ones. */
+static int torch_conf_for(const struct loaded *L, const struct opts *o, enum msh_policy_kind kind,
+                          struct msh_torch_conf *c)
+{
+    msh_torch_conf_default(c);
+    if (L->x && L->x->has_settings) *c = L->x->conf;
+    else if (L->set->allocator_conf && *L->set->allocator_conf) {
+        char err[256];
+        if (msh_torch_conf_parse(L->set->allocator_conf, c, err, sizeof err)) msh_torch_conf_default(c);
+    }
+    if (o->torch_conf) {
+        char err[256];
+        msh_torch_conf_default(c);
+        if (msh_torch_conf_parse(o->torch_conf, c, err, sizeof err)) {
+            fprintf(stderr, "memshim-replay: --torch-conf: %s\n", err);
+            return EINVAL;
+        }
+    }
+    if (kind == MSH_POLICY_TORCH_EXPANDABLE) c->expandable = true;
+    return 0;
+}
+
+static void json_str(const char *s)
+{
+    putchar('"');
+    for (; s && *s; s++) {
+        if (*s == '"' || *s == '\\') printf("\\%c", *s);
+        else if ((unsigned char)*s < 0x20) printf("\\u%04x", *s);
+        else putchar(*s);
+    }
+    putchar('"');
+}
+
+static void json_sizes(const char *name, const struct msh_segev *ev, size_t n, uint8_t op)
+{
+    printf(",\"%s\":[", name);
+    bool first = true;
+    for (size_t i = 0; i < n; i++) {
+        if (ev[i].op != op) continue;
+        printf("%s%llu", first ? "" : ",", (unsigned long long)ev[i].size);
+        first = false;
+    }
+    printf("]");
+}
+
+/* --policy torch|torch-expandable: one device trace through one model. */
+static int model_trace(const struct loaded *L, size_t di, const struct opts *o)
+{
+    const struct msh_trace_set *set = L->set;
+    const struct msh_trace *t = &set->dev[di];
+    const struct msh_snap_dev *d = extra_for(L, di);
+    struct msh_torch_conf conf;
+    if (torch_conf_for(L, o, o->policy, &conf)) return EINVAL;
+    struct prun unl, main_run;
+    struct msh_policy *kept = NULL;
+    int rc = policy_replay(t, d, o->policy, &conf, o, 0, o->validate, &unl, o->validate ? &kept : NULL);
+    if (rc) return rc;
+    uint64_t cap = o->capacity, min_cap = 0;
+    if (o->auto_cap) {
+        if ((rc = policy_min_capacity(t, d, o->policy, &conf, o, unl.st.peak_reserved, &min_cap))) goto out;
+        cap = min_cap;
+    }
+    if (cap) {
+        if ((rc = policy_replay(t, d, o->policy, &conf, o, cap, false, &main_run, NULL))) goto out;
+    } else {
+        main_run = unl;
+    }
+    char cs[512];
+    msh_torch_conf_format(&conf, cs, sizeof cs);
+    double evps = main_run.wall > 0 ? (double)main_run.events / main_run.wall : 0;
+    if (o->json) {
+        printf("{\"trace\":");
+        json_str(set->path);
+        printf(",\"device\":%d,\"policy\":\"%s\",\"format\":\"%s\",\"events\":%zu,\"replayed_events\":%zu,"
+               "\"allocs\":%zu,\"prefix_blocks\":%zu,\"warnings\":%zu,\"torch_conf\":",
+               t->device, msh_policy_name(o->policy), set->format, t->nraw_events, main_run.events, t->nallocs,
+               t->nprefix, t->warnings);
+        json_str(cs);
+        printf(",\"seeded\":%s,\"seeded_bytes\":%llu,\"prefix_placed\":%zu,\"peak_live_bytes\":%llu,"
+               "\"peak_reserved_bytes\":%llu,\"unlimited_peak_reserved_bytes\":%llu,\"final_reserved_bytes\":%llu,"
+               "\"capacity_bytes\":%llu,",
+               unl.seeded ? "true" : "false", (unsigned long long)unl.st.seeded_bytes, unl.placed,
+               (unsigned long long)t->peak_live_bytes, (unsigned long long)main_run.st.peak_reserved,
+               (unsigned long long)unl.st.peak_reserved, (unsigned long long)unl.st.reserved, (unsigned long long)cap);
+        if (o->auto_cap) printf("\"min_capacity_bytes\":%llu,", (unsigned long long)min_cap);
+        else printf("\"min_capacity_bytes\":null,");
+        printf("\"recorded_peak_reserved_bytes\":%llu,\"recorded_final_reserved_bytes\":%llu,\"ooms\":%llu,"
+               "\"segments_created\":%llu,\"segments_freed\":%llu,\"map_ops\":%llu,\"unmap_ops\":%llu,"
+               "\"alloc_address_matches\":%zu,\"recorded_window_allocs\":%zu,\"wall_seconds\":%.6f,"
+               "\"events_per_second\":%.0f",
+               (unsigned long long)t->recorded_peak_reserved, (unsigned long long)t->recorded_final_reserved,
+               (unsigned long long)main_run.ooms, (unsigned long long)main_run.st.segs_created,
+               (unsigned long long)main_run.st.segs_freed, (unsigned long long)main_run.st.map_ops,
+               (unsigned long long)main_run.st.unmap_ops, unl.addr_match, unl.recorded_allocs, main_run.wall, evps);
+        if (o->validate && kept) {
+            size_t nlog = 0;
+            const struct msh_segev *lg = msh_torch_segment_log(kept, &nlog);
+            json_sizes("model_segment_allocs", lg, nlog, MSH_SEG_ALLOC);
+            json_sizes("model_segment_frees", lg, nlog, MSH_SEG_FREE);
+            json_sizes("model_segment_maps", lg, nlog, MSH_SEG_MAP);
+            json_sizes("model_segment_unmaps", lg, nlog, MSH_SEG_UNMAP);
+            if (d) {
+                json_sizes("recorded_segment_allocs", d->ev, d->nev, MSH_SEG_ALLOC);
+                json_sizes("recorded_segment_frees", d->ev, d->nev, MSH_SEG_FREE);
+            }
+            /* the layout at the end: segments the dump lists that the model does not hold, and back */
+            size_t nseg = msh_torch_segments(kept, NULL, 0);
+            struct msh_seg_info *si = calloc(nseg + 1, sizeof *si);
+            size_t missing = 0, extra = 0;
+            if (si && d) {
+                msh_torch_segments(kept, si, nseg);
+                size_t a = 0, b = 0;
+                while (a < nseg || b < d->nseg) {
+                    if (b >= d->nseg || (a < nseg && si[a].addr < d->seg[b].addr)) {
+                        extra++;
+                        a++;
+                    } else if (a >= nseg || d->seg[b].addr < si[a].addr) {
+                        missing++;
+                        b++;
+                    } else {
+                        if (si[a].size != d->seg[b].size) missing++, extra++;
+                        a++;
+                        b++;
+                    }
+                }
+            }
+            free(si);
+            printf(",\"final_segments\":%zu,\"recorded_final_segments\":%zu,\"final_segments_missing\":%zu,"
+                   "\"final_segments_extra\":%zu",
+                   nseg, d ? d->nseg : 0, missing, extra);
+        }
+        printf("}\n");
+    } else {
+        double pl = t->peak_live_bytes ? (double)t->peak_live_bytes : 1;
+        printf("%-58.58s %3d %8zu %12llu %12llu %7.4f %12llu %7.4f %6llu %7llu %7llu %9.2f\n", base_name(set->path),
+               t->device, t->nraw_events, (unsigned long long)t->peak_live_bytes,
+               (unsigned long long)unl.st.peak_reserved, (double)unl.st.peak_reserved / pl,
+               (unsigned long long)min_cap, (double)min_cap / pl, (unsigned long long)main_run.ooms,
+               (unsigned long long)main_run.st.segs_created, (unsigned long long)main_run.st.segs_freed, evps / 1e6);
+    }
+out:
+    msh_policy_destroy(kept);
+    return rc;
+}
+
+/* --compare: the three policies side by side for one device trace. */
+struct cmp_row {
+    uint64_t unl_peak, min_cap, ooms_at_cap, maps, unmaps, segs, segs_freed;
+    bool seeded;
+};
+
+static int compare_trace(const struct loaded *L, size_t di, const struct opts *o, bool *header)
+{
+    const struct msh_trace_set *set = L->set;
+    const struct msh_trace *t = &set->dev[di];
+    const struct msh_snap_dev *d = extra_for(L, di);
+    static const enum msh_policy_kind kinds[3] = {MSH_POLICY_MEMSHIM, MSH_POLICY_TORCH, MSH_POLICY_TORCH_EXPANDABLE};
+    struct cmp_row row[3];
+    char cs[512] = "";
+    double t0 = now_s();
+    for (int k = 0; k < 3; k++) {
+        struct msh_torch_conf conf;
+        if (torch_conf_for(L, o, kinds[k], &conf)) return EINVAL;
+        if (k == 1) msh_torch_conf_format(&conf, cs, sizeof cs);
+        if (kinds[k] == MSH_POLICY_TORCH) conf.expandable = false;
+        struct prun u, r;
+        int rc = policy_replay(t, d, kinds[k], &conf, o, 0, false, &u, NULL);
+        if (rc) return rc;
+        memset(&row[k], 0, sizeof row[k]);
+        row[k].unl_peak = u.st.peak_reserved;
+        row[k].seeded = u.seeded;
+        if ((rc = policy_min_capacity(t, d, kinds[k], &conf, o, u.st.peak_reserved, &row[k].min_cap))) return rc;
+        /* the work at the minimum capacity (memshim: maps/unmaps; torch: cudaMalloc/cudaFree) */
+        if ((rc = policy_replay(t, d, kinds[k], &conf, o, row[k].min_cap, false, &r, NULL))) return rc;
+        row[k].maps = r.st.map_ops;
+        row[k].unmaps = r.st.unmap_ops;
+        row[k].segs = r.st.segs_created;
+        row[k].segs_freed = r.st.segs_freed;
+        if (o->capacity) {
+            if ((rc = policy_replay(t, d, kinds[k], &conf, o, o->capacity, false, &r, NULL))) return rc;
+            row[k].ooms_at_cap = r.ooms;
+        }
+    }
+    double wall = now_s() - t0;
+    double pl = t->peak_live_bytes ? (double)t->peak_live_bytes : 1;
+    if (o->json) {
+        printf("{\"trace\":");
+        json_str(set->path);
+        printf(",\"device\":%d,\"events\":%zu,\"peak_live_bytes\":%llu,\"recorded_peak_reserved_bytes\":%llu,"
+               "\"capacity_bytes\":%llu,\"capacity_name\":",
+               t->device, t->nraw_events, (unsigned long long)t->peak_live_bytes,
+               (unsigned long long)t->recorded_peak_reserved, (unsigned long long)o->capacity);
+        if (o->capacity_name) json_str(o->capacity_name);
+        else printf("null");
+        printf(",\"torch_conf\":");
+        json_str(cs);
+        printf(",\"wall_seconds\":%.3f,\"policies\":{", wall);
+        for (int k = 0; k < 3; k++) {
+            printf("%s\"%s\":{\"min_capacity_bytes\":%llu,\"ratio_to_peak_live\":%.4f,"
+                   "\"unlimited_peak_reserved_bytes\":%llu,\"map_ops\":%llu,\"unmap_ops\":%llu,"
+                   "\"segments_created\":%llu,\"segments_freed\":%llu,\"seeded\":%s",
+                   k ? "," : "", msh_policy_name(kinds[k]), (unsigned long long)row[k].min_cap,
+                   (double)row[k].min_cap / pl, (unsigned long long)row[k].unl_peak, (unsigned long long)row[k].maps,
+                   (unsigned long long)row[k].unmaps, (unsigned long long)row[k].segs,
+                   (unsigned long long)row[k].segs_freed, row[k].seeded ? "true" : "false");
+            if (o->capacity) {
+                bool fits = row[k].min_cap <= o->capacity && !row[k].ooms_at_cap;
+                printf(",\"ooms_at_capacity\":%llu,\"fits\":%s,\"short_bytes\":%llu,\"headroom_bytes\":%llu",
+                       (unsigned long long)row[k].ooms_at_cap, fits ? "true" : "false",
+                       (unsigned long long)(row[k].min_cap > o->capacity ? row[k].min_cap - o->capacity : 0),
+                       (unsigned long long)(row[k].min_cap < o->capacity ? o->capacity - row[k].min_cap : 0));
+            }
+            printf("}");
+        }
+        printf("}}\n");
+        return 0;
+    }
+    if (!*header) {
+        printf("%-44s %3s %10s | %-27s | %-27s | %-27s\n", "trace", "dev", "live MiB", "memshim: min MiB  x live",
+               "torch: min MiB  x live", "torch-expandable: min MiB  x");
+        *header = true;
+    }
+    printf("%-44.44s %3d %10.0f", base_name(set->path), t->device, (double)t->peak_live_bytes / MSH_MiB);
+    for (int k = 0; k < 3; k++)
+        printf(" | %14.0f %7.4f%s   ", (double)row[k].min_cap / MSH_MiB, (double)row[k].min_cap / pl,
+               k == 1 && row[k].seeded ? "*" : " ");
+    printf("\n    memshim at its minimum: %llu maps, %llu unmaps; torch: %llu cudaMalloc%s\n",
+           (unsigned long long)row[0].maps, (unsigned long long)row[0].unmaps, (unsigned long long)row[1].segs,
+           row[1].seeded ? " (* seeded with the recorded segments)" : "");
+    if (o->capacity) {
+        printf("    at %s (%.0f MiB):", o->capacity_name ? o->capacity_name : "the capacity",
+               (double)o->capacity / MSH_MiB);
+        for (int k = 0; k < 3; k++) {
+            bool fits = row[k].min_cap <= o->capacity && !row[k].ooms_at_cap;
+            if (fits)
+                printf(" %s fits (%.0f MiB to spare)%s", msh_policy_name(kinds[k]),
+                       (double)(o->capacity - row[k].min_cap) / MSH_MiB, k < 2 ? ";" : "");
+            else
+                printf(" %s does not fit (%.0f MiB short, %llu OOMs)%s", msh_policy_name(kinds[k]),
+                       (double)(row[k].min_cap - (row[k].min_cap > o->capacity ? o->capacity : row[k].min_cap)) / MSH_MiB,
+                       (unsigned long long)row[k].ooms_at_cap, k < 2 ? ";" : "");
+        }
+        printf("\n");
+    }
+    return 0;
+}
+
+/* A snapshot read again for the models' extra output (segment events, layout, settings). */
+static int load_extra(const char *path, struct loaded *L, char *err, size_t errlen)
+{
+    if (!L->set->format || strcmp(L->set->format, "pytorch-snapshot")) return 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) return 0;
+    unsigned char *buf = NULL;
+    size_t len = 0, cap = 0;
+    for (;;) {
+        if (len == cap) {
+            size_t nc = cap ? cap * 2 : 1 << 20;
+            if (nc > MSH_TRACE_MAX_FILE + 1) break;
+            unsigned char *n = realloc(buf, nc);
+            if (!n) break;
+            buf = n;
+            cap = nc;
+        }
+        size_t r = fread(buf + len, 1, cap - len, f);
+        if (!r) break;
+        len += r;
+    }
+    fclose(f);
+    struct msh_trace_set *s2 = NULL;
+    struct msh_snap_extra *x = NULL;
+    int rc = buf ? msh_snapshot_load_extra(buf, len, &s2, &x, err, errlen) : ENOMEM;
+    free(buf);
+    if (rc) return rc;
+    free(s2->path);
+    s2->path = strdup(L->set->path);
+    msh_trace_set_free(L->set);
+    L->set = s2;
+    L->x = x;
+    return 0;
+}
+
 static void usage(FILE *f)
 {
     fprintf(f,
@@ -280,6 +728,20 @@ static void usage(FILE *f)
             "  --no-defrag           never reclaim and remap pages\n"
             "  --device              use the CUDA driver present instead of the simulation\n"
             "  --to-text             print the traces in memshim's text format and exit\n"
+            "  --policy P            memshim (default), torch (PyTorch's caching allocator, modelled)\n"
+            "                        or torch-expandable (expandable_segments:True, modelled)\n"
+            "  --torch-conf CONF     PYTORCH_CUDA_ALLOC_CONF for the torch policies (max_split_size_mb,\n"
+            "                        roundup_power2_divisions, garbage_collection_threshold,\n"
+            "                        expandable_segments); default: the snapshot's recorded settings\n"
+            "  --torch-start S       recorded (default: seed the torch model with the segments the\n"
+            "                        snapshot held when recording began) or empty\n"
+            "  --compare             the three policies side by side per device trace: minimum\n"
+            "                        capacity, ratio to peak live, OOMs and fit at --capacity\n"
+            "  --validate            (torch policies, --json) the model's segment events and final\n"
+            "                        layout next to the recorded ones\n"
+            "  --capacity also takes a device name:");
+    for (size_t i = 0; i < sizeof devices / sizeof devices[0]; i++) fprintf(f, " %s", devices[i].name);
+    fprintf(f, "\n"
             "  -h, --help            this text\n"
             "Exit status: 0 done (OOMs are results), 2 bad usage or unreadable/malformed input.\n");
 }
@@ -289,6 +751,9 @@ int main(int argc, char **argv)
     struct opts o = {.gran = 2 * MSH_MiB, .small_max = MSH_MiB, .defrag = true, .passes = 1};
     bool to_text = false;
     static const struct option lo[] = {
+        {"policy", required_argument, 0, 'P'},   {"torch-conf", required_argument, 0, 'T'},
+        {"compare", no_argument, 0, 'C'},        {"validate", no_argument, 0, 'V'},
+        {"torch-start", required_argument, 0, 'S'},
         {"capacity", required_argument, 0, 'c'}, {"passes", required_argument, 0, 'p'},
         {"json", no_argument, 0, 'j'},           {"granularity", required_argument, 0, 'g'},
         {"small-max", required_argument, 0, 's'}, {"no-defrag", no_argument, 0, 'n'},
@@ -300,11 +765,41 @@ int main(int argc, char **argv)
         case 'c':
             if (!strcmp(optarg, "auto")) {
                 o.auto_cap = true;
+            } else if (device_capacity(optarg, &o.capacity, &o.capacity_name) == 0) {
+                break;
             } else if (msh_parse_size(optarg, &o.capacity) || !o.capacity) {
-                fprintf(stderr, "memshim-replay: --capacity '%s' is not a size (e.g. 24GiB) or 'auto'\n", optarg);
+                fprintf(stderr, "memshim-replay: --capacity '%s' is not a size (e.g. 24GiB), a device name "
+                                "(e.g. A100-80GB; see --help) or 'auto'\n", optarg);
                 return 2;
             }
             break;
+        case 'P':
+            if (msh_policy_parse(optarg, &o.policy)) {
+                fprintf(stderr, "memshim-replay: --policy '%s' must be memshim, torch or torch-expandable\n", optarg);
+                return 2;
+            }
+            break;
+        case 'T': {
+            struct msh_torch_conf tc;
+            char err[256];
+            msh_torch_conf_default(&tc);
+            if (msh_torch_conf_parse(optarg, &tc, err, sizeof err)) {
+                fprintf(stderr, "memshim-replay: --torch-conf: %s\n", err);
+                return 2;
+            }
+            o.torch_conf = optarg;
+            break;
+        }
+        case 'S':
+            if (!strcmp(optarg, "empty")) o.torch_empty_start = true;
+            else if (!strcmp(optarg, "recorded")) o.torch_empty_start = false;
+            else {
+                fprintf(stderr, "memshim-replay: --torch-start '%s' must be recorded or empty\n", optarg);
+                return 2;
+            }
+            break;
+        case 'C': o.compare = true; break;
+        case 'V': o.validate = true; break;
         case 'p': {
             char *end;
             long n = strtol(optarg, &end, 10);
@@ -339,6 +834,19 @@ int main(int argc, char **argv)
         usage(stderr);
         return 2;
     }
+    if ((o.compare || o.policy != MSH_POLICY_MEMSHIM) && o.use_device) {
+        fprintf(stderr, "memshim-replay: --device replays memshim's pool only (not with --compare or --policy)\n");
+        return 2;
+    }
+    if (o.compare && o.auto_cap) o.auto_cap = false; /* --compare always searches the minimum */
+    if (o.torch_conf && o.policy == MSH_POLICY_TORCH) {
+        struct msh_torch_conf tc;
+        char err[256];
+        msh_torch_conf_default(&tc);
+        msh_torch_conf_parse(o.torch_conf, &tc, err, sizeof err);
+        if (tc.expandable) o.policy = MSH_POLICY_TORCH_EXPANDABLE;
+    }
+    double started = now_s();
     msh_log_level = MSH_LOG_ERROR; /* OOMs during replay are results, not warnings */
     int status = 0;
     bool header = false;
@@ -355,6 +863,28 @@ int main(int argc, char **argv)
             msh_trace_set_free(set);
             continue;
         }
+        if (o.compare || o.policy != MSH_POLICY_MEMSHIM) {
+            struct loaded L = {.set = set};
+            if (load_extra(argv[i], &L, err, sizeof err)) {
+                fprintf(stderr, "memshim-replay: %s\n", err);
+                msh_trace_set_free(L.set);
+                status = 2;
+                continue;
+            }
+            if (!o.json && !o.compare && !header) {
+                print_row_header();
+                header = true;
+            }
+            for (size_t d = 0; d < L.set->ndev; d++) {
+                msh_trace_analyze(&L.set->dev[d]);
+                int rc = o.compare ? compare_trace(&L, d, &o, &header) : model_trace(&L, d, &o);
+                if (rc) status = 2;
+            }
+            fflush(stdout);
+            msh_snap_extra_free(L.x);
+            msh_trace_set_free(L.set);
+            continue;
+        }
         if (!o.json && !header) {
             print_row_header();
             header = true;
@@ -367,5 +897,7 @@ int main(int argc, char **argv)
         fflush(stdout);
         msh_trace_set_free(set);
     }
+    if (o.compare && !o.json) printf("(%d input%s compared in %.1f s)\n", argc - optind, argc - optind > 1 ? "s" : "",
+                                     now_s() - started);
     return status;
 }

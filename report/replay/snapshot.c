@@ -24,8 +24,13 @@
  *    recorded_peak_reserved: walking back from the dump, reserved before a segment_alloc/
  *    segment_map of s is (after - s), before a segment_free/segment_unmap (after + s); the
  *    largest value over the window.
+ *  - for the allocator models (msh_snapshot_load_extra(), policy.h), also: each segment event
+ *    with the index of the stream event it preceded, the dump's segments and blocks, and the
+ *    recorded allocator_settings (max_split_size, roundup_power2_divisions,
+ *    garbage_collection_threshold, expandable_segments).
  */
 #include "pickle.h"
+#include "policy.h"
 #include "trace.h"
 
 #include <errno.h>
@@ -108,7 +113,21 @@ struct dev_build {
     size_t nraw;
     uint64_t first_time, reserved;
     int64_t net_end, net_max;
+    struct msh_snap_dev *x; /* extra output for the models, or NULL */
+    size_t capev, capseg, capblk;
 };
+
+#define GROW(ptr, n, cap)                                                                       \
+    ((n) < (cap) ? 0 : grow_arr((void **)&(ptr), &(cap), sizeof *(ptr)))
+static int grow_arr(void **p, size_t *cap, size_t elem)
+{
+    size_t nc = *cap ? *cap * 2 : 64;
+    void *n = realloc(*p, nc * elem);
+    if (!n) return ENOMEM;
+    *p = n;
+    *cap = nc;
+    return 0;
+}
 
 static int push_ev(struct snap_ctx *c, struct msh_trace *t, uint8_t op, uint64_t addr, uint64_t size,
                    uint64_t stream, uint64_t time_us, uint8_t prefix)
@@ -183,6 +202,17 @@ static int walk_events(struct snap_ctx *c, struct dev_build *b, const struct msh
             if (net > INT64_MAX / 2 || net < -(INT64_MAX / 2))
                 return snap_fail(c, "device_traces[%d][%zu]: segment sizes out of range", dev, i);
             if (net > maxnet) maxnet = net;
+            if (b->x) {
+                uint64_t saddr = 0, sstream = 0;
+                field_u64(e, "addr", &saddr);
+                field_raw(e, "stream", &sstream);
+                if (GROW(b->x->ev, b->x->nev, b->capev)) return snap_nomem(c);
+                uint8_t op = msh_pk_is_str(a, "segment_alloc") ? MSH_SEG_ALLOC
+                             : msh_pk_is_str(a, "segment_free") ? MSH_SEG_FREE
+                             : msh_pk_is_str(a, "segment_map") ? MSH_SEG_MAP : MSH_SEG_UNMAP;
+                b->x->ev[b->x->nev++] = (struct msh_segev){.addr = saddr, .size = size, .stream = sstream,
+                                                           .at = b->rec.n, .op = op};
+            }
             continue;
         }
         if (field_u64(e, "addr", &addr) != 0)
@@ -278,6 +308,15 @@ static int walk_segments(struct snap_ctx *c, struct dev_build **by_dev, const st
         if (total > UINT64_MAX - b->reserved)
             return snap_fail(c, "segments[%zu]: total_size overflows", i);
         b->reserved += total;
+        if (b->x) {
+            if (GROW(b->x->seg, b->x->nseg, b->capseg)) return snap_nomem(c);
+            const struct msh_pk *ty = msh_pk_dict_get(sg, "segment_type");
+            const struct msh_pk *ex = msh_pk_dict_get(sg, "is_expandable");
+            b->x->seg[b->x->nseg++] = (struct msh_snap_seg){
+                .addr = saddr, .size = total, .stream = stream,
+                .small = ty ? (uint8_t)msh_pk_is_str(ty, "small") : (uint8_t)(total == (2u << 20)),
+                .expandable = (uint8_t)(ex && (ex->kind == MSH_PK_BOOL || ex->kind == MSH_PK_INT) && ex->i)};
+        }
         const struct msh_pk *blocks = msh_pk_dict_get(sg, "blocks");
         if (!blocks || blocks->kind == MSH_PK_NONE) continue;
         if (blocks->kind != MSH_PK_LIST && blocks->kind != MSH_PK_TUPLE)
@@ -297,6 +336,12 @@ static int walk_segments(struct snap_ctx *c, struct dev_build **by_dev, const st
                                     "'requested_size' is not a non-negative int", i, j);
             at = baddr + bsize;
             const struct msh_pk *st = msh_pk_dict_get(bl, "state");
+            if (b->x) {
+                if (GROW(b->x->blk, b->x->nblk, b->capblk)) return snap_nomem(c);
+                b->x->blk[b->x->nblk++] = (struct msh_snap_blk){
+                    .addr = baddr, .size = bsize, .req = req,
+                    .active = (uint8_t)(msh_pk_is_str(st, "active_allocated") || msh_pk_is_str(st, "active_pending_free"))};
+            }
             if (!msh_pk_is_str(st, "active_allocated") && !msh_pk_is_str(st, "active_pending_free"))
                 continue;
             int rc = dump_block(c, b, baddr, req ? req : bsize, stream);
@@ -304,6 +349,47 @@ static int walk_segments(struct snap_ctx *c, struct dev_build **by_dev, const st
         }
     }
     return 0;
+}
+
+static int by_seg_addr(const void *a, const void *b)
+{
+    const struct msh_snap_seg *x = a, *y = b;
+    return x->addr < y->addr ? -1 : x->addr > y->addr;
+}
+static int by_blk_addr(const void *a, const void *b)
+{
+    const struct msh_snap_blk *x = a, *y = b;
+    return x->addr < y->addr ? -1 : x->addr > y->addr;
+}
+
+/* allocator_settings -> struct msh_torch_conf (the resolved values PyTorch records). */
+static void read_settings(const struct msh_pk *as, struct msh_snap_extra *x)
+{
+    msh_torch_conf_default(&x->conf);
+    if (!as || as->kind != MSH_PK_DICT) return;
+    x->has_settings = true;
+    int64_t v;
+    const struct msh_pk *f = msh_pk_dict_get(as, "max_split_size");
+    if (f && msh_pk_get_i64(f, &v) == 0 && v > 0) x->conf.max_split_size = (uint64_t)v;
+    else if (f && f->kind == MSH_PK_INT && f->big) x->conf.max_split_size = UINT64_MAX;
+    f = msh_pk_dict_get(as, "garbage_collection_threshold");
+    if (f && f->kind == MSH_PK_FLOAT && f->f > 0 && f->f < 1) x->conf.gc_threshold = f->f;
+    f = msh_pk_dict_get(as, "expandable_segments");
+    if (f && msh_pk_get_i64(f, &v) == 0) x->conf.expandable = v != 0;
+    f = msh_pk_dict_get(as, "roundup_power2_divisions");
+    if (f && f->kind == MSH_PK_DICT) {
+        for (size_t k = 0; k < f->seq.n; k++) {
+            const struct msh_pk *key = f->seq.v[2 * k], *val = f->seq.v[2 * k + 1];
+            if (!key || key->kind != MSH_PK_STR || key->s.len == 0 || key->s.len > 12) continue;
+            char kb[16];
+            memcpy(kb, key->s.p, key->s.len);
+            kb[key->s.len] = 0;
+            unsigned long long mb = strtoull(kb, NULL, 10);
+            if (!mb || (mb & (mb - 1)) || msh_pk_get_i64(val, &v) || v < 0 || v > 1 << 20) continue;
+            unsigned idx = 63u - (unsigned)__builtin_clzll(mb);
+            if (idx < MSH_TORCH_DIVS) x->conf.divisions[idx] = (unsigned)v;
+        }
+    }
 }
 
 /* Prefix (in address order) then recorded events, into out. */
@@ -330,10 +416,17 @@ static int finish_device(struct snap_ctx *c, struct dev_build *b, int have_segme
     int64_t peak = before + b->net_max;
     out->recorded_peak_reserved = peak > 0 ? (uint64_t)peak : 0;
     msh_trace_analyze(out);
+    if (b->x) {
+        b->x->device = b->dev;
+        for (size_t i = 0; i < b->x->nev; i++) b->x->ev[i].at += b->prefix.n;
+        if (b->x->nseg) qsort(b->x->seg, b->x->nseg, sizeof *b->x->seg, by_seg_addr);
+        if (b->x->nblk) qsort(b->x->blk, b->x->nblk, sizeof *b->x->blk, by_blk_addr);
+    }
     return 0;
 }
 
-static int convert(struct snap_ctx *c, const struct msh_pk *root, struct msh_trace_set *s)
+static int convert(struct snap_ctx *c, const struct msh_pk *root, struct msh_trace_set *s,
+                   struct msh_snap_extra *x)
 {
     const struct msh_pk *segs = NULL, *traces = NULL;
     if (root->kind == MSH_PK_LIST) { /* torch.cuda.memory_snapshot(): the segment list alone */
@@ -345,6 +438,7 @@ static int convert(struct snap_ctx *c, const struct msh_pk *root, struct msh_tra
             return snap_fail(c, "not a PyTorch memory snapshot: the dict has no 'segments' or "
                                 "'device_traces'");
         const struct msh_pk *as = msh_pk_dict_get(root, "allocator_settings");
+        if (x) read_settings(as, x);
         const struct msh_pk *conf = msh_pk_dict_get(as, "PYTORCH_CUDA_ALLOC_CONF");
         if (conf && conf->kind == MSH_PK_STR && !(s->allocator_conf = strndup(conf->s.p, conf->s.len)))
             return snap_nomem(c);
@@ -391,12 +485,17 @@ static int convert(struct snap_ctx *c, const struct msh_pk *root, struct msh_tra
     for (int d = 0; !rc && d < SNAP_MAX_DEVICES; d++) ndev += want[d] != 0;
     if (!rc && ndev && (!(builds = calloc(ndev, sizeof *builds)) || !(s->dev = calloc(ndev, sizeof *s->dev))))
         rc = snap_nomem(c);
+    if (!rc && x && ndev && !(x->dev = calloc(ndev, sizeof *x->dev))) rc = snap_nomem(c);
     size_t nb = 0;
     for (int d = 0; !rc && d < SNAP_MAX_DEVICES; d++) {
         if (!want[d]) continue;
         struct dev_build *b = &builds[nb++];
         by_dev[d] = b;
         b->dev = d;
+        if (x) {
+            b->x = &x->dev[nb - 1];
+            x->ndev = nb;
+        }
         const struct msh_pk *ev = (size_t)d < msh_pk_len(traces) ? msh_pk_item(traces, (size_t)d) : NULL;
         b->nraw = msh_pk_len(ev);
         if (msh_addrmap_init(&b->map, b->nraw / 2 + 64)) rc = snap_nomem(c);
@@ -418,8 +517,45 @@ static int convert(struct snap_ctx *c, const struct msh_pk *root, struct msh_tra
     return rc;
 }
 
+static int load_snapshot(const unsigned char *buf, size_t len, struct msh_trace_set **out,
+                         struct msh_snap_extra *x, char *err, size_t errlen);
+
 int msh_trace_load_snapshot_mem(const unsigned char *buf, size_t len, struct msh_trace_set **out,
                                 char *err, size_t errlen)
+{
+    return load_snapshot(buf, len, out, NULL, err, errlen);
+}
+
+void msh_snap_extra_free(struct msh_snap_extra *x)
+{
+    if (!x) return;
+    for (size_t i = 0; i < x->ndev; i++) {
+        free(x->dev[i].ev);
+        free(x->dev[i].seg);
+        free(x->dev[i].blk);
+    }
+    free(x->dev);
+    free(x);
+}
+
+int msh_snapshot_load_extra(const unsigned char *buf, size_t len, struct msh_trace_set **out,
+                            struct msh_snap_extra **xo, char *err, size_t errlen)
+{
+    *xo = NULL;
+    struct msh_snap_extra *x = calloc(1, sizeof *x);
+    if (!x) return ENOMEM;
+    msh_torch_conf_default(&x->conf);
+    int rc = load_snapshot(buf, len, out, x, err, errlen);
+    if (rc) {
+        msh_snap_extra_free(x);
+        return rc;
+    }
+    *xo = x;
+    return 0;
+}
+
+static int load_snapshot(const unsigned char *buf, size_t len, struct msh_trace_set **out,
+                         struct msh_snap_extra *x, char *err, size_t errlen)
 {
     struct snap_ctx c = {.err = err, .errlen = errlen,
                          .budget = len > SIZE_MAX / 8 ? SIZE_MAX : 4 * len + 65536};
@@ -434,7 +570,7 @@ int msh_trace_load_snapshot_mem(const unsigned char *buf, size_t len, struct msh
         msh_pk_free(doc);
         return snap_nomem(&c);
     }
-    rc = convert(&c, msh_pk_root(doc), s);
+    rc = convert(&c, msh_pk_root(doc), s, x);
     msh_pk_free(doc);
     if (rc) {
         msh_trace_set_free(s);

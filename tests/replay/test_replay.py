@@ -81,6 +81,60 @@ with tempfile.TemporaryDirectory() as tmp:
     rc, out, err = run("--capacity", "lots", good)
     case("bad --capacity is a usage error", rc == 2 and "capacity" in err, f"rc={rc}")
 
+    # ---- peer allocator models and capacity planning (docs/models.md) ----
+    for pol in ("torch", "torch-expandable"):
+        rc, out, err = run("--policy", pol, "--json", "--capacity", "auto", good)
+        try:
+            d = json.loads(out.splitlines()[0])
+            missing = [k for k in REQUIRED if k not in d]
+            case(f"--policy {pol}: JSON with the documented fields", rc == 0 and d["policy"] == pol and not missing,
+                 f"rc={rc} policy={d.get('policy')} missing={missing}")
+            case(f"--policy {pol}: min capacity >= peak live, no OOM there",
+                 d["min_capacity_bytes"] >= d["peak_live_bytes"] and d["ooms"] == 0,
+                 f"{d['min_capacity_bytes']} vs {d['peak_live_bytes']}, ooms {d['ooms']}")
+        except (ValueError, IndexError, KeyError) as e:
+            case(f"--policy {pol} output parses", False, f"{e}: {out!r} {err!r}")
+    rc, out, err = run("--policy", "tensorflow", good)
+    case("unknown --policy is a usage error", rc == 2 and "policy" in err, f"rc={rc} {err!r}")
+    rc, out, err = run("--policy", "torch", "--torch-conf", "max_split_size_mb:lots", good)
+    case("bad --torch-conf is a usage error naming the key", rc == 2 and "max_split_size_mb" in err, f"rc={rc} {err!r}")
+    rc, out, err = run("--policy", "torch", "--torch-conf", "no_such_option:1", good)
+    case("unknown --torch-conf key is a usage error", rc == 2 and "no_such_option" in err, f"rc={rc} {err!r}")
+    rc, out, err = run("--policy", "torch", "--json", "--torch-conf",
+                       "max_split_size_mb:64,roundup_power2_divisions:[256:1,>:4],garbage_collection_threshold:0.8", good)
+    try:
+        d = json.loads(out.splitlines()[0])
+        case("--torch-conf is applied and echoed", rc == 0 and "max_split_size_mb:64" in d["torch_conf"]
+             and "garbage_collection_threshold:0.8" in d["torch_conf"], d.get("torch_conf"))
+    except (ValueError, IndexError, KeyError) as e:
+        case("--torch-conf output parses", False, f"{e}: {out!r} {err!r}")
+    rc, out, err = run("--json", "--capacity", "A100-80GB", good)
+    try:
+        d = json.loads(out.splitlines()[0])
+        case("--capacity takes a device name (A100-80GB: 81920 MiB less 512)",
+             rc == 0 and d["capacity_bytes"] == (81920 - 512) * 2**20, d.get("capacity_bytes"))
+    except (ValueError, IndexError, KeyError) as e:
+        case("--capacity A100-80GB output parses", False, f"{e}: {out!r} {err!r}")
+    rc, out, err = run("--capacity", "h100-80gb", "--policy", "torch", good)
+    case("device names are case-insensitive", rc == 0, f"rc={rc} {err!r}")
+    rc, out, err = run("--compare", "--json", "--capacity", "8MiB", good)
+    try:
+        d = json.loads(out.splitlines()[0])
+        pol = d["policies"]
+        case("--compare --json: one object with the three policies",
+             rc == 0 and sorted(pol) == ["memshim", "torch", "torch-expandable"], sorted(pol))
+        ok = all(v["min_capacity_bytes"] >= d["peak_live_bytes"] and v["fits"] is False and v["short_bytes"] > 0
+                 and v["ooms_at_capacity"] > 0 and "ratio_to_peak_live" in v for v in pol.values())
+        case("--compare at a too-small capacity: no policy fits, each says by how much", ok, pol)
+        case("--compare: memshim's map/unmap work is reported", pol["memshim"]["map_ops"] > 0, pol["memshim"])
+    except (ValueError, IndexError, KeyError) as e:
+        case("--compare --json output parses", False, f"{e}: {out!r} {err!r}")
+    rc, out, err = run("--compare", "--capacity", "RTX4090", good)
+    case("--compare table answers fit per policy", rc == 0 and "memshim fits" in out and "torch fits" in out
+         and "torch-expandable fits" in out, out[-400:])
+    rc, out, err = run("--compare", "--device", good)
+    case("--compare with --device is a usage error", rc == 2, f"rc={rc}")
+
 if not os.path.isdir(TRACES):
     skip("real traces", f"{TRACES} not found: skipping the capacity and steady-state checks")
 else:
