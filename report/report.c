@@ -2,10 +2,15 @@
  * report.c: write per-epoch, summary and OOM reports as JSON (schema in docs/reports.md).
  *
  * jansson is resolved at run time so libmemshim.so has no NEEDED entry outside glibc; without it
- * reports are skipped with one warning. Every file is written to an O_EXCL|O_NOFOLLOW temp file
- * with an unguessable name in the target directory and renamed into place, so a reader never
- * sees half a report and a planted symlink is never followed. A write error disables reports
- * with one warning; the job always continues. Must never be called with a pool lock held.
+ * reports are skipped with one warning. Every file is written to an O_EXCL|O_NOFOLLOW|O_CLOEXEC
+ * temp file (mode 0644 before the umask) with an unguessable name in the target directory and
+ * renamed into place, so a reader never sees half a report, a planted symlink is never followed
+ * (rename replaces a link at the final name, it does not write through it) and no descriptor
+ * leaks into a child that execs. Directories memshim creates get mode 0755 before the umask. A
+ * write error (disk full, read-only directory) disables reports with one warning naming
+ * MEMSHIM_REPORT_DIR; the job always continues. Reports are not fsync'ed: they are atomic for
+ * readers and across a crash of the job, not durable across a power loss (an epoch close must
+ * not wait for the disk). Must never be called with a pool lock held.
  */
 #include "report.h"
 
@@ -105,12 +110,15 @@ bool msh_report_init(void)
         if (*p == '/' || *p == '.') *p = *p == '.' ? 0 : '_';
     if (msh_cfg.report_dir[0]) {
         if (msh_expand_path(msh_cfg.report_dir, report_dir, sizeof report_dir)) {
-            msh_warn("MEMSHIM_REPORT_DIR='%s' is too long after expansion; reports are off", msh_cfg.report_dir);
+            msh_warn("MEMSHIM_REPORT_DIR='%.200s' is too long after expansion; reports are off",
+                     msh_cfg.report_dir);
         } else if (!load_jansson()) {
             msh_warn("libjansson.so.4 not found (install libjansson4); running without JSON reports");
         } else {
             int rc = mkdirs(report_dir);
-            if (rc) msh_warn("cannot create report directory '%s': %s; reports are off", report_dir, strerror(rc));
+            if (rc)
+                msh_warn("MEMSHIM_REPORT_DIR: cannot create report directory '%s': %s; reports are off",
+                         report_dir, strerror(rc));
             else report_on = true;
         }
     }
@@ -280,35 +288,60 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     return root;
 }
 
+/* All of text, retrying on EINTR; 0 or an errno value (a write of 0 bytes counts as EIO). */
+static int write_full(int fd, const char *text, size_t len)
+{
+    size_t off = 0;
+    while (off < len) {
+        ssize_t w = write(fd, text + off, len - off);
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0) return errno;
+        if (w == 0) return EIO;
+        off += (size_t)w;
+    }
+    return 0;
+}
+
 static int write_atomic(const char *path, const char *text)
 {
     char tmp[PATH_MAX + 32];
-    unsigned char rnd[8];
-    if (getrandom(rnd, sizeof rnd, GRND_NONBLOCK) != (ssize_t)sizeof rnd) {
-        uint64_t t = msh_now_ns() ^ ((uint64_t)getpid() << 32);
-        memcpy(rnd, &t, sizeof rnd);
-    }
-    snprintf(tmp, sizeof tmp, "%s.tmp%02x%02x%02x%02x%02x%02x%02x%02x", path, rnd[0], rnd[1], rnd[2], rnd[3],
-             rnd[4], rnd[5], rnd[6], rnd[7]);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
-    if (fd < 0) return errno;
-    size_t len = strlen(text), off = 0;
-    int rc = 0;
-    while (off < len) {
-        ssize_t w = write(fd, text + off, len - off);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            rc = errno;
-            break;
+    int fd = -1;
+    /* A name taken by someone else (O_EXCL) gets a new random one, a few times. */
+    for (int attempt = 0; attempt < 4 && fd < 0; attempt++) {
+        unsigned char rnd[8];
+        if (getrandom(rnd, sizeof rnd, GRND_NONBLOCK) != (ssize_t)sizeof rnd) {
+            uint64_t t = msh_now_ns() ^ ((uint64_t)getpid() << 32) ^ ((uint64_t)attempt << 60);
+            memcpy(rnd, &t, sizeof rnd);
         }
-        off += (size_t)w;
+        int n = snprintf(tmp, sizeof tmp, "%s.tmp%02x%02x%02x%02x%02x%02x%02x%02x", path, rnd[0], rnd[1],
+                         rnd[2], rnd[3], rnd[4], rnd[5], rnd[6], rnd[7]);
+        if (n < 0 || (size_t)n >= sizeof tmp) return ENAMETOOLONG;
+        fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+        if (fd < 0 && errno != EEXIST) return errno;
     }
-    if (!rc && write(fd, "\n", 1) != 1) rc = errno ? errno : EIO;
-    if (close(fd) && !rc) rc = errno;
+    if (fd < 0) return EEXIST;
+    int rc = write_full(fd, text, strlen(text));
+    if (!rc) rc = write_full(fd, "\n", 1);
+    /* close() reports a delayed write error (NFS, quota); EINTR still releases the descriptor. */
+    if (close(fd) && errno != EINTR && !rc) rc = errno;
     /* rename() replaces a planted symlink at the final name rather than following it. */
     if (!rc && rename(tmp, path)) rc = errno;
     if (rc) unlink(tmp);
     return rc;
+}
+
+/* The first failure turns reports off with one warning; later writers return quietly. */
+static int reports_off(const char *path, int err)
+{
+    pthread_mutex_lock(&report_lock);
+    bool was_on = report_on;
+    report_on = false;
+    pthread_mutex_unlock(&report_lock);
+    if (was_on)
+        msh_warn("MEMSHIM_REPORT_DIR: cannot write report %.300s: %s; reports are off for the rest of "
+                 "this run (the job continues)",
+                 path, strerror(err));
+    return err;
 }
 
 int msh_report_write(const struct msh_report *r)
@@ -318,10 +351,8 @@ int msh_report_write(const struct msh_report *r)
     for (int i = 0; i < r->ndev; i++) {
         const struct msh_report_device *d = &r->dev[i];
         char path[PATH_MAX];
-        if (msh_report_path(r, d->device, path, sizeof path)) {
-            rc = ENAMETOOLONG;
-            continue;
-        }
+        if (msh_report_path(r, d->device, path, sizeof path))
+            return reports_off(report_dir, ENAMETOOLONG);
         json_t *root = build(r, d);
         char *text = root ? J.dumps(root, msh_cfg.report_format == MSH_REPORT_JSON_PRETTY
                                               ? JSON_INDENT(2) | JSON_SORT_KEYS
@@ -334,16 +365,7 @@ int msh_report_write(const struct msh_report *r)
         }
         int w = write_atomic(path, text);
         free(text);
-        if (w) {
-            pthread_mutex_lock(&report_lock);
-            bool was_on = report_on;
-            report_on = false;
-            pthread_mutex_unlock(&report_lock);
-            if (was_on)
-                msh_warn("cannot write report %s: %s; reports are off for the rest of this run (the job continues)",
-                         path, strerror(w));
-            return w;
-        }
+        if (w) return reports_off(path, w);
         msh_debug("wrote %s", path);
     }
     return rc;

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -49,6 +50,7 @@ static pthread_mutex_t trace_lock = PTHREAD_MUTEX_INITIALIZER;
 static int trace_fd = -1;
 static char trace_buf[64 * 1024];
 static size_t trace_len;
+static uint64_t trace_committed; /* bytes of whole lines in the file */
 
 static memshim_gc_fn gc_user_fn;
 static void *gc_user_arg;
@@ -84,6 +86,9 @@ static void install_epoch_signal(void)
     sigaction(msh_cfg.epoch_signal, &sa, NULL);
 }
 
+/* Write the buffer out. The buffer holds whole lines, so on a failed or short write (disk full)
+ * the file is cut back to where this flush began: a trace always ends with a whole line. Then
+ * one warning, and tracing stops; the job continues. */
 static void trace_flush_locked(void)
 {
     size_t off = 0;
@@ -91,29 +96,65 @@ static void trace_flush_locked(void)
         ssize_t w = write(trace_fd, trace_buf + off, trace_len - off);
         if (w < 0 && errno == EINTR) continue;
         if (w <= 0) {
-            msh_warn("MEMSHIM_TRACE_FILE: write failed (%s); tracing stops, the job continues", strerror(errno));
+            int err = w < 0 ? errno : EIO;
+            int cut = ftruncate(trace_fd, (off_t)trace_committed);
+            msh_warn("MEMSHIM_TRACE_FILE: write failed (%s); tracing stops at %llu bytes%s, the job "
+                     "continues",
+                     strerror(err), (unsigned long long)trace_committed,
+                     cut == 0 ? " of whole lines" : " (the last line may be cut)");
             close(trace_fd);
             trace_fd = -1;
             break;
         }
         off += (size_t)w;
     }
+    if (trace_fd >= 0) trace_committed += trace_len;
     trace_len = 0;
 }
 
+/* MEMSHIM_TRACE_FILE can reveal the job's code paths: the file is 0600 and must be the job's own.
+ * A new file is created with O_EXCL; an existing one (a rerun with the same path) is reused only
+ * if it is a regular file owned by this user with a single link, then truncated and set to 0600.
+ * O_NOFOLLOW refuses a symlink planted at the name, O_NONBLOCK keeps a planted FIFO from hanging
+ * the job, O_CLOEXEC keeps the descriptor out of exec'ed children. */
 static void trace_open(void)
 {
     char path[4096];
     if (msh_expand_path(msh_cfg.trace_file, path, sizeof path)) {
-        msh_warn("MEMSHIM_TRACE_FILE='%s' is too long after expansion; no trace", msh_cfg.trace_file);
+        msh_warn("MEMSHIM_TRACE_FILE='%.200s' is too long after expansion; no trace", msh_cfg.trace_file);
         return;
     }
-    /* 0600: a trace reveals the job's allocation pattern; never follow a planted symlink. */
-    trace_fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
-    if (trace_fd < 0) {
-        msh_warn("cannot open MEMSHIM_TRACE_FILE '%s': %s; no trace", path, strerror(errno));
+    const int flags = O_WRONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK;
+    int fd = open(path, flags | O_CREAT | O_EXCL, 0600);
+    const char *refused = NULL;
+    if (fd < 0 && errno == EEXIST) {
+        fd = open(path, flags);
+        struct stat sb;
+        if (fd >= 0) {
+            if (fstat(fd, &sb) != 0) refused = "cannot be examined";
+            else if (!S_ISREG(sb.st_mode)) refused = "is not a regular file";
+            else if (sb.st_uid != geteuid()) refused = "belongs to another user";
+            else if (sb.st_nlink != 1) refused = "has several links";
+            else if (ftruncate(fd, 0) != 0 || fchmod(fd, 0600) != 0) refused = "cannot be truncated";
+            if (refused) {
+                close(fd);
+                fd = -1;
+            }
+        }
+    }
+    if (fd < 0) {
+        if (refused)
+            msh_warn("refusing MEMSHIM_TRACE_FILE '%.300s': it %s; no trace", path, refused);
+        else if (errno == ELOOP)
+            msh_warn("refusing MEMSHIM_TRACE_FILE '%.300s': it is a symbolic link; no trace", path);
+        else
+            msh_warn("cannot open MEMSHIM_TRACE_FILE '%.300s': %s; no trace", path, strerror(errno));
         return;
     }
+    int fl = fcntl(fd, F_GETFL);
+    if (fl >= 0) fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+    trace_fd = fd;
+    trace_committed = 0;
     static const char hdr[] = "# memshim-trace 1\n";
     memcpy(trace_buf, hdr, sizeof hdr - 1);
     trace_len = sizeof hdr - 1;
@@ -126,11 +167,14 @@ void msh_core_trace(char op, int device, uint64_t stream, uint64_t addr, uint64_
     int n = snprintf(line, sizeof line, "%c %d 0x%llx 0x%llx %llu %llu\n", op, device, (unsigned long long)stream,
                      (unsigned long long)addr, (unsigned long long)size,
                      (unsigned long long)((msh_now_ns() - t0_ns) / 1000));
+    if (n <= 0 || (size_t)n >= sizeof line) return;
     pthread_mutex_lock(&trace_lock);
     if (trace_fd >= 0) {
         if (trace_len + (size_t)n > sizeof trace_buf) trace_flush_locked();
-        memcpy(trace_buf + trace_len, line, (size_t)n);
-        trace_len += (size_t)n;
+        if (trace_fd >= 0) {
+            memcpy(trace_buf + trace_len, line, (size_t)n);
+            trace_len += (size_t)n;
+        }
     }
     pthread_mutex_unlock(&trace_lock);
 }

@@ -8,6 +8,13 @@
  * character boundary and end in "..."; every line ends in exactly one newline, and control
  * characters inside a message (a newline in a user's value, say) become '?' so one call is one
  * line. After MSH_LOG_WARN_CAP warnings one line says that further warnings are suppressed.
+ *
+ * MEMSHIM_LOG_FILE is opened O_APPEND|O_CLOEXEC|O_NOFOLLOW (a symlink planted at the name is
+ * refused, the descriptor never leaks into an exec'ed child), mode 0644 before the umask, and
+ * O_NONBLOCK so that a FIFO without a reader cannot hang the job's start. It must then be a
+ * regular file with a single link (a hard link planted at the name is refused), a FIFO or a
+ * character device. If a write to it fails (disk full, /dev/full), the log falls back to stderr
+ * with one warning; the job never stops because of its log.
  */
 #include "msh.h"
 
@@ -15,6 +22,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -30,15 +38,40 @@ static unsigned long warn_count;
 
 static const char *const level_names[] = {"error", "warning", "info", "debug"};
 
-static void write_all(int fd, const char *buf, size_t len)
+/* 0, or the errno of a failed write (EIO for a write of 0 bytes). */
+static int write_all(int fd, const char *buf, size_t len)
 {
     size_t off = 0;
     while (off < len) {
         ssize_t w = write(fd, buf + off, len - off);
         if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) return; /* nowhere to report a failing log; drop the line */
+        if (w < 0) return errno;
+        if (w == 0) return EIO;
         off += (size_t)w;
     }
+    return 0;
+}
+
+/* Write one line to the log. When MEMSHIM_LOG_FILE (an fd memshim opened) fails, switch to
+ * stderr: the thread that makes the switch says so once, then every line goes to stderr. The
+ * failed descriptor is left open, so a thread still writing to it never hits a reused number. */
+static void log_line(const char *buf, size_t len)
+{
+    int fd = __atomic_load_n(&log_fd, __ATOMIC_ACQUIRE);
+    int err = write_all(fd, buf, len);
+    if (!err || err == EAGAIN || fd == STDERR_FILENO || !__atomic_load_n(&log_fd_owned, __ATOMIC_ACQUIRE))
+        return; /* stderr itself failing: nowhere to report it; drop the line */
+    int expected = fd;
+    if (__atomic_compare_exchange_n(&log_fd, &expected, STDERR_FILENO, false, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE)) {
+        char msg[256];
+        int k = snprintf(msg, sizeof msg,
+                         "memshim[%d]: warning: cannot write MEMSHIM_LOG_FILE '%.120s' (%s); logging to "
+                         "stderr from now on\n",
+                         (int)getpid(), log_opened_path, strerror(err));
+        if (k > 0) write_all(STDERR_FILENO, msg, (size_t)k < sizeof msg ? (size_t)k : sizeof msg - 1);
+    }
+    write_all(STDERR_FILENO, buf, len);
 }
 
 /* Where to cut buf (holding more than `n` bytes) so no UTF-8 sequence is split: back up over
@@ -67,8 +100,7 @@ void msh_vlog(int level, const char *fmt, va_list ap)
                                  "memshim[%d]: warning: more than %d warnings; further warnings "
                                  "are suppressed\n",
                                  pid, MSH_LOG_WARN_CAP);
-                if (k > 0) write_all(__atomic_load_n(&log_fd, __ATOMIC_RELAXED), line,
-                                     (size_t)k < sizeof line ? (size_t)k : sizeof line - 1);
+                if (k > 0) log_line(line, (size_t)k < sizeof line ? (size_t)k : sizeof line - 1);
             }
             errno = saved_errno;
             return;
@@ -93,7 +125,7 @@ void msh_vlog(int level, const char *fmt, va_list ap)
     for (size_t i = (size_t)p; i < len; i++)
         if ((unsigned char)line[i] < 0x20 || line[i] == 0x7f) line[i] = '?';
     line[len++] = '\n';
-    write_all(__atomic_load_n(&log_fd, __ATOMIC_RELAXED), line, len);
+    log_line(line, len);
     errno = saved_errno;
 }
 
@@ -164,29 +196,50 @@ void msh_log_open(const char *path_template)
         errno = saved_errno;
         return;
     }
-    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0644);
+    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
+    const char *refused = NULL;
+    if (fd >= 0) {
+        struct stat sb;
+        if (fstat(fd, &sb) != 0) refused = "cannot be examined";
+        else if (S_ISREG(sb.st_mode) && sb.st_nlink != 1) refused = "is a file with several links";
+        else if (!S_ISREG(sb.st_mode) && !S_ISFIFO(sb.st_mode) && !S_ISCHR(sb.st_mode))
+            refused = "is not a file, a FIFO or a character device";
+        int fl = fcntl(fd, F_GETFL);
+        if (!refused && (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0)) refused = "cannot be made blocking";
+        if (refused) {
+            close(fd);
+            fd = -1;
+        }
+    }
     if (fd < 0) {
         int open_errno = errno;
         snprintf(log_failed_path, sizeof log_failed_path, "%s", path);
         pthread_mutex_unlock(&log_mu);
         errno = open_errno;
-        msh_warn("cannot open MEMSHIM_LOG_FILE '%.300s': %m; logging to stderr", path);
+        if (refused)
+            msh_warn("refusing MEMSHIM_LOG_FILE '%.300s': it %s; logging to stderr", path, refused);
+        else if (errno == ELOOP)
+            msh_warn("refusing MEMSHIM_LOG_FILE '%.300s': it is a symbolic link; logging to stderr", path);
+        else
+            msh_warn("cannot open MEMSHIM_LOG_FILE '%.300s': %m; logging to stderr", path);
         errno = saved_errno;
         return;
     }
-    if (log_fd_owned) {
+    snprintf(log_opened_path, sizeof log_opened_path, "%s", path);
+    int cur = __atomic_load_n(&log_fd, __ATOMIC_ACQUIRE);
+    if (log_fd_owned && cur != STDERR_FILENO) {
         /* Replace our previous file in place: a thread writing concurrently sees either file,
-         * never a closed or reused descriptor. */
-        if (dup3(fd, log_fd, O_CLOEXEC) >= 0) {
+         * never a closed or reused descriptor. (After a write failure the log is back on
+         * stderr, which must never be replaced.) */
+        if (dup3(fd, cur, O_CLOEXEC) >= 0) {
             close(fd);
         } else {
             __atomic_store_n(&log_fd, fd, __ATOMIC_RELEASE); /* the old one leaks; harmless */
         }
     } else {
         __atomic_store_n(&log_fd, fd, __ATOMIC_RELEASE);
-        log_fd_owned = true;
+        __atomic_store_n(&log_fd_owned, true, __ATOMIC_RELEASE);
     }
-    snprintf(log_opened_path, sizeof log_opened_path, "%s", path);
     log_failed_path[0] = '\0';
     pthread_mutex_unlock(&log_mu);
     errno = saved_errno;
@@ -196,7 +249,8 @@ void msh_log_set_fd(int fd)
 {
     pthread_mutex_lock(&log_mu);
     __atomic_store_n(&log_fd, fd < 0 ? STDERR_FILENO : fd, __ATOMIC_RELEASE);
-    log_fd_owned = false; /* the caller owns it; msh_log_open will not replace it in place */
+    /* the caller owns it; msh_log_open will not replace it in place */
+    __atomic_store_n(&log_fd_owned, false, __ATOMIC_RELEASE);
     log_opened_path[0] = '\0';
     log_failed_path[0] = '\0';
     pthread_mutex_unlock(&log_mu);
