@@ -20,6 +20,7 @@ have clang || need+=(clang)
 have readelf || need+=(binutils)
 have python3 || need+=(python3)
 [ -f /usr/include/jansson.h ] || need+=(libjansson-dev)
+[ -f /usr/include/zlib.h ] || need+=(zlib1g-dev)
 dpkg -s libclang-rt-14-dev >/dev/null 2>&1 || need+=(libclang-rt-14-dev)
 
 if [ ${#need[@]} -gt 0 ]; then

@@ -2,16 +2,19 @@
  * trace.h: allocation streams read from trace files, ready to replay through the pool.
  *
  * Readers: PyTorch memory snapshots (pickles from torch.cuda.memory._dump_snapshot(), read by a
- * pickle subset parser that never executes anything) and memshim's own text trace format
- * (docs/trace-format.md). A reader fills one msh_trace per device trace. Blocks that were live
- * before recording began are reconstructed and appear as allocations at the start of the stream
- * (prefix events, flagged). Readers never abort: malformed input returns EINVAL with a reason.
+ * pickle subset parser that never executes anything), memshim's own text trace format
+ * (docs/trace-format.md) and torch.profiler Chrome/Kineto JSON traces recorded with
+ * profile_memory=True (their "[memory]" events); any of them may be gzip-compressed. A reader
+ * fills one msh_trace per device trace. Blocks that were live before recording began are
+ * reconstructed and appear as allocations at the start of the stream (prefix events, flagged).
+ * Readers never abort: malformed input returns EINVAL with a reason.
  *
- * Invariant of every loaded trace (both readers normalise to it and count what they had to fix in
+ * Invariant of every loaded trace (every reader normalises to it and counts what it had to fix in
  * `warnings`): prefix allocations come first; an alloc never names an address that is live; a
  * free always names a live address. A duplicate alloc of a live address is preceded by a
  * synthesised free of the old block; a free of an address that is not live is dropped (except in
- * a snapshot, where a free of a block never seen before is the sign of a prefix block).
+ * a snapshot or a profiler trace, where a free of a block never seen before is the sign of a
+ * prefix block).
  */
 #ifndef MSH_TRACE_H
 #define MSH_TRACE_H
@@ -49,7 +52,7 @@ struct msh_trace {
 
 struct msh_trace_set {
     char *path;
-    char *format;            /* "pytorch-snapshot" or "memshim-trace" */
+    char *format;            /* "pytorch-snapshot", "memshim-trace" or "pytorch-profiler" */
     struct msh_trace *dev;   /* one per device trace, in device order */
     size_t ndev;
     char *allocator_conf;    /* snapshot allocator_settings.PYTORCH_CUDA_ALLOC_CONF, else NULL */
@@ -62,6 +65,11 @@ int msh_trace_load_snapshot_mem(const unsigned char *buf, size_t len, struct msh
                                 char *err, size_t errlen);
 int msh_trace_load_text_mem(const char *buf, size_t len, struct msh_trace_set **out, char *err,
                             size_t errlen);
+/* A torch.profiler JSON trace (export_chrome_trace / tensorboard_trace_handler): its "[memory]"
+ * events on CUDA devices, one msh_trace per CUDA device id (report/replay/profiler.c). Errors
+ * name the byte offset, line and column. */
+int msh_trace_load_profiler_mem(const char *buf, size_t len, struct msh_trace_set **out, char *err,
+                                size_t errlen);
 /* As msh_trace_load_text_mem, with `name` leading every error message ("name:17: ..."). */
 int msh_trace_load_text_named(const char *buf, size_t len, const char *name,
                               struct msh_trace_set **out, char *err, size_t errlen);
@@ -73,8 +81,17 @@ void msh_trace_analyze(struct msh_trace *t);
 /* Append one event to t->ev (growing it). Returns 0 or ENOMEM. */
 int msh_trace_push(struct msh_trace *t, const struct msh_trace_event *e);
 
-/* Largest trace file msh_trace_load() reads. */
+/* Largest trace file msh_trace_load() reads, and the most a gzip file may inflate to. */
 #define MSH_TRACE_MAX_FILE ((uint64_t)4 << 30)
+/* Inflating gzip: at most MSH_GZIP_MAX_RATIO times the compressed size (a zip bomb is refused),
+ * but never less than MSH_GZIP_MIN_LIMIT, and never more than MSH_TRACE_MAX_FILE. */
+#define MSH_GZIP_MAX_RATIO 256
+#define MSH_GZIP_MIN_LIMIT ((uint64_t)64 << 20)
+/* Inflate a whole gzip file (one or more members, zero padding allowed after them) into a new
+ * NUL-terminated buffer (*out, free() it; *outlen excludes the NUL). Returns 0, EINVAL (not gzip,
+ * corrupt, truncated, trailing garbage), EFBIG (over the limits above) or ENOMEM, with a reason. */
+int msh_trace_gunzip(const unsigned char *in, size_t inlen, unsigned char **out, size_t *outlen, char *err,
+                     size_t errlen);
 
 /* ---- a map from block address to state, shared by the readers, analysis and tests -------------
  * Open addressing, entries are never removed (a freed block keeps its entry with live = 0). */
