@@ -251,14 +251,15 @@ MSH_EXPORT cudaError_t cudaFree(void *devPtr)
     struct msh_pool *pool = msh_core_pool_owning((uint64_t)(uintptr_t)devPtr, &dev);
     if (pool) {
         r = rt_sync_device(dev);
-        size_t req = msh_pool_block_size(pool, (uint64_t)(uintptr_t)devPtr);
         /* A failed synchronization (a sticky error from earlier work) is returned as the real
-         * cudaFree would; the block stays live since the GPU may still be using it. */
+         * cudaFree would; the block stays live since the GPU may still be using it. The trace
+         * line goes first so no other thread's reuse of the block can precede it. */
+        if (r == cudaSuccess)
+            msh_core_trace('f', dev, 0, (uint64_t)(uintptr_t)devPtr,
+                           msh_pool_block_size(pool, (uint64_t)(uintptr_t)devPtr));
         if (r == cudaSuccess &&
             msh_pool_free(pool, (uint64_t)(uintptr_t)devPtr, MSH_STREAM_COMPLETED) != 0)
             r = cudaErrorInvalidValue; /* not the start of a live block, as the runtime says */
-        else if (r == cudaSuccess)
-            msh_core_trace('f', dev, 0, (uint64_t)(uintptr_t)devPtr, req);
     } else {
         r = rt_passthrough_free(devPtr, call_free, (void *)real);
     }

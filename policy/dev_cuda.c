@@ -38,7 +38,8 @@ static int to_errno(CUresult r, const char *what)
         CUcontext prev_ = NULL;                                                     \
         msh_cu.cuCtxGetCurrent(&prev_);                                             \
         bool push_ = prev_ != C(d)->ctx;                                            \
-        if (push_) msh_cu.cuCtxPushCurrent(C(d)->ctx);                              \
+        /* a failed push must not be followed by a pop of the caller's context */   \
+        if (push_ && msh_cu.cuCtxPushCurrent(C(d)->ctx) != CUDA_SUCCESS) push_ = false; \
         CUresult r_ = (call);                                                       \
         if (push_) msh_cu.cuCtxPopCurrent(&prev_);                                  \
         to_errno(r_, what);                                                         \
@@ -190,6 +191,7 @@ int msh_dev_cuda_init(struct msh_device *d, int ordinal)
                       "cuMemGetAllocationGranularity");
     if (rc || !c->gran) {
         msh_warn("device %d: no allocation granularity (error %d); passing through", ordinal, rc);
+        if (msh_cu.cuDevicePrimaryCtxRelease) msh_cu.cuDevicePrimaryCtxRelease(c->dev);
         free(c);
         d->impl = NULL;
         return ENODEV;

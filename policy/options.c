@@ -197,7 +197,7 @@ static const struct opt opts[O_COUNT] = {
                          "With `MEMSHIM_EPOCH=seconds`: length of an epoch.", F(epoch_seconds),
                          0, 0, 0, NULL, NULL},
     [O_EPOCH_SIGNAL] = {"MEMSHIM_EPOCH_SIGNAL", T_SIGNAL, "SIGUSR2", NULL,
-                        "a signal name like SIGUSR2 or USR2, or a number 1..64 (not KILL or STOP)",
+                        "a signal name like SIGUSR2 or USR2, or a number 1..64 (not KILL, STOP or a fault signal such as SEGV)",
                         "-", "With `MEMSHIM_EPOCH=signal`: the signal that closes an epoch.",
                         F(epoch_signal), 0, 0, 0, NULL, NULL},
     [O_REPORT_DIR] = {"MEMSHIM_REPORT_DIR", T_PATH, "", "no reports",
@@ -413,6 +413,11 @@ static int parse_signal_span(const char *b, const char *e, int *out)
         if (!sig) return EINVAL;
     }
     if (sig == SIGKILL || sig == SIGSTOP) return E_NOCATCH;
+    /* A fault signal must keep killing the process: catching it to close an epoch would loop on
+     * the faulting instruction forever. */
+    if (sig == SIGSEGV || sig == SIGBUS || sig == SIGFPE || sig == SIGILL || sig == SIGABRT ||
+        sig == SIGTRAP || sig == SIGSYS)
+        return E_NOCATCH;
     *out = sig;
     return 0;
 }
@@ -571,6 +576,19 @@ static void format_size(uint64_t v, char *buf, size_t len)
 }
 
 /* The effective value of option `o`, in the spelling the docs use. */
+
+/* Numbers as the parser reads them back: plain decimals, never an exponent ("%g" would print
+ * 3333333333 as 3.33333e+09, which the parser rightly refuses). */
+static void format_plain(double d, char *buf, size_t len)
+{
+    snprintf(buf, len, "%.9f", d);
+    char *dot = strchr(buf, '.');
+    if (!dot) return;
+    char *end = buf + strlen(buf) - 1;
+    while (end > dot && *end == '0') *end-- = 0;
+    if (end == dot) *end = 0;
+}
+
 static void format_value(const struct opt *o, char *buf, size_t len)
 {
     const char *base = (const char *)&msh_cfg;
@@ -592,7 +610,7 @@ static void format_value(const struct opt *o, char *buf, size_t len)
     case T_LIMIT:
         memcpy(&d, base + o->off2, sizeof d);
         memcpy(&u, base + o->off, sizeof u);
-        if (d > 0) snprintf(buf, len, "%g", d);
+        if (d > 0) format_plain(d, buf, len);
         else format_size(u, buf, len);
         return;
     case T_SIZE: memcpy(&u, base + o->off, sizeof u); format_size(u, buf, len); return;
@@ -601,7 +619,7 @@ static void format_value(const struct opt *o, char *buf, size_t len)
         snprintf(buf, len, "%llu", (unsigned long long)u);
         return;
     case T_FRACTION:
-    case T_SECONDS: memcpy(&d, base + o->off, sizeof d); snprintf(buf, len, "%g", d); return;
+    case T_SECONDS: memcpy(&d, base + o->off, sizeof d); format_plain(d, buf, len); return;
     case T_BOOL: memcpy(&b, base + o->off, sizeof b); snprintf(buf, len, "%d", b ? 1 : 0); return;
     case T_SIGNAL: {
         memcpy(&i, base + o->off, sizeof i);
@@ -807,7 +825,7 @@ static void describe_error(const struct opt *o, int rc, const char *text, char *
     case E_EMPTY: snprintf(buf, len, "is empty (expected %s)", allowed); break;
     case ERANGE: snprintf(buf, len, "is out of range (expected %s)", allowed); break;
     case E_NOCATCH:
-        snprintf(buf, len, "is a signal that cannot be caught (expected %s)", allowed);
+        snprintf(buf, len, "is a signal that cannot be caught here (expected %s)", allowed);
         break;
     case ENAMETOOLONG:
         snprintf(buf, len, "is too long (%zu bytes; at most %zu)", strlen(text),
@@ -1093,7 +1111,7 @@ static const char md_intro[] =
     "- **duration**: seconds (`10`, `2.5`), or a number with `s`, `ms`, `m` (minutes) or `h`.\n"
     "- **integer**: a whole number, within the range shown.\n"
     "- **signal**: a name with or without `SIG` (`SIGUSR2`, `usr2`) or a number 1..64; "
-    "`SIGKILL` and `SIGSTOP` cannot be caught and are rejected.\n"
+    "`SIGKILL` and `SIGSTOP` cannot be caught, and fault signals (`SIGSEGV`, `SIGBUS`, `SIGFPE`, `SIGILL`, `SIGABRT`, `SIGTRAP`, `SIGSYS`) must keep their meaning: all are rejected.\n"
     "- **enum**: one of the listed words, in any case.\n"
     "\n"
     "## Options\n"

@@ -78,6 +78,8 @@ struct msh_pool {
     size_t handles, touched, cached;
     bool dirty;           /* a free with unfinished stream work since the last synchronize */
     bool driver_oom;      /* the driver itself refused a create since the last empty-cache */
+    uint64_t orphans[64]; /* unmapped handles whose release failed: retried, never forgotten */
+    int norphans;
     uint32_t sync_count;
     uint32_t rng;
     bool timing;
@@ -288,6 +290,31 @@ static int settle_before_unmap(struct msh_pool *pool)
     return 0;
 }
 
+/* Release a handle that is no longer mapped. A failure keeps it on the orphan list (it still
+ * counts as held) so it is retried later instead of leaking. */
+static void handle_release(struct msh_pool *pool, uint64_t h)
+{
+    pool->st.release_ops++;
+    if (pool->dev->ops->release(pool->dev, h) == 0) {
+        __atomic_fetch_sub(&pool->handles, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    if (pool->norphans < (int)(sizeof pool->orphans / sizeof pool->orphans[0])) {
+        pool->orphans[pool->norphans++] = h;
+    } else {
+        msh_warn("pool: the driver refused to release %d handles; one more is left to the driver",
+                 pool->norphans);
+        __atomic_fetch_sub(&pool->handles, 1, __ATOMIC_RELAXED);
+    }
+}
+
+static void orphans_retry(struct msh_pool *pool)
+{
+    int n = pool->norphans;
+    pool->norphans = 0;
+    for (int i = 0; i < n; i++) handle_release(pool, pool->orphans[i]);
+}
+
 /* ---- regions ----------------------------------------------------------------------------------- */
 
 static size_t round_up(size_t v, size_t a)
@@ -422,11 +449,7 @@ static int pages_commit(struct msh_pool *pool, struct blk *b, bool *used_new, bo
         int rc = page_handle_get(pool, &h, reclaimed);
         if (rc == 0) {
             rc = ops->map(pool->dev, r->base + (uint64_t)p * pool->gran, pool->gran, h);
-            if (rc) {
-                ops->release(pool->dev, h);
-                __atomic_fetch_sub(&pool->handles, 1, __ATOMIC_RELAXED);
-                pool->st.release_ops++;
-            }
+            if (rc) handle_release(pool, h);
         }
         if (rc) {
             pages_release(pool, b);
@@ -443,6 +466,7 @@ static int pages_commit(struct msh_pool *pool, struct blk *b, bool *used_new, bo
 static size_t release_cached(struct msh_pool *pool, size_t max_keep)
 {
     size_t released = 0;
+    if (pool->norphans) orphans_retry(pool);
     const struct msh_device_ops *ops = pool->dev->ops;
     for (int a = 0; a < NAREAS; a++) {
         for (struct region *r = pool->areas[a]; r; r = r->next) {
@@ -453,10 +477,8 @@ static size_t release_cached(struct msh_pool *pool, size_t max_keep)
                 if (ops->unmap(pool->dev, r->base + (uint64_t)p * pool->gran, pool->gran)) return released;
                 pool->st.unmap_ops++;
                 cache_remove(pool, r, p);
-                ops->release(pool->dev, pg->handle);
-                pool->st.release_ops++;
+                handle_release(pool, pg->handle);
                 pg->handle = 0;
-                __atomic_fetch_sub(&pool->handles, 1, __ATOMIC_RELAXED);
                 pool->st.released_pages++;
                 released += pool->gran;
             }
@@ -517,7 +539,8 @@ static int streams_settle_for(struct msh_pool *pool, struct blk *b, uint64_t str
         int rc = ops->event_record(pool->dev, b->streams[i], &ev);
         if (rc == 0) {
             rc = ops->stream_wait(pool->dev, stream, ev);
-            ops->event_release(pool->dev, ev);
+            /* a failed destroy is retried once; the driver reclaims events at exit anyway */
+            if (ops->event_release(pool->dev, ev)) ops->event_release(pool->dev, ev);
         }
         if (rc) { /* cannot order the streams: fall back to waiting for everything */
             rc = ops->synchronize(pool->dev);
@@ -709,7 +732,8 @@ void msh_pool_destroy(struct msh_pool *pool)
                     stuck = true; /* a mapped handle must not be released nor its range freed */
                     continue;
                 }
-                ops->release(pool->dev, pg->handle);
+                handle_release(pool, pg->handle);
+                pg->handle = 0;
             }
             if (!stuck) ops->unreserve(pool->dev, r->base, r->size);
             else msh_warn("pool: unmap failed at shutdown; leaving a reserved range to the driver");
@@ -719,6 +743,7 @@ void msh_pool_destroy(struct msh_pool *pool)
             r = nx;
         }
     }
+    orphans_retry(pool); /* a second chance for handles whose release failed before */
     raw_free(pool->htab, pool->hcap * sizeof *pool->htab);
     pthread_mutex_destroy(&pool->lock);
     /* Block slabs are not tracked individually; they are reclaimed with the process. */

@@ -42,7 +42,8 @@ static _Atomic int64_t external[MSH_MAX_DEVICES][MSH_EXT_NKINDS];
 static pthread_mutex_t epoch_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t epoch_index, epoch_start_ns, steps_in_epoch, steps_total;
 static _Atomic uint64_t last_activity_ns;
-static volatile sig_atomic_t epoch_signalled;
+/* Set by the signal handler (lock-free atomic: async-signal-safe), taken by one thread. */
+static _Atomic int epoch_signalled;
 static uint64_t ec_runs, ec_bytes, gc_runs;
 
 /* MEMSHIM_TRACE_FILE: memshim's text trace (docs/trace-format.md), buffered, flushed at exit */
@@ -66,7 +67,7 @@ uint64_t msh_now_ns(void);
 static void on_epoch_signal(int sig)
 {
     (void)sig;
-    epoch_signalled = 1;
+    atomic_store(&epoch_signalled, 1);
 }
 
 static void install_epoch_signal(void)
@@ -380,8 +381,8 @@ void msh_core_tick(void)
 {
     uint64_t now = msh_now_ns();
     atomic_store_explicit(&last_activity_ns, now, memory_order_relaxed);
-    if (MSH_UNLIKELY(epoch_signalled)) {
-        epoch_signalled = 0;
+    if (MSH_UNLIKELY(atomic_load_explicit(&epoch_signalled, memory_order_relaxed)) &&
+        atomic_exchange(&epoch_signalled, 0)) {
         close_epoch("signal");
     } else if (msh_cfg.epoch_src == MSH_EPOCH_SECONDS && msh_cfg.epoch_seconds > 0 &&
                now - epoch_start_ns >= (uint64_t)(msh_cfg.epoch_seconds * 1e9)) {
@@ -553,10 +554,13 @@ MSH_EXPORT void memshim_free(void *ptr, ssize_t size, int device, memshim_stream
     if (!ptr) return;
     msh_in_hook++;
     struct msh_pool *p = device >= 0 && device < MSH_MAX_DEVICES ? atomic_load(&pools[device]) : NULL;
-    size_t req = p ? msh_pool_block_size(p, (uint64_t)(uintptr_t)ptr) : 0;
-    if (p && msh_pool_free(p, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream) == 0) {
-        msh_core_trace('f', device, (uint64_t)(uintptr_t)stream, (uint64_t)(uintptr_t)ptr, req);
-    } else {
+    /* The trace line goes out before the block can be reused by another thread, so a trace
+     * never shows the reuse before the free. */
+    bool owned = p && msh_pool_owns(p, (uint64_t)(uintptr_t)ptr);
+    if (owned)
+        msh_core_trace('f', device, (uint64_t)(uintptr_t)stream, (uint64_t)(uintptr_t)ptr,
+                       msh_pool_block_size(p, (uint64_t)(uintptr_t)ptr));
+    if (!owned || msh_pool_free(p, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream)) {
         int d = -1;
         struct msh_pool *q = msh_core_pool_owning((uint64_t)(uintptr_t)ptr, &d);
         if (q) msh_pool_free(q, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream);

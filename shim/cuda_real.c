@@ -37,6 +37,7 @@ static void load_driver(void)
     RESOLVE(cuDeviceTotalMem, "cuDeviceTotalMem_v2");
     RESOLVE(cuDeviceGetAttribute, "cuDeviceGetAttribute");
     RESOLVE(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+    RESOLVE(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
     RESOLVE(cuCtxGetCurrent, "cuCtxGetCurrent");
     RESOLVE(cuCtxSetCurrent, "cuCtxSetCurrent");
     RESOLVE(cuCtxPushCurrent, "cuCtxPushCurrent_v2");

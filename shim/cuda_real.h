@@ -25,6 +25,7 @@ struct msh_cuda_driver {
     CUresult (*cuDeviceTotalMem)(size_t *, CUdevice);           /* _v2 */
     CUresult (*cuDeviceGetAttribute)(int *, CUdevice_attribute, CUdevice);
     CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+    CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);                /* _v2 */
     CUresult (*cuCtxGetCurrent)(CUcontext *);
     CUresult (*cuCtxSetCurrent)(CUcontext);
     CUresult (*cuCtxPushCurrent)(CUcontext);                    /* _v2 */

@@ -58,6 +58,7 @@ quick|all)
         run_suite "demo (main job, reports)" env BUILD="$BUILD" bash tests/replay/run_demo.sh
         run_suite "reliability" env BUILD="$BUILD" bash tests/reliability/run_reliability.sh
         run_suite "pytorch (allocator API; GPU parts)" env BUILD="$BUILD" python3 tests/gpu/test_torch.py
+        run_suite "fuzz (libFuzzer, \${FUZZ_SECONDS:-30}s per target)" bash tests/fuzz/run_fuzz.sh
     fi
     if [ "$what" = all ] && [ -z "${MSH_SANITIZER:-}" ]; then
         echo "== AddressSanitizer + UndefinedBehaviorSanitizer build"
