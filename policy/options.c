@@ -15,6 +15,7 @@
 #include "msh.h"
 
 #include <ctype.h>
+#include <locale.h>
 #include <limits.h>
 #include <math.h>
 #include <pthread.h>
@@ -269,19 +270,35 @@ static bool span_ieq(const char *b, const char *e, const char *word)
 
 /* A plain decimal number (digits, optionally one dot and more digits; no sign, no exponent),
  * written without the locale: a PyTorch process may run under any LC_NUMERIC. Advances *pp. */
+/* A decimal "123", "1.5", ".5": the syntax is checked here, the value comes from strtod_l in
+ * the C locale, which rounds correctly (so what format_plain prints reads back exactly) and
+ * ignores the host program's LC_NUMERIC. */
 static int parse_decimal(const char **pp, const char *e, double *out)
 {
-    const char *p = *pp;
-    double v = 0;
+    static locale_t c_locale;
+    const char *p = *pp, *b = p;
     int digits = 0;
-    while (p < e && isdigit((unsigned char)*p)) v = v * 10 + (*p++ - '0'), digits++;
+    while (p < e && isdigit((unsigned char)*p)) p++, digits++;
     if (p < e && *p == '.') {
         p++;
-        double scale = 0.1;
-        for (; p < e && isdigit((unsigned char)*p); p++, digits++, scale /= 10)
-            v += (*p - '0') * scale;
+        while (p < e && isdigit((unsigned char)*p)) p++, digits++;
     }
-    if (digits == 0 || !isfinite(v)) return EINVAL;
+    if (digits == 0) return EINVAL;
+    char buf[128];
+    if ((size_t)(p - b) >= sizeof buf) return EINVAL;
+    memcpy(buf, b, (size_t)(p - b));
+    buf[p - b] = 0;
+    locale_t loc = __atomic_load_n(&c_locale, __ATOMIC_ACQUIRE);
+    if (!loc) {
+        locale_t fresh = newlocale(LC_ALL_MASK, "C", (locale_t)0);
+        locale_t expect = (locale_t)0;
+        if (fresh && !__atomic_compare_exchange_n(&c_locale, &expect, fresh, false, __ATOMIC_ACQ_REL,
+                                                  __ATOMIC_ACQUIRE))
+            freelocale(fresh); /* another thread won */
+        loc = __atomic_load_n(&c_locale, __ATOMIC_ACQUIRE);
+    }
+    double v = loc ? strtod_l(buf, NULL, loc) : strtod(buf, NULL);
+    if (!isfinite(v)) return EINVAL;
     *pp = p;
     *out = v;
     return 0;

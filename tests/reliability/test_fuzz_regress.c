@@ -66,6 +66,14 @@ TEST(fuzz_options_crash_903f1a48_epoch_seconds_exponent)
     round_trip("MEMSHIM_EPOCH_SECONDS", "3333333333", KNOWN_G);
 }
 
+/* fuzz_options crash-29629218 (make check, 2026-11-30): the decimal parser accumulated digits in
+ * a double, so a 17-digit value printed exactly did not read back to the same double. */
+TEST(fuzz_options_crash_29629218_seventeen_digit_duration)
+{
+    round_trip("MEMSHIM_EMPTY_CACHE_IDLE", "99999999000000016", NULL);
+    round_trip("MEMSHIM_EPOCH_SECONDS", "99999999899999999", NULL);
+}
+
 TEST(fuzz_conf_crash_2b8fcb6a_epoch_seconds_in_conf)
 {
     char conf[] = "MEMSHIM_CONF=epocgs_hinal:28888posr1,epoch_seconds:8888988880888888";
