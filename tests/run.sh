@@ -64,6 +64,8 @@ quick|all)
         echo "== AddressSanitizer + UndefinedBehaviorSanitizer build"
         if make -s BUILD=build-asan SAN=address,undefined OPT=-O1 tests >/tmp/memshim-asan-build.log 2>&1; then
             ASAN_OPTIONS=detect_leaks=1 unit_suites build-asan "[asan]"
+            run_suite "[asan] preload (LD_PRELOAD + double)" env BUILD=build-asan MSH_SANITIZER=asan \
+                ASAN_OPTIONS=detect_leaks=0 bash tests/preload/run_preload.sh
         else
             add_counts "asan build" 1 "$(tail -20 /tmp/memshim-asan-build.log)"
         fi

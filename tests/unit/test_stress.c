@@ -379,7 +379,7 @@ static void stress(size_t limit, double share, bool want_reclaim)
     cudbl_get_counts(&c0);
     const char *e = getenv("MSH_STRESS_SECONDS");
     double secs = (e && atof(e) > 0 ? atof(e) : 2.0) * share;
-    const int nthreads = 6;
+    const int nthreads = 8; /* issue 5: eight threads on several streams */
     atomic_store(&g_corrupt, 0);
     atomic_store(&g_checked_blocks, 0);
     atomic_store(&g_checked_bytes, 0);
