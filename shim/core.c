@@ -339,6 +339,27 @@ static void fill_report(struct msh_report *r, const char *kind, const char *reas
     }
 }
 
+/* Give every pool's cached pages back to the driver and count it for the epoch report. The
+ * caller holds epoch_lock when `locked`. Returns the bytes released per device in `out` (may be
+ * NULL). */
+static size_t empty_all_pools(bool locked, size_t out[MSH_MAX_DEVICES])
+{
+    size_t total = 0;
+    for (int d = 0; d < MSH_MAX_DEVICES; d++) {
+        struct msh_pool *p = atomic_load(&pools[d]);
+        if (out) out[d] = 0;
+        if (!p) continue;
+        size_t n = msh_pool_empty_cache(p);
+        if (!locked) pthread_mutex_lock(&epoch_lock);
+        ec_runs++;
+        ec_bytes += n;
+        if (!locked) pthread_mutex_unlock(&epoch_lock);
+        if (out) out[d] = n;
+        total += n;
+    }
+    return total;
+}
+
 /* Close the current epoch: report, run epoch policies, reset peaks. */
 static void close_epoch(const char *reason)
 {
@@ -348,14 +369,7 @@ static void close_epoch(const char *reason)
         gc_runs++;
         gc_user_fn(gc_user_arg);
     }
-    if (msh_cfg.empty_cache == MSH_EC_EPOCH) {
-        for (int d = 0; d < MSH_MAX_DEVICES; d++) {
-            struct msh_pool *p = atomic_load(&pools[d]);
-            if (!p) continue;
-            ec_runs++;
-            ec_bytes += msh_pool_empty_cache(p);
-        }
-    }
+    if (msh_cfg.empty_cache == MSH_EC_EPOCH) empty_all_pools(true, NULL);
     struct msh_report r;
     fill_report(&r, "epoch", reason);
     if (r.ndev) msh_report_write(&r);
@@ -427,16 +441,11 @@ static void *idle_thread(void *arg)
         }
         if (released) continue;
         released = true;
-        for (int d = 0; d < MSH_MAX_DEVICES; d++) {
-            struct msh_pool *p = atomic_load(&pools[d]);
-            if (!p) continue;
-            size_t n = msh_pool_empty_cache(p);
-            pthread_mutex_lock(&epoch_lock);
-            ec_runs++;
-            ec_bytes += n;
-            pthread_mutex_unlock(&epoch_lock);
-            if (n) msh_info("idle for %.1f s: released %zu cached bytes on device %d", (double)idle / 1e9, n, d);
-        }
+        size_t per_dev[MSH_MAX_DEVICES];
+        empty_all_pools(false, per_dev);
+        for (int d = 0; d < MSH_MAX_DEVICES; d++)
+            if (per_dev[d])
+                msh_info("idle for %.1f s: released %zu cached bytes on device %d", (double)idle / 1e9, per_dev[d], d);
     }
     return NULL;
 }
@@ -582,15 +591,7 @@ MSH_EXPORT void memshim_empty_cache(void)
 {
     if (!msh_core_init()) return;
     msh_in_hook++;
-    for (int d = 0; d < MSH_MAX_DEVICES; d++) {
-        struct msh_pool *p = atomic_load(&pools[d]);
-        if (!p) continue;
-        size_t n = msh_pool_empty_cache(p);
-        pthread_mutex_lock(&epoch_lock);
-        ec_runs++;
-        ec_bytes += n;
-        pthread_mutex_unlock(&epoch_lock);
-    }
+    empty_all_pools(false, NULL);
     msh_in_hook--;
 }
 

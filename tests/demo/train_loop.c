@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
+#include <time.h>
 
 typedef void *(*malloc_fn)(ssize_t, int, void *);
 typedef void (*free_fn)(void *, ssize_t, int, void *);
@@ -80,17 +81,18 @@ static void dev_free(struct blk *b)
 int main(int argc, char **argv)
 {
     int epochs = 3, steps = 20;
-    double scale = 1.0;
+    double scale = 1.0, pause = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--epochs") && i + 1 < argc) epochs = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--scale") && i + 1 < argc) scale = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--pause") && i + 1 < argc) pause = atof(argv[++i]);
         else {
-            fprintf(stderr, "usage: %s [--epochs N] [--steps N] [--scale X]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--epochs N] [--steps N] [--scale X] [--pause SECONDS]\n", argv[0]);
             return 2;
         }
     }
-    if (epochs < 1 || steps < 1 || scale <= 0 || scale > 64) {
+    if (epochs < 1 || steps < 1 || scale <= 0 || scale > 64 || pause < 0 || pause > 3600) {
         fprintf(stderr, "train-demo: bad arguments\n");
         return 2;
     }
@@ -172,6 +174,10 @@ int main(int argc, char **argv)
             printf("epoch %d done\n", ep);
         }
         if (ms.epoch) ms.epoch();
+        if (pause > 0) { /* an evaluation or checkpoint phase: no allocations for a while */
+            struct timespec ts = {(time_t)pause, (long)((pause - (double)(time_t)pause) * 1e9)};
+            nanosleep(&ts, NULL);
+        }
     }
     for (int i = 0; i < np; i++) dev_free(&params[i]);
     cudaStreamDestroy(side);

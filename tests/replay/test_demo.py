@@ -85,5 +85,32 @@ with tempfile.TemporaryDirectory() as tmp:
     case("under a limit the job still completes (reclaim or fail cleanly)", p.returncode == 0 and "finished" in p.stdout,
          p.stdout[-300:] + p.stderr[-300:])
 
+    # policies end to end: each must show in the reports what it did
+    d = os.path.join(tmp, "ec-epoch")
+    p = demo({"MEMSHIM_EMPTY_CACHE": "epoch", "MEMSHIM_REPORT_DIR": d}, "--epochs", "2", "--steps", "3")
+    eps = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(d, "*-epoch*.json")))]
+    case("MEMSHIM_EMPTY_CACHE=epoch releases cached pages at each boundary",
+         p.returncode == 0 and eps and all(e["policies"]["empty_cache_runs"] >= 1 for e in eps)
+         and eps[-1]["operations"]["released_pages"] > 0,
+         [(e["policies"], e["operations"]["released_pages"]) for e in eps])
+    d = os.path.join(tmp, "ec-idle")
+    p = demo({"MEMSHIM_EMPTY_CACHE": "idle", "MEMSHIM_EMPTY_CACHE_IDLE": "0.3", "MEMSHIM_REPORT_DIR": d},
+             "--epochs", "2", "--steps", "3", "--pause", "1.2")
+    summ = [json.load(open(f)) for f in glob.glob(os.path.join(d, "*-summary.json"))]
+    case("MEMSHIM_EMPTY_CACHE=idle releases cached pages while the job pauses",
+         p.returncode == 0 and summ and summ[0]["operations"]["released_pages"] > 0,
+         [s["operations"] for s in summ])
+    d = os.path.join(tmp, "ep-steps")
+    p = demo({"MEMSHIM_EPOCH": "steps", "MEMSHIM_EPOCH_STEPS": "2", "MEMSHIM_REPORT_DIR": d}, "--epochs", "1",
+             "--steps", "6")
+    reasons = sorted(json.load(open(f))["reason"] for f in glob.glob(os.path.join(d, "*-epoch*.json")))
+    case("MEMSHIM_EPOCH=steps closes an epoch every N memshim_step() calls", reasons.count("steps") == 3, reasons)
+    d = os.path.join(tmp, "ep-auto")
+    p = demo({"MEMSHIM_EPOCH_SECONDS": "0.2", "MEMSHIM_REPORT_DIR": d}, "--epochs", "3", "--steps", "2",
+             "--pause", "0.3")
+    reasons = sorted(json.load(open(f))["reason"] for f in glob.glob(os.path.join(d, "*-epoch*.json")))
+    case("MEMSHIM_EPOCH=auto with MEMSHIM_EPOCH_SECONDS closes epochs by time", reasons.count("seconds") >= 2,
+         reasons)
+
 print(f"{res['passed']} passed, {res['failed']} failed, 0 skipped")
 sys.exit(1 if res["failed"] else 0)
