@@ -17,7 +17,7 @@ endif
 
 SANFLAGS := $(if $(SAN),-fsanitize=$(SAN) -fno-omit-frame-pointer -fno-sanitize-recover=undefined,)
 CFLAGS  ?= $(OPT) -g
-CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -fPIC -pthread \
+CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -fPIC -pthread \
            -fvisibility=hidden -Ishim -Ipolicy -Ireport -Ireport/replay -I$(CUDA_INC) $(SANFLAGS)
 LDFLAGS += -pthread $(SANFLAGS)
 LIBS    := -ldl -lm

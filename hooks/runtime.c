@@ -59,7 +59,7 @@ static pthread_once_t rt_once = PTHREAD_ONCE_INIT;
 
 struct cudart_find { char path[4096]; };
 
-static int find_cudart(struct dl_phdr_info *info, size_t size, void *arg)
+static int find_cudart(struct dl_phdr_info *info, size_t size MSH_UNUSED, void *arg)
 {
     struct cudart_find *f = arg;
     const char *name = info->dlpi_name, *base;

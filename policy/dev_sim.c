@@ -46,7 +46,7 @@ static int sim_reserve(struct msh_device *d, size_t size, size_t align, uint64_t
     return 0;
 }
 
-static int sim_unreserve(struct msh_device *d, uint64_t va, size_t size) { return 0; }
+static int sim_unreserve(struct msh_device *d MSH_UNUSED, uint64_t va MSH_UNUSED, size_t size MSH_UNUSED) { return 0; }
 
 static int sim_create(struct msh_device *d, size_t size, uint64_t *h)
 {
@@ -66,28 +66,31 @@ static int sim_release(struct msh_device *d, uint64_t h)
     return 0;
 }
 
-static int sim_map(struct msh_device *d, uint64_t va, size_t size, uint64_t h)
+static int sim_map(struct msh_device *d, uint64_t va MSH_UNUSED, size_t size, uint64_t h MSH_UNUSED)
 {
     S(d)->mapped_bytes += size;
     return 0;
 }
 
-static int sim_unmap(struct msh_device *d, uint64_t va, size_t size)
+static int sim_unmap(struct msh_device *d, uint64_t va MSH_UNUSED, size_t size)
 {
     S(d)->mapped_bytes -= size;
     return 0;
 }
 
-static int sim_event_record(struct msh_device *d, uint64_t stream, uint64_t *ev)
+static int sim_event_record(struct msh_device *d, uint64_t stream MSH_UNUSED, uint64_t *ev)
 {
     *ev = ++S(d)->next_event;
     return 0;
 }
 
-static int sim_event_query(struct msh_device *d, uint64_t ev) { return 0; }
-static int sim_event_release(struct msh_device *d, uint64_t ev) { return 0; }
-static int sim_stream_wait(struct msh_device *d, uint64_t stream, uint64_t ev) { return 0; }
-static int sim_synchronize(struct msh_device *d) { return 0; }
+static int sim_event_query(struct msh_device *d MSH_UNUSED, uint64_t ev MSH_UNUSED) { return 0; }
+static int sim_event_release(struct msh_device *d MSH_UNUSED, uint64_t ev MSH_UNUSED) { return 0; }
+static int sim_stream_wait(struct msh_device *d MSH_UNUSED, uint64_t stream MSH_UNUSED, uint64_t ev MSH_UNUSED)
+{
+    return 0;
+}
+static int sim_synchronize(struct msh_device *d MSH_UNUSED) { return 0; }
 
 static const struct msh_device_ops sim_ops = {
     .name = "simulated",

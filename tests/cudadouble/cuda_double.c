@@ -1659,7 +1659,8 @@ CUresult CUDAAPI cuStreamCreate(CUstream *phStream, unsigned int Flags)
     return stream_create(phStream, Flags);
 }
 
-CUresult CUDAAPI cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority)
+CUresult CUDAAPI cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags,
+                                            int priority __attribute__((unused)))
 {
     ENTER(cuStreamCreateWithPriority);
     return stream_create(phStream, flags);

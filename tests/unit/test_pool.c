@@ -351,7 +351,7 @@ static uint32_t rng_next(uint32_t *s)
 /* Live blocks of a pool, gathered with msh_pool_for_each_live. */
 struct live_set { uint64_t addr[4096]; size_t size[4096]; int n; };
 
-static void live_cb(void *arg, uint64_t addr, size_t size, uint64_t stream)
+static void live_cb(void *arg, uint64_t addr, size_t size, uint64_t stream __attribute__((unused)))
 {
     struct live_set *ls = arg;
     if (ls->n < 4096) {
