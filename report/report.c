@@ -275,6 +275,21 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_u(pol, "gc_runs", r->gc_runs);
     J.object_set_new(root, "policies", pol);
 
+    /* Leak/trend verdict: allocated bytes at the end of each epoch so far. Growth at every one of
+     * at least three boundaries (by more than 1 MiB each) is reported as a possible leak. */
+    json_t *trend = J.array();
+    int grew = 0;
+    for (int i = 0; i < d->nepoch_end; i++) {
+        J.array_append_new(trend, J.integer((json_int_t)d->epoch_end_live[i]));
+        if (i && d->epoch_end_live[i] > d->epoch_end_live[i - 1] + MSH_MiB) grew++;
+    }
+    json_t *tr = J.object();
+    J.object_set_new(tr, "epoch_end_allocated_bytes", trend);
+    set_s(tr, "verdict", d->nepoch_end < 3 ? "too few epochs"
+                         : grew == d->nepoch_end - 1 ? "possible leak: allocated memory grew at every epoch"
+                                                     : "flat");
+    J.object_set_new(root, "trend", tr);
+
     json_t *cfg = J.object();
     char val[512];
     const char *name, *source;

@@ -25,7 +25,11 @@ struct msh_report_device {
     struct msh_pool_oom oom;
     int64_t external[3]; /* bytes allocated by others through hooked calls, by enum msh_ext_kind */
     uint64_t device_total, device_free;
+    /* allocated bytes at the end of each closed epoch, oldest first (the last MSH_TREND_MAX) */
+    const uint64_t *epoch_end_live;
+    int nepoch_end;
 };
+#define MSH_TREND_MAX 64
 
 struct msh_report {
     const char *kind;      /* "epoch", "summary" or "oom" */

@@ -45,6 +45,8 @@ static _Atomic uint64_t last_activity_ns;
 /* Set by the signal handler (lock-free atomic: async-signal-safe), taken by one thread. */
 static _Atomic int epoch_signalled;
 static uint64_t ec_runs, ec_bytes, gc_runs;
+static uint64_t trend_live[MSH_MAX_DEVICES][MSH_TREND_MAX]; /* under epoch_lock */
+static int trend_n[MSH_MAX_DEVICES];
 
 /* MEMSHIM_TRACE_FILE: memshim's text trace (docs/trace-format.md), buffered, flushed at exit */
 static pthread_mutex_t trace_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -325,6 +327,8 @@ static void fill_report(struct msh_report *r, const char *kind, const char *reas
         memset(rd, 0, sizeof *rd);
         rd->device = d;
         for (int k = 0; k < MSH_EXT_NKINDS && k < 3; k++) rd->external[k] = atomic_load(&external[d][k]);
+        rd->epoch_end_live = trend_live[d];
+        rd->nepoch_end = trend_n[d];
         if (p) {
             rd->has_pool = true;
             msh_pool_get_stats(p, &rd->st);
@@ -371,6 +375,17 @@ static void close_epoch(const char *reason)
     }
     if (msh_cfg.empty_cache == MSH_EC_EPOCH) empty_all_pools(true, NULL);
     struct msh_report r;
+    for (int d = 0; d < MSH_MAX_DEVICES; d++) {
+        struct msh_pool *p = atomic_load(&pools[d]);
+        if (!p) continue;
+        struct memshim_stats ms;
+        if (memshim_get_stats(d, &ms)) continue;
+        if (trend_n[d] == MSH_TREND_MAX) { /* keep the newest */
+            memmove(trend_live[d], trend_live[d] + 1, (MSH_TREND_MAX - 1) * sizeof trend_live[d][0]);
+            trend_n[d]--;
+        }
+        trend_live[d][trend_n[d]++] = ms.live_bytes;
+    }
     fill_report(&r, "epoch", reason);
     if (r.ndev) msh_report_write(&r);
     for (int i = 0; i < r.ndev; i++)

@@ -82,17 +82,20 @@ int main(int argc, char **argv)
 {
     int epochs = 3, steps = 20;
     double scale = 1.0, pause = 0;
+    int leak_mib = 0; /* --leak: memory kept every epoch, to show the reports' trend verdict */
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--epochs") && i + 1 < argc) epochs = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--scale") && i + 1 < argc) scale = atof(argv[++i]);
         else if (!strcmp(argv[i], "--pause") && i + 1 < argc) pause = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--leak") && i + 1 < argc) leak_mib = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: %s [--epochs N] [--steps N] [--scale X] [--pause SECONDS]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--epochs N] [--steps N] [--scale X] [--pause SECONDS] [--leak MIB]\n", argv[0]);
             return 2;
         }
     }
-    if (epochs < 1 || steps < 1 || scale <= 0 || scale > 64 || pause < 0 || pause > 3600) {
+    if (epochs < 1 || steps < 1 || scale <= 0 || scale > 64 || pause < 0 || pause > 3600 || leak_mib < 0 ||
+        leak_mib > 4096) {
         fprintf(stderr, "train-demo: bad arguments\n");
         return 2;
     }
@@ -159,6 +162,10 @@ int main(int argc, char **argv)
                 dev_free(&grad);
             }
             if (ms.step) ms.step();
+        }
+        if (leak_mib) { /* a tensor kept alive by mistake, every epoch */
+            struct blk leaked;
+            if (dev_alloc(&leaked, (size_t)leak_mib * MiB, NULL, 1) != 0) ooms++;
         }
         cudaDeviceSynchronize();
         if (ms.stats) {

@@ -85,6 +85,13 @@ with tempfile.TemporaryDirectory() as tmp:
     case("under a limit the job still completes (reclaim or fail cleanly)", p.returncode == 0 and "finished" in p.stdout,
          p.stdout[-300:] + p.stderr[-300:])
 
+    d = os.path.join(tmp, "leak")
+    p = demo({"MEMSHIM_REPORT_DIR": d}, "--epochs", "4", "--steps", "2", "--leak", "16")
+    summ = [json.load(open(f)) for f in glob.glob(os.path.join(d, "*-summary.json"))]
+    case("a job that keeps 16 MiB per epoch gets the 'possible leak' verdict; the steady demo 'flat'",
+         p.returncode == 0 and summ and summ[0]["trend"]["verdict"].startswith("possible leak")
+         and ep and ep[-1]["trend"]["verdict"] == "flat", [s["trend"] for s in summ])
+
     # policies end to end: each must show in the reports what it did
     d = os.path.join(tmp, "ec-epoch")
     p = demo({"MEMSHIM_EMPTY_CACHE": "epoch", "MEMSHIM_REPORT_DIR": d}, "--epochs", "2", "--steps", "3")
