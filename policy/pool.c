@@ -766,8 +766,10 @@ static void note_alloc(struct msh_pool *pool, uint64_t req, bool used_new, bool 
     st->live_bytes += req;
     st->live_blocks++;
     if (st->live_bytes > st->peak_live_bytes) st->peak_live_bytes = st->live_bytes;
+    if (st->live_bytes > st->run_peak_live_bytes) st->run_peak_live_bytes = st->live_bytes;
     size_t mapped = pool->handles * pool->gran;
     if (mapped > st->peak_mapped_bytes) st->peak_mapped_bytes = mapped;
+    if (mapped > st->run_peak_mapped_bytes) st->run_peak_mapped_bytes = mapped;
     size_t touched = pool->touched * pool->gran;
     if (touched > st->peak_touched_bytes) st->peak_touched_bytes = touched;
     if (reclaimed) st->rescue_reclaim++;

@@ -33,6 +33,7 @@ void msh_pool_params_default(struct msh_pool_params *p);
 /* Counters. Every field is cumulative unless it says current/peak. */
 struct msh_pool_stats {
     size_t live_bytes, peak_live_bytes;          /* requested bytes */
+    size_t run_peak_live_bytes, run_peak_mapped_bytes; /* peaks since creation (never reset) */
     size_t live_blocks;
     size_t mapped_bytes, peak_mapped_bytes;      /* physical bytes mapped (reserved) */
     size_t handle_bytes;                         /* physical bytes held as handles */

@@ -184,6 +184,8 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_u(mem, "allocated_peak_bytes", st->peak_live_bytes);
     set_u(mem, "reserved_bytes", st->mapped_bytes);
     set_u(mem, "reserved_peak_bytes", st->peak_mapped_bytes);
+    set_u(mem, "allocated_run_peak_bytes", st->run_peak_live_bytes);
+    set_u(mem, "reserved_run_peak_bytes", st->run_peak_mapped_bytes);
     set_u(mem, "touched_bytes", st->touched_bytes);
     set_u(mem, "touched_peak_bytes", st->peak_touched_bytes);
     set_u(mem, "physical_mapped_bytes", st->mapped_bytes);

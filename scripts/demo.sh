@@ -19,11 +19,13 @@ fi
 
 report_dir="${MEMSHIM_REPORT_DIR:-memreport}"
 rm -rf "$report_dir"
-echo "demo: LD_PRELOAD=$BUILD/libmemshim.so MEMSHIM_REPORT_DIR=$report_dir $BUILD/memshim-train-demo $*"
+mkdir -p "$report_dir"
+trace="$report_dir/train-demo.trace"
+echo "demo: LD_PRELOAD=$BUILD/libmemshim.so MEMSHIM_REPORT_DIR=$report_dir MEMSHIM_TRACE_FILE=$trace $BUILD/memshim-train-demo $*"
 LD_LIBRARY_PATH="$libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
 LD_PRELOAD="$BUILD/libmemshim.so" \
 MEMSHIM_REPORT_DIR="$report_dir" MEMSHIM_REPORT_FORMAT="${MEMSHIM_REPORT_FORMAT:-json-pretty}" \
-MEMSHIM_LOG="${MEMSHIM_LOG:-info}" \
+MEMSHIM_TRACE_FILE="$trace" MEMSHIM_LOG="${MEMSHIM_LOG:-info}" \
     "$BUILD/memshim-train-demo" "$@"
 
 echo
@@ -31,3 +33,7 @@ echo "demo: reports written to $report_dir/:"
 ls -1 "$report_dir"
 echo
 python3 scripts/memshim_report.py "$report_dir"
+
+echo
+echo "demo: the same allocation stream (from $trace) under PyTorch's own allocator, modelled:"
+"$BUILD/memshim-replay" --compare "$trace"

@@ -32,15 +32,21 @@ def load(directory):
     return reports, bad
 
 
+def run_or(what, r):
+    key = f"{what}_run_peak_bytes"
+    return key if r["kind"] == "summary" and key in r["memory"] else f"{what}_peak_bytes"
+
+
 def row(r):
     m, o, f = r["memory"], r["operations"], r["fragmentation"]
     return {
         "pid": r["pid"], "rank": r["rank"], "device": r["device"], "kind": r["kind"],
         "epoch": r["epoch"], "reason": r["reason"], "steps": r["steps"],
         "alloc_end_mib": m["allocated_bytes"] / MiB,
-        "alloc_peak_mib": m["allocated_peak_bytes"] / MiB,
-        "reserved_peak_mib": m["reserved_peak_bytes"] / MiB,
-        "peak_ratio": (m["reserved_peak_bytes"] / m["allocated_peak_bytes"]) if m["allocated_peak_bytes"] else 0.0,
+        # a summary covers the whole run: its peaks are the run's, not the last partial epoch's
+        "alloc_peak_mib": m[run_or("allocated", r)] / MiB,
+        "reserved_peak_mib": m[run_or("reserved", r)] / MiB,
+        "peak_ratio": (m[run_or("reserved", r)] / m[run_or("allocated", r)]) if m[run_or("allocated", r)] else 0.0,
         "frag": f["free_extent_fragmentation"],
         "maps": o["map_ops"], "unmaps": o["unmap_ops"], "reclaimed": o["reclaimed_pages"],
         "ooms": r["oom"]["oom_events"],

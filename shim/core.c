@@ -200,7 +200,8 @@ static void do_init(void)
     }
     mode_eff = msh_cfg.mode == MSH_MODE_AUTO ? MSH_MODE_SEGMENT : msh_cfg.mode;
     enabled = true;
-    if (msh_log_level >= MSH_LOG_INFO) msh_config_dump(MSH_LOG_INFO);
+    /* info already echoes each non-default setting as it is read; the full table is debug */
+    if (msh_log_level >= MSH_LOG_DEBUG) msh_config_dump(MSH_LOG_DEBUG);
     msh_report_init();
     if (msh_cfg.trace_file[0]) trace_open();
     atexit(at_exit);
@@ -273,7 +274,7 @@ struct msh_pool *msh_core_pool(int device)
             msh_pool_set_gc(p, gc_bridge, NULL);
             msh_pool_set_timing(p, true);
             atomic_store_explicit(&pools[device], p, memory_order_release);
-            msh_info("device %d: pool ready (limit %zu bytes)", device, (size_t)msh_cfg.limit_bytes);
+            msh_info("device %d: pool ready", device);
         } else {
             pool_failed[device] = true;
             p = NULL;
@@ -389,10 +390,10 @@ static void close_epoch(const char *reason)
     fill_report(&r, "epoch", reason);
     if (r.ndev) msh_report_write(&r);
     for (int i = 0; i < r.ndev; i++)
-        msh_info("epoch %llu (%s) device %d: peak allocated %zu, peak reserved %zu, maps %llu, unmaps %llu, "
-                 "reclaimed pages %llu",
-                 (unsigned long long)epoch_index, reason, r.dev[i].device, r.dev[i].st.peak_live_bytes,
-                 r.dev[i].st.peak_mapped_bytes, (unsigned long long)r.dev[i].st.map_ops,
+        msh_info("epoch %llu (%s) device %d: peak allocated %.1f MiB, peak reserved %.1f MiB, maps %llu, "
+                 "unmaps %llu, reclaimed pages %llu",
+                 (unsigned long long)epoch_index, reason, r.dev[i].device, r.dev[i].st.peak_live_bytes / 1048576.0,
+                 r.dev[i].st.peak_mapped_bytes / 1048576.0, (unsigned long long)r.dev[i].st.map_ops,
                  (unsigned long long)r.dev[i].st.unmap_ops, (unsigned long long)r.dev[i].st.reclaimed_pages);
     for (int d = 0; d < MSH_MAX_DEVICES; d++) {
         struct msh_pool *p = atomic_load(&pools[d]);
@@ -517,10 +518,10 @@ static void at_exit(void)
         pthread_mutex_unlock(&epoch_lock);
         if (r.ndev) msh_report_write(&r);
         for (int i = 0; i < r.ndev; i++)
-            msh_info("exit: device %d: allocs %llu, peak allocated %zu, peak reserved %zu, maps %llu, "
+            msh_info("exit: device %d: allocs %llu, peak allocated %.1f MiB, peak reserved %.1f MiB, maps %llu, "
                      "unmaps %llu, OOMs %llu",
-                     r.dev[i].device, (unsigned long long)r.dev[i].st.allocs, r.dev[i].st.peak_live_bytes,
-                     r.dev[i].st.peak_mapped_bytes, (unsigned long long)r.dev[i].st.map_ops,
+                     r.dev[i].device, (unsigned long long)r.dev[i].st.allocs, r.dev[i].st.peak_live_bytes / 1048576.0,
+                     r.dev[i].st.peak_mapped_bytes / 1048576.0, (unsigned long long)r.dev[i].st.map_ops,
                      (unsigned long long)r.dev[i].st.unmap_ops, (unsigned long long)r.dev[i].st.oom_events);
     }
     msh_in_hook--;
