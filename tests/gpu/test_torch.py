@@ -97,6 +97,12 @@ print("LOSSES", json.dumps(losses))
 """
 
 
+def same_losses(a, b):
+    """cuBLAS may pick other kernels between processes: equal to 1e-3 relative is the same run."""
+    return a is not None and b is not None and len(a) == len(b) and all(
+        abs(x - y) <= 1e-3 * max(1.0, abs(y)) for x, y in zip(a, b))
+
+
 def losses(out):
     for line in out.splitlines():
         if line.startswith("LOSSES "):
@@ -109,7 +115,7 @@ base = losses(out)
 case("reference run without memshim", rc == 0 and base, err[-400:])
 with tempfile.TemporaryDirectory() as tmp:
     rc, out, err = py(TRAIN + "\nimport ctypes\n", {"LD_PRELOAD": LIB, "MEMSHIM_REPORT_DIR": tmp, "MEMSHIM_LOG": "info"})
-    case("segment mode: same losses under LD_PRELOAD", rc == 0 and losses(out) == base, (out + err)[-800:])
+    case("segment mode: same losses under LD_PRELOAD", rc == 0 and same_losses(losses(out), base), (out + err)[-800:])
     summ = glob.glob(os.path.join(tmp, "*summary.json"))
     ok = bool(summ) and json.load(open(summ[0]))["operations"]["allocs"] > 0
     case("segment mode: the pool served PyTorch's segments and wrote a summary", ok, os.listdir(tmp))
@@ -122,7 +128,7 @@ s = S(); ctypes.CDLL({LIB!r}).memshim_get_stats(0, ctypes.byref(s))
 print("STATS", s.allocs, s.peak_live, s.peak_reserved)
 """
     rc, out, err = py(code, {"MEMSHIM_REPORT_DIR": tmp})
-    case("tensor mode: same losses with memshim as PyTorch's allocator", rc == 0 and losses(out) == base,
+    case("tensor mode: same losses with memshim as PyTorch's allocator", rc == 0 and same_losses(losses(out), base),
          (out + err)[-800:])
     st = [l for l in out.splitlines() if l.startswith("STATS")]
     ok = bool(st) and int(st[0].split()[1]) > 100
