@@ -12,20 +12,11 @@ import sys
 import tempfile
 import glob
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUILD = os.path.join(ROOT, os.environ.get("BUILD", "build"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pyharness import BUILD, case, finish, skip  # noqa: E402
 LIB = os.path.join(BUILD, "libmemshim.so")
-res = {"passed": 0, "failed": 0, "skipped": 0}
 
 
-def case(name, ok, detail=""):
-    res["passed" if ok else "failed"] += 1
-    print(("ok   " if ok else "FAIL ") + name + ("" if ok else f": {detail}"))
-
-
-def skip(name, why):
-    res["skipped"] += 1
-    print(f"skip {name} ({why})")
 
 
 def py(code, env_extra=None, timeout=600):
@@ -39,8 +30,7 @@ probe = py("import torch; print(torch.__version__, torch.cuda.is_available())")
 if probe[0] != 0:
     for n in ["allocator API", "segment mode", "tensor mode"]:
         skip(n, "PyTorch is not installed (bash scripts/setup.sh --with-torch installs it)")
-    print(f"{res['passed']} passed, {res['failed']} failed, {res['skipped']} skipped")
-    sys.exit(0)
+    finish()
 version, has_gpu = probe[1].split()[0], probe[1].split()[1] == "True"
 print(f"torch {version}, GPU available: {has_gpu}")
 
@@ -67,8 +57,7 @@ if not has_gpu:
          (out + err)[-400:])
     for n in ["segment mode training loop", "tensor mode training loop"]:
         skip(n, "no GPU on this machine")
-    print(f"{res['passed']} passed, {res['failed']} failed, {res['skipped']} skipped")
-    sys.exit(1 if res["failed"] else 0)
+    finish()
 
 TRAIN = """
 import torch, json, sys
@@ -136,5 +125,4 @@ print("STATS", s.allocs, s.peak_live, s.peak_reserved)
     if ok:
         _, _, peak_live, peak_res = st[0].split()
         print(f"    tensor mode: peak live {int(peak_live)/2**20:.1f} MiB, peak reserved {int(peak_res)/2**20:.1f} MiB")
-print(f"{res['passed']} passed, {res['failed']} failed, {res['skipped']} skipped")
-sys.exit(1 if res["failed"] else 0)
+finish()

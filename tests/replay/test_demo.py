@@ -10,14 +10,9 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUILD = os.path.join(ROOT, os.environ.get("BUILD", "build"))
-res = {"passed": 0, "failed": 0}
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pyharness import BUILD, case, finish  # noqa: E402
 
-
-def case(name, ok, detail=""):
-    res["passed" if ok else "failed"] += 1
-    print(("ok   " if ok else "FAIL ") + name + ("" if ok else f": {detail}"))
 
 
 def demo(env_extra, *args):
@@ -119,5 +114,4 @@ with tempfile.TemporaryDirectory() as tmp:
     case("MEMSHIM_EPOCH=auto with MEMSHIM_EPOCH_SECONDS closes epochs by time", reasons.count("seconds") >= 2,
          reasons)
 
-print(f"{res['passed']} passed, {res['failed']} failed, 0 skipped")
-sys.exit(1 if res["failed"] else 0)
+finish()

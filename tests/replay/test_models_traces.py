@@ -21,21 +21,11 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUILD = os.path.join(ROOT, os.environ.get("BUILD", "build"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pyharness import BUILD, TRACES, case, finish, skip  # noqa: E402
 REPLAY = os.path.join(BUILD, "memshim-replay")
-TRACES = os.path.join(os.path.dirname(ROOT), "shared", "traces")
-results = {"passed": 0, "failed": 0, "skipped": 0}
 
 
-def case(name, ok, detail=""):
-    results["passed" if ok else "failed"] += 1
-    print(("ok   " if ok else "FAIL ") + name + ("" if ok else f": {detail}"))
-
-
-def skip(name, why):
-    results["skipped"] += 1
-    print(f"skip {name} ({why})")
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -78,8 +68,7 @@ def run(*args):
 
 if not os.path.isdir(TRACES):
     skip("model validation on real traces", f"{TRACES} not found")
-    print(f"{results['passed']} passed, {results['failed']} failed, {results['skipped']} skipped")
-    sys.exit(0)
+    finish()
 
 picks = sorted(os.path.relpath(os.path.join(dp, f), TRACES)
                for dp, _, fs in os.walk(TRACES) for f in fs if f.endswith(".pickle"))
@@ -153,5 +142,4 @@ for d in rows:
         if v["fits"] != (fits and v["ooms_at_capacity"] == 0) or (not v["fits"] and v["short_bytes"] <= 0 and fits):
             case(f"{rel}: {k} fit verdict consistent", False, v)
 
-print(f"{results['passed']} passed, {results['failed']} failed, {results['skipped']} skipped")
-sys.exit(1 if results["failed"] else 0)
+finish()

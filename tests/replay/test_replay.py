@@ -9,21 +9,11 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUILD = os.path.join(ROOT, os.environ.get("BUILD", "build"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pyharness import BUILD, TRACES, case, finish, skip  # noqa: E402
 REPLAY = os.path.join(BUILD, "memshim-replay")
-TRACES = os.path.join(os.path.dirname(ROOT), "shared", "traces")
-results = {"passed": 0, "failed": 0, "skipped": 0}
 
 
-def case(name, ok, detail=""):
-    results["passed" if ok else "failed"] += 1
-    print(("ok   " if ok else "FAIL ") + name + ("" if ok else f": {detail}"))
-
-
-def skip(name, why):
-    results["skipped"] += 1
-    print(f"skip {name} ({why})")
 
 
 def run(*args):
@@ -171,5 +161,4 @@ else:
                  rc == 0 and d["steady_map_ops"] == 0 and d["steady_unmap_ops"] == 0 and d["steady_ooms"] == 0,
                  f"maps {d.get('steady_map_ops')} unmaps {d.get('steady_unmap_ops')}")
 
-print(f"{results['passed']} passed, {results['failed']} failed, {results['skipped']} skipped")
-sys.exit(1 if results["failed"] else 0)
+finish()
