@@ -166,10 +166,13 @@ static const struct opt opts[O_COUNT] = {
               "When memshim runs Python's `gc.collect()` to free tensors held by reference "
               "cycles.",
               F(gc), 0, 0, 0, gc_vals,
-              "When memshim runs the GC callback registered with `memshim_set_gc_callback()` (the "
-              "Python side registers one that runs `gc.collect()`, and must only call into Python "
-              "on a thread that holds the GIL: DESIGN.md section 2). Without a registered "
-              "callback nothing runs."},
+              "When memshim runs a garbage collection: the callback registered with "
+              "`memshim_set_gc_callback()`, else, in a CPython process, `gc.collect()` itself "
+              "(`PyGC_Collect`, which honours `gc.disable()`), only on a thread that holds the GIL "
+              "(autograd's worker threads do not: DESIGN.md section 2) and only from "
+              "`memshim_malloc` or an epoch boundary, never inside the `cudaMalloc` hook where "
+              "PyTorch's own allocator is mid-call. Skips are counted in the reports "
+              "(`gc_skipped_no_gil`). `threshold` runs at most once a second."},
     [O_GC_THRESHOLD] = {"MEMSHIM_GC_THRESHOLD", T_FRACTION, "0.9", NULL, "a fraction 0..1",
                         "fraction",
                         "With `MEMSHIM_GC=threshold`: fraction of the limit (of device memory "

@@ -275,6 +275,7 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_u(pol, "empty_cache_runs", r->empty_cache_runs);
     set_u(pol, "empty_cache_released_bytes", r->empty_cache_bytes);
     set_u(pol, "gc_runs", r->gc_runs);
+    set_u(pol, "gc_skipped_no_gil", r->gc_skipped_no_gil);
     J.object_set_new(root, "policies", pol);
 
     /* Leak/trend verdict: allocated bytes at the end of each epoch so far. Growth at every one of

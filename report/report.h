@@ -42,6 +42,7 @@ struct msh_report {
     int ndev;
     /* policy actions during the epoch */
     uint64_t empty_cache_runs, empty_cache_bytes, gc_runs;
+    uint64_t gc_skipped_no_gil; /* GC steps skipped: this thread did not hold Python's GIL */
 };
 
 /* Open the report directory (MEMSHIM_REPORT_DIR with %p/%h expanded). Returns true when reports

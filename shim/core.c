@@ -14,6 +14,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -234,16 +235,60 @@ int msh_core_mode(void)
     return msh_core_init() ? mode_eff : MSH_MODE_OFF;
 }
 
+/* ---- the GC step ------------------------------------------------------------------------------
+ * A callback set with memshim_set_gc_callback() wins. Without one, when the process runs CPython
+ * memshim calls PyGC_Collect() itself, but only (1) on a thread that holds the GIL
+ * (PyGILState_Check: autograd's worker threads do not, and taking the GIL there can deadlock
+ * against the main thread, DESIGN.md 2), and (2) from memshim_malloc or an epoch boundary,
+ * never from inside the cudaMalloc hook: there PyTorch's caching allocator is mid-way through
+ * its own malloc, and a __del__ that frees a tensor would re-enter it. */
+static __thread int in_tensor_alloc;
+static uint64_t gc_skipped_no_gil;
+static struct {
+    int (*gil_check)(void);
+    int (*is_initialized)(void);
+    ssize_t (*collect)(void);
+} py;
+static pthread_once_t py_once = PTHREAD_ONCE_INIT;
+
+static void py_resolve(void)
+{
+    *(void **)&py.gil_check = dlsym(RTLD_DEFAULT, "PyGILState_Check");
+    *(void **)&py.is_initialized = dlsym(RTLD_DEFAULT, "Py_IsInitialized");
+    *(void **)&py.collect = dlsym(RTLD_DEFAULT, "PyGC_Collect");
+}
+
+static size_t run_gc(bool from_epoch)
+{
+    memshim_gc_fn fn = gc_user_fn;
+    if (fn) {
+        pthread_mutex_lock(&epoch_lock);
+        gc_runs++;
+        pthread_mutex_unlock(&epoch_lock);
+        return fn(gc_user_arg);
+    }
+    if (!from_epoch && !in_tensor_alloc) return 0;
+    pthread_once(&py_once, py_resolve);
+    if (!py.collect || !py.gil_check || !py.is_initialized || !py.is_initialized()) return 0;
+    if (!py.gil_check()) {
+        pthread_mutex_lock(&epoch_lock);
+        gc_skipped_no_gil++;
+        pthread_mutex_unlock(&epoch_lock);
+        return 0;
+    }
+    pthread_mutex_lock(&epoch_lock);
+    gc_runs++;
+    pthread_mutex_unlock(&epoch_lock);
+    ssize_t n = py.collect();
+    msh_debug("gc.collect() from the allocator found %zd unreachable objects", n);
+    return n > 0 ? (size_t)n : 0;
+}
+
 static size_t gc_bridge(void *arg)
 {
     (void)arg;
     if (msh_cfg.gc != MSH_GC_OOM && msh_cfg.gc != MSH_GC_THRESHOLD) return 0;
-    memshim_gc_fn fn = gc_user_fn;
-    if (!fn) return 0;
-    pthread_mutex_lock(&epoch_lock);
-    gc_runs++;
-    pthread_mutex_unlock(&epoch_lock);
-    return fn(gc_user_arg);
+    return run_gc(false);
 }
 
 struct msh_pool *msh_core_pool(int device)
@@ -319,6 +364,7 @@ static void fill_report(struct msh_report *r, const char *kind, const char *reas
     r->empty_cache_runs = ec_runs;
     r->empty_cache_bytes = ec_bytes;
     r->gc_runs = gc_runs;
+    r->gc_skipped_no_gil = gc_skipped_no_gil;
     for (int d = 0; d < MSH_MAX_DEVICES && r->ndev < (int)(sizeof r->dev / sizeof r->dev[0]); d++) {
         struct msh_pool *p = atomic_load(&pools[d]);
         bool ext = false;
@@ -369,11 +415,8 @@ static size_t empty_all_pools(bool locked, size_t out[MSH_MAX_DEVICES])
 static void close_epoch(const char *reason)
 {
     msh_in_hook++;
+    if (msh_cfg.gc == MSH_GC_EPOCH) run_gc(true); /* outside epoch_lock: it may free memory */
     pthread_mutex_lock(&epoch_lock);
-    if (msh_cfg.gc == MSH_GC_EPOCH && gc_user_fn) {
-        gc_runs++;
-        gc_user_fn(gc_user_arg);
-    }
     if (msh_cfg.empty_cache == MSH_EC_EPOCH) empty_all_pools(true, NULL);
     struct msh_report r;
     for (int d = 0; d < MSH_MAX_DEVICES; d++) {
@@ -401,7 +444,7 @@ static void close_epoch(const char *reason)
     }
     epoch_index++;
     steps_in_epoch = 0;
-    ec_runs = ec_bytes = gc_runs = 0;
+    ec_runs = ec_bytes = gc_runs = gc_skipped_no_gil = 0;
     epoch_start_ns = msh_now_ns();
     pthread_mutex_unlock(&epoch_lock);
     msh_in_hook--;
@@ -418,8 +461,12 @@ void msh_core_tick(void)
                now - epoch_start_ns >= (uint64_t)(msh_cfg.epoch_seconds * 1e9)) {
         close_epoch("seconds");
     }
-    if (MSH_UNLIKELY(msh_cfg.gc == MSH_GC_THRESHOLD && gc_user_fn)) {
-        /* GC when the pools hold more than the threshold fraction of their limit (or device). */
+    if (MSH_UNLIKELY(msh_cfg.gc == MSH_GC_THRESHOLD)) {
+        /* GC when the pools hold more than the threshold fraction of their limit (or device),
+         * at most once a second: a collection costs milliseconds. */
+        static _Atomic uint64_t last_gc_ns;
+        uint64_t last = atomic_load_explicit(&last_gc_ns, memory_order_relaxed);
+        if (last && now - last < 1000000000ull) return;
         for (int d = 0; d < MSH_MAX_DEVICES; d++) {
             struct msh_pool *p = atomic_load(&pools[d]);
             if (!p) continue;
@@ -430,11 +477,10 @@ void msh_core_tick(void)
                 devices[d].ops->mem_info(&devices[d], &f, &t);
                 cap = msh_cfg.limit_fraction > 0 ? (size_t)(msh_cfg.limit_fraction * (double)t) : t;
             }
-            if (cap && (double)held > msh_cfg.gc_threshold * (double)cap) {
-                pthread_mutex_lock(&epoch_lock);
-                gc_runs++;
-                pthread_mutex_unlock(&epoch_lock);
-                gc_user_fn(gc_user_arg);
+            if (cap && (double)held > msh_cfg.gc_threshold * (double)cap &&
+                atomic_compare_exchange_strong(&last_gc_ns, &last, now)) {
+                run_gc(false);
+                break;
             }
         }
     }
@@ -564,13 +610,18 @@ MSH_EXPORT void *memshim_malloc(ssize_t size, int device, memshim_stream_t strea
         msh_error("memshim_malloc: no pool for device %d (is memshim off, or the driver unusable?)", device);
     } else {
         uint64_t a = 0;
-        if (msh_pool_alloc(p, (size_t)size, (uint64_t)(uintptr_t)stream, &a) == 0) {
+        in_tensor_alloc = 1;
+        int arc = msh_pool_alloc(p, (size_t)size, (uint64_t)(uintptr_t)stream, &a);
+        in_tensor_alloc = 0;
+        if (arc == 0) {
             out = (void *)(uintptr_t)a;
             msh_core_trace('a', device, (uint64_t)(uintptr_t)stream, a, (uint64_t)size);
         } else {
             msh_core_note_oom(device);
         }
+        in_tensor_alloc = 1;
         msh_core_tick();
+        in_tensor_alloc = 0;
     }
     msh_in_hook--;
     return out;

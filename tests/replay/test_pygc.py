@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""memshim's GC step in a real CPython process, without a GPU (driver double): tensors held only by
+reference cycles are freed when an allocation would fail, by memshim calling gc.collect() on a
+thread that holds the GIL; a caller without the GIL (ctypes.CDLL releases it) is never made to run
+Python code, and the skip is counted. Ends with "N passed, N failed, N skipped"."""
+import ctypes
+import gc
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pyharness import BUILD, case, finish  # noqa: E402
+
+LIB = os.path.join(BUILD, "libmemshim.so")
+MiB = 1 << 20
+
+CHILD = r"""
+import ctypes, gc, os, sys
+hold_gil = sys.argv[1] == "pydll"
+lib = (ctypes.PyDLL if hold_gil else ctypes.CDLL)(sys.argv[2])
+lib.memshim_malloc.restype = ctypes.c_void_p
+lib.memshim_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+lib.memshim_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+gc.set_threshold(1 << 30)  # no automatic collection: only memshim collects (PyGC_Collect honours gc.disable())
+class Tensor:
+    def __init__(self, n):
+        self.n, self.ptr = n, lib.memshim_malloc(n, 0, None)
+        self.me = self  # a reference cycle: unreachable after del, freed only by gc
+    def __del__(self):
+        if self.ptr:
+            lib.memshim_free(self.ptr, self.n, 0, None)
+held = [Tensor(16 << 20) for _ in range(3)]
+ok = all(t.ptr for t in held)
+del held  # unreachable cycles still hold 48 MiB of the 64 MiB limit
+big = lib.memshim_malloc(40 << 20, 0, None)
+print("FIRST", ok, "BIG", bool(big))
+lib.memshim_epoch()
+"""
+
+with tempfile.TemporaryDirectory() as tmp:
+    for mode in ("pydll", "cdll"):
+        rdir = os.path.join(tmp, mode)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSHIM_")}
+        env.update({"LD_LIBRARY_PATH": os.path.join(BUILD, "double"), "CUDBL_CAPACITY": "1G",
+                    "MEMSHIM_LIMIT": "64M", "MEMSHIM_GC": "oom", "MEMSHIM_REPORT_DIR": rdir,
+                    "MEMSHIM_LOG": "error"})
+        p = subprocess.run([sys.executable, "-c", CHILD, mode, LIB], env=env, capture_output=True, text=True,
+                           timeout=120)
+        reps = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(rdir, "*-epoch*.json")))]
+        pol = reps[0]["policies"] if reps else {}
+        oom = reps[0]["oom"] if reps else {}
+        if mode == "pydll":
+            case("GIL held: an allocation blocked by garbage cycles succeeds after memshim's gc.collect()",
+                 p.returncode == 0 and "FIRST True BIG True" in p.stdout and pol.get("gc_runs", 0) >= 1
+                 and oom.get("rescued_by_gc", 0) >= 1, (p.stdout + p.stderr)[-500:] + str(pol) + str(oom))
+        else:
+            case("GIL released (ctypes.CDLL): memshim does not call into Python; the skip is counted, "
+                 "the allocation fails cleanly",
+                 p.returncode == 0 and "FIRST True BIG False" in p.stdout and pol.get("gc_runs", 1) == 0
+                 and pol.get("gc_skipped_no_gil", 0) >= 1, (p.stdout + p.stderr)[-500:] + str(pol))
+finish()
