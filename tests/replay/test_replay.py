@@ -68,6 +68,17 @@ with tempfile.TemporaryDirectory() as tmp:
         case("an OOM during replay is a result (exit 0, ooms > 0)", rc == 0 and d["ooms"] > 0, f"rc={rc} {d['ooms']}")
     except (ValueError, IndexError, KeyError) as e:
         case("--json output parses at small capacity", False, str(e))
+    # --device: the same pool through the real-driver backend, here on the driver double
+    env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(BUILD, "double"), CUDBL_CAPACITY="2G")
+    p = subprocess.run([REPLAY, "--device", "--json", good], capture_output=True, text=True, timeout=300, env=env)
+    rc2, out2, err2 = run("--json", good)
+    try:
+        dd, ds = json.loads(p.stdout.splitlines()[0]), json.loads(out2.splitlines()[0])
+        case("--device (driver double) reserves what the simulation reserves",
+             p.returncode == 0 and dd["peak_reserved_bytes"] == ds["peak_reserved_bytes"] and dd["ooms"] == 0
+             and dd["map_ops"] == ds["map_ops"], f"{dd['peak_reserved_bytes']} vs {ds['peak_reserved_bytes']}")
+    except (ValueError, IndexError, KeyError) as e:
+        case("--device output parses", False, f"{e}: {p.stdout!r} {p.stderr[-300:]!r}")
     rc, out, err = run("--capacity", "lots", good)
     case("bad --capacity is a usage error", rc == 2 and "capacity" in err, f"rc={rc}")
 
