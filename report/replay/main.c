@@ -721,8 +721,9 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: memshim-replay [options] TRACE...\n"
-            "Replay PyTorch memory snapshots (torch.cuda.memory._dump_snapshot pickles) or memshim\n"
-            "traces through memshim's pool and report what it needed.\n\n"
+            "Replay PyTorch memory snapshots (torch.cuda.memory._dump_snapshot pickles), torch.profiler\n"
+            "traces (profile_memory=True; .json or .json.gz) or memshim traces through memshim's pool\n"
+            "and report what it needed.\n\n"
             "  --capacity SIZE|auto  simulate a device of SIZE bytes (40G, 512MiB...); auto searches\n"
             "                        the smallest capacity (to the granularity) with no OOM\n"
             "  --passes N            replay the stream N times in a row (N=2: steady state)\n"
