@@ -203,13 +203,12 @@ void msh_hooks_adjust_meminfo(int device, size_t *free_b, size_t *total_b)
     *free_b = avail < reach ? avail : reach;
 }
 
-/* Free a pool block the way cuMemFree would: after the work queued on the current context. */
-static CUresult pool_free_synced(struct msh_pool *pool, CUdeviceptr p, uint64_t stream)
+/* Free a pool block the way cuMemFree would: after the work queued on the device that owns it
+ * (not the caller's current context: the block may belong to another GPU). */
+static CUresult pool_free_synced(struct msh_pool *pool, int dev, CUdeviceptr p, uint64_t stream)
 {
-    if (stream == MSH_STREAM_COMPLETED && msh_cu.cuCtxSynchronize) {
-        CUresult r = msh_cu.cuCtxSynchronize();
-        if (r != CUDA_SUCCESS) return r; /* the block may still be in use: keep it */
-    }
+    if (stream == MSH_STREAM_COMPLETED && msh_core_sync_device(dev) != 0)
+        return CUDA_ERROR_UNKNOWN; /* the block may still be in use: keep it */
     return msh_pool_free(pool, (uint64_t)p, stream) == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
@@ -245,7 +244,7 @@ static CUresult hk_cuMemFree_v2(CUdeviceptr dptr)
     struct msh_pool *pool = msh_core_pool_owning((uint64_t)dptr, &dev);
     if (pool) {
         /* A program mixing APIs frees a cudaMalloc pointer with cuMemFree. */
-        r = pool_free_synced(pool, dptr, MSH_STREAM_COMPLETED);
+        r = pool_free_synced(pool, dev, dptr, MSH_STREAM_COMPLETED);
     } else {
         size_t size; int d, kind;
         bool tracked = msh_ext_untrack(MSH_EXT_TABLE_PTR, (uint64_t)dptr, &size, &d, &kind);
@@ -295,7 +294,7 @@ static CUresult async_free(CUresult (*real)(CUdeviceptr, CUstream), CUdeviceptr 
         /* The pool takes stream-ordered frees natively: reuse waits for `stream`. Stream 0 is
          * the legacy default stream, except for _ptsz callers where it is the thread's own. */
         CUstream s = stream ? stream : default_stream;
-        r = pool_free_synced(pool, dptr, (uint64_t)(uintptr_t)s);
+        r = pool_free_synced(pool, dev, dptr, (uint64_t)(uintptr_t)s);
     } else {
         size_t size; int d, kind;
         bool tracked = msh_ext_untrack(MSH_EXT_TABLE_PTR, (uint64_t)dptr, &size, &d, &kind);

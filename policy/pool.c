@@ -29,6 +29,9 @@
 #define MAX_SIZE ((uint64_t)1 << 48)
 #define NO_PAGE UINT32_MAX
 #define MAX_STREAMS 4
+/* Pages per region: its page table (24 bytes a page, touched lazily) stays under 100 MiB of
+ * address space and page indices fit 32 bits. 8 TiB of VA per region at 2 MiB pages. */
+#define MAX_REGION_PAGES ((uint64_t)1 << 22)
 #define NAREAS 2 /* 0: small requests, 1: large */
 
 struct region;
@@ -327,6 +330,7 @@ static struct region *region_add(struct msh_pool *pool, int area, uint64_t min_b
     uint64_t size = pool->prm.va_bytes;
     if (size < min_bytes) size = min_bytes;
     size = round_up(size, pool->gran);
+    if (size / pool->gran > MAX_REGION_PAGES) return NULL;
     uint64_t va = 0;
     int rc = pool->dev->ops->reserve(pool->dev, size, pool->gran, &va);
     if (rc) {
@@ -712,6 +716,8 @@ int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params
         pool->prm.va_bytes = base * 4;
     }
     pool->prm.va_bytes = round_up(pool->prm.va_bytes < MSH_GiB ? MSH_GiB : pool->prm.va_bytes, pool->gran);
+    uint64_t max_va = (uint64_t)pool->gran * MAX_REGION_PAGES;
+    if (pool->prm.va_bytes > max_va) pool->prm.va_bytes = max_va;
     *out = pool;
     return 0;
 }

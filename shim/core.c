@@ -42,6 +42,8 @@ static _Atomic int64_t external[MSH_MAX_DEVICES][MSH_EXT_NKINDS];
 /* epochs and policies */
 static pthread_mutex_t epoch_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t epoch_index, epoch_start_ns, steps_in_epoch, steps_total;
+static _Atomic uint64_t seconds_epoch_due; /* MEMSHIM_EPOCH=seconds: when the next one closes */
+static bool steps_close_claimed;           /* a thread is closing the steps epoch (epoch_lock) */
 static _Atomic uint64_t last_activity_ns;
 /* Set by the signal handler (lock-free atomic: async-signal-safe), taken by one thread. */
 static _Atomic int epoch_signalled;
@@ -211,6 +213,8 @@ static void do_init(void)
         msh_cfg.epoch_src = msh_cfg.epoch_steps ? MSH_EPOCH_STEPS
                             : msh_cfg.epoch_seconds > 0 ? MSH_EPOCH_SECONDS : MSH_EPOCH_MANUAL;
     if (msh_cfg.epoch_src == MSH_EPOCH_SIGNAL) install_epoch_signal();
+    if (msh_cfg.epoch_src == MSH_EPOCH_SECONDS && msh_cfg.epoch_seconds > 0)
+        atomic_store(&seconds_epoch_due, t0_ns + (uint64_t)(msh_cfg.epoch_seconds * 1e9));
     if (msh_cfg.empty_cache == MSH_EC_IDLE) {
         pthread_t th;
         pthread_attr_t attr;
@@ -258,14 +262,34 @@ static void py_resolve(void)
     *(void **)&py.collect = dlsym(RTLD_DEFAULT, "PyGC_Collect");
 }
 
+/* The callback (or Python code run by the collector) frees and allocates through the hooks and
+ * memshim_free: they must work as for any caller, so the re-entry guard is lifted around it. */
+static size_t call_unguarded(memshim_gc_fn fn, void *arg)
+{
+    int saved = msh_in_hook;
+    msh_in_hook = 0;
+    size_t r = fn(arg);
+    msh_in_hook = saved;
+    return r;
+}
+
+static size_t py_collect_fn(void *arg)
+{
+    (void)arg;
+    ssize_t n = py.collect();
+    msh_debug("gc.collect() from the allocator found %zd unreachable objects", n);
+    return n > 0 ? (size_t)n : 0;
+}
+
 static size_t run_gc(bool from_epoch)
 {
-    memshim_gc_fn fn = gc_user_fn;
+    memshim_gc_fn fn = __atomic_load_n(&gc_user_fn, __ATOMIC_ACQUIRE);
+    void *arg = gc_user_arg;
     if (fn) {
         pthread_mutex_lock(&epoch_lock);
         gc_runs++;
         pthread_mutex_unlock(&epoch_lock);
-        return fn(gc_user_arg);
+        return call_unguarded(fn, arg);
     }
     if (!from_epoch && !in_tensor_alloc) return 0;
     pthread_once(&py_once, py_resolve);
@@ -279,9 +303,7 @@ static size_t run_gc(bool from_epoch)
     pthread_mutex_lock(&epoch_lock);
     gc_runs++;
     pthread_mutex_unlock(&epoch_lock);
-    ssize_t n = py.collect();
-    msh_debug("gc.collect() from the allocator found %zd unreachable objects", n);
-    return n > 0 ? (size_t)n : 0;
+    return call_unguarded(py_collect_fn, NULL);
 }
 
 static size_t gc_bridge(void *arg)
@@ -341,6 +363,12 @@ struct msh_pool *msh_core_pool_owning(uint64_t addr, int *device)
         }
     }
     return NULL;
+}
+
+int msh_core_sync_device(int device)
+{
+    if (device < 0 || device >= MSH_MAX_DEVICES || !atomic_load(&pools[device]) || !devices[device].ops) return ENODEV;
+    return devices[device].ops->synchronize(&devices[device]);
 }
 
 void msh_core_note_external(int device, int kind, int64_t delta)
@@ -411,11 +439,13 @@ static size_t empty_all_pools(bool locked, size_t out[MSH_MAX_DEVICES])
     return total;
 }
 
-/* Close the current epoch: report, run epoch policies, reset peaks. */
-static void close_epoch(const char *reason)
+/* Close the current epoch: report, run epoch policies, reset peaks. `may_gc`: the caller is
+ * somewhere the GC step may run (not inside the cudaMalloc hook, where PyTorch's caching
+ * allocator is mid-call). */
+static void close_epoch(const char *reason, bool may_gc)
 {
     msh_in_hook++;
-    if (msh_cfg.gc == MSH_GC_EPOCH) run_gc(true); /* outside epoch_lock: it may free memory */
+    if (msh_cfg.gc == MSH_GC_EPOCH && may_gc) run_gc(true); /* outside epoch_lock: it frees memory */
     pthread_mutex_lock(&epoch_lock);
     if (msh_cfg.empty_cache == MSH_EC_EPOCH) empty_all_pools(true, NULL);
     struct msh_report r;
@@ -444,6 +474,7 @@ static void close_epoch(const char *reason)
     }
     epoch_index++;
     steps_in_epoch = 0;
+    steps_close_claimed = false;
     ec_runs = ec_bytes = gc_runs = gc_skipped_no_gil = 0;
     epoch_start_ns = msh_now_ns();
     pthread_mutex_unlock(&epoch_lock);
@@ -456,10 +487,13 @@ void msh_core_tick(void)
     atomic_store_explicit(&last_activity_ns, now, memory_order_relaxed);
     if (MSH_UNLIKELY(atomic_load_explicit(&epoch_signalled, memory_order_relaxed)) &&
         atomic_exchange(&epoch_signalled, 0)) {
-        close_epoch("signal");
-    } else if (msh_cfg.epoch_src == MSH_EPOCH_SECONDS && msh_cfg.epoch_seconds > 0 &&
-               now - epoch_start_ns >= (uint64_t)(msh_cfg.epoch_seconds * 1e9)) {
-        close_epoch("seconds");
+        close_epoch("signal", in_tensor_alloc);
+    } else if (msh_cfg.epoch_src == MSH_EPOCH_SECONDS && msh_cfg.epoch_seconds > 0) {
+        /* Many threads see the deadline pass; the one that moves it closes the epoch. */
+        uint64_t due = atomic_load_explicit(&seconds_epoch_due, memory_order_relaxed);
+        uint64_t period = (uint64_t)(msh_cfg.epoch_seconds * 1e9);
+        if (due && now >= due && atomic_compare_exchange_strong(&seconds_epoch_due, &due, now + period))
+            close_epoch("seconds", in_tensor_alloc);
     }
     if (MSH_UNLIKELY(msh_cfg.gc == MSH_GC_THRESHOLD)) {
         /* GC when the pools hold more than the threshold fraction of their limit (or device),
@@ -668,7 +702,7 @@ MSH_EXPORT void memshim_empty_cache(void)
 MSH_EXPORT void memshim_epoch(void)
 {
     if (!msh_core_init()) return;
-    close_epoch("manual");
+    close_epoch("manual", true);
 }
 
 MSH_EXPORT void memshim_step(void)
@@ -678,16 +712,19 @@ MSH_EXPORT void memshim_step(void)
     pthread_mutex_lock(&epoch_lock);
     steps_total++;
     steps_in_epoch++;
-    if (msh_cfg.epoch_src == MSH_EPOCH_STEPS && msh_cfg.epoch_steps && steps_in_epoch >= msh_cfg.epoch_steps)
+    if (msh_cfg.epoch_src == MSH_EPOCH_STEPS && msh_cfg.epoch_steps && steps_in_epoch >= msh_cfg.epoch_steps &&
+        !steps_close_claimed) {
+        steps_close_claimed = true; /* one close per boundary, however many threads step */
         close = true;
+    }
     pthread_mutex_unlock(&epoch_lock);
-    if (close) close_epoch("steps");
+    if (close) close_epoch("steps", true);
 }
 
 MSH_EXPORT void memshim_set_gc_callback(memshim_gc_fn fn, void *arg)
 {
     gc_user_arg = arg;
-    gc_user_fn = fn;
+    __atomic_store_n(&gc_user_fn, fn, __ATOMIC_RELEASE);
 }
 
 MSH_EXPORT int memshim_get_stats(int device, struct memshim_stats *out)

@@ -27,6 +27,10 @@ struct msh_pool *msh_core_pool(int device);
 /* The pool that handed out `addr`, or NULL; *device gets its ordinal. */
 struct msh_pool *msh_core_pool_owning(uint64_t addr, int *device);
 
+/* Wait for all work on `device` (its primary context, whatever context is current). 0 or an
+ * errno; ENODEV when memshim has no pool there. */
+int msh_core_sync_device(int device);
+
 /* Memory that memshim does not serve but accounts ("other" in reports). */
 enum msh_ext_kind { MSH_EXT_MALLOC, MSH_EXT_ASYNC, MSH_EXT_VMM, MSH_EXT_NKINDS };
 void msh_core_note_external(int device, int kind, int64_t delta_bytes);

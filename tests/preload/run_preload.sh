@@ -126,6 +126,16 @@ run_prog meminfo_limit_fraction meminfo_limit
 ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=100G EXPECT_TOTAL_MIB=2048)
 run_prog meminfo_limit_above_device meminfo_limit
 
+# ---- found by review: the GC step's own frees, and cuMemFree of another device's block ----------
+ENV_EXTRA=(MEMSHIM_LIMIT=8M MEMSHIM_LOG=error)
+run_prog gc_reentry gc_reentry
+ENV_EXTRA=(CUDBL_DEVICES=2)
+run_prog multidev_free multidev_free
+mkdir -p "$TMP/epoch-reports"
+ENV_EXTRA=(MEMSHIM_EPOCH=seconds MEMSHIM_EPOCH_SECONDS=0.5 MEMSHIM_REPORT_DIR="$TMP/epoch-reports"
+           REPORTS="$TMP/epoch-reports")
+run_prog epoch_seconds_race epoch_seconds_race
+
 # ---- (4) fork while allocating ----------------------------------------------------------------
 ENV_EXTRA=()
 run_prog fork fork

@@ -41,7 +41,37 @@ print("FIRST", ok, "BIG", bool(big))
 lib.memshim_epoch()
 """
 
+# Found by review: with MEMSHIM_GC=epoch, an epoch closed inside the cudaMalloc hook (a signal
+# epoch) ran gc.collect() while PyTorch's caching allocator would be mid-call.
+IN_HOOK = r'''
+import ctypes, gc, os, signal, sys
+ctypes.CDLL(os.path.join(sys.argv[1], "libcudart.so.13"), mode=ctypes.RTLD_GLOBAL)
+g = ctypes.PyDLL(None)  # cudaMalloc binds to memshim's hook; the GIL is kept, as in PyTorch
+g.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+gc.set_threshold(1 << 30)
+inside, ran = [False], []
+class Cyc:
+    def __init__(self): self.me = self
+    def __del__(self): ran.append(inside[0])
+p = ctypes.c_void_p()
+g.cudaMalloc(ctypes.byref(p), 1 << 20)
+c = Cyc(); del c
+os.kill(os.getpid(), signal.SIGUSR2)
+inside[0] = True
+r = g.cudaMalloc(ctypes.byref(p), 1 << 20)
+inside[0] = False
+print("RESULT", r, True in ran)
+'''
+
 with tempfile.TemporaryDirectory() as tmp:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSHIM_")}
+    env.update({"LD_LIBRARY_PATH": os.path.join(BUILD, "double"), "LD_PRELOAD": LIB, "MEMSHIM_EPOCH": "signal",
+                "MEMSHIM_GC": "epoch", "MEMSHIM_LOG": "error"})
+    p = subprocess.run([sys.executable, "-c", IN_HOOK, os.path.join(BUILD, "double")], env=env, capture_output=True,
+                       text=True, timeout=120)
+    case("an epoch closed inside the cudaMalloc hook does not run Python code there",
+         p.returncode == 0 and "RESULT 0 False" in p.stdout, (p.stdout + p.stderr)[-400:])
+
     for mode in ("pydll", "cdll"):
         rdir = os.path.join(tmp, mode)
         env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSHIM_")}

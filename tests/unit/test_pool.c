@@ -1450,4 +1450,21 @@ TEST(steady_state_second_round_maps_nothing)
     free(f);
 }
 
+/* Found by review: with a small granularity a huge request overflowed the 32-bit page count and
+ * "succeeded" with almost nothing mapped. It must be refused instead. */
+TEST(huge_request_with_small_pages_is_refused_not_truncated)
+{
+    struct msh_device d;
+    REQUIRE(msh_dev_sim_init(&d, 0, 4096) == 0);
+    struct msh_pool *pool = NULL;
+    REQUIRE(msh_pool_create(&d, NULL, &pool) == 0);
+    uint64_t a = 0;
+    int rc = msh_pool_alloc(pool, ((size_t)16 << 40) + 4096, 0, &a);
+    CHECK(rc == ENOMEM);
+    CHECK(msh_pool_alloc(pool, 1 << 20, 0, &a) == 0); /* the pool still works */
+    CHECK(msh_pool_free(pool, a, MSH_STREAM_COMPLETED) == 0);
+    msh_pool_destroy(pool);
+    msh_dev_sim_fini(&d);
+}
+
 TEST_MAIN()
