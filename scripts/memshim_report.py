@@ -25,10 +25,13 @@ def load(directory):
                 r = json.load(f)
             if not isinstance(r, dict) or r.get("schema_version") != 1 or "memory" not in r:
                 raise ValueError("not a memshim report of schema 1")
+            r["_row"] = row(r)  # every field the table needs, checked here
+            if not all(isinstance(r["_row"][k], int) for k in ("pid", "device", "epoch")):
+                raise ValueError("pid, device or epoch is not an integer")
             r["_path"] = path
             reports.append(r)
-        except (OSError, ValueError) as e:
-            bad.append((path, str(e)))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            bad.append((path, f"{type(e).__name__}: {e}"))
     return reports, bad
 
 
@@ -67,7 +70,7 @@ def main(argv):
     if not reports:
         print(f"memshim_report: no memshim reports in {directory}", file=sys.stderr)
         return 1
-    rows = [row(r) for r in reports]
+    rows = [r["_row"] for r in reports]
     rows.sort(key=lambda x: (x["pid"], x["device"], x["kind"] != "epoch", x["epoch"]))
     if "--csv" in argv:
         keys = list(rows[0].keys())

@@ -117,6 +117,11 @@ struct run_result {
     double wall;
 };
 
+static uint64_t ceil_div(uint64_t a, uint64_t b)
+{
+    return a / b + (a % b != 0);
+}
+
 static double now_s(void)
 {
     struct timespec ts;
@@ -216,6 +221,38 @@ static const char *base_name(const char *p)
     return s ? s + 7 : p;
 }
 
+/* Length of the valid UTF-8 sequence at s (1..4), or 0 when the bytes are not valid UTF-8. */
+static int utf8_len(const unsigned char *s)
+{
+    int n = s[0] < 0x80 ? 1 : (s[0] & 0xE0) == 0xC0 ? 2 : (s[0] & 0xF0) == 0xE0 ? 3 : (s[0] & 0xF8) == 0xF0 ? 4 : 0;
+    if (n == 2 && s[0] < 0xC2) return 0; /* overlong */
+    for (int i = 1; i < n; i++)
+        if ((s[i] & 0xC0) != 0x80) return 0;
+    return n;
+}
+
+/* A JSON string: quotes, backslashes and control bytes escaped; bytes that are not UTF-8 (a file
+ * name can hold any byte) become U+FFFD so the line stays valid JSON. */
+static void json_str(const char *s)
+{
+    putchar('"');
+    for (const unsigned char *p = (const unsigned char *)s; p && *p;) {
+        int n = utf8_len(p);
+        if (!n) {
+            fputs("\\ufffd", stdout);
+            p++;
+        } else if (*p == '"' || *p == '\\') {
+            printf("\\%c", *p++);
+        } else if (*p < 0x20) {
+            printf("\\u%04x", *p++);
+        } else {
+            fwrite(p, 1, (size_t)n, stdout);
+            p += n;
+        }
+    }
+    putchar('"');
+}
+
 static int replay_trace(const struct msh_trace_set *set, const struct msh_trace *t, const struct opts *o)
 {
     struct run_result unl, main_run, steady;
@@ -227,8 +264,8 @@ static int replay_trace(const struct msh_trace_set *set, const struct msh_trace 
     uint64_t cap = o->capacity;
     if (o->auto_cap) {
         /* Placement never depends on what is mapped, so success is monotone in capacity. */
-        uint64_t lo = (t->peak_live_bytes + o->gran - 1) / o->gran;
-        uint64_t hi = (unl.st.peak_mapped_bytes + o->gran - 1) / o->gran;
+        uint64_t lo = ceil_div(t->peak_live_bytes, o->gran);
+        uint64_t hi = ceil_div(unl.st.peak_mapped_bytes, o->gran);
         if (hi < lo) hi = lo;
         while (lo < hi) {
             uint64_t mid = lo + (hi - lo) / 2;
@@ -262,11 +299,13 @@ static int replay_trace(const struct msh_trace_set *set, const struct msh_trace 
     double evps = timing.wall > 0 ? (double)timing.events / timing.wall : 0;
     double evps1 = main_run.wall > 0 ? (double)main_run.events / main_run.wall : 0;
     if (o->json) {
-        printf("{\"trace\":\"%s\",\"device\":%d,\"policy\":\"memshim\",\"format\":\"%s\",\"events\":%zu,"
+        printf("{\"trace\":");
+        json_str(set->path);
+        printf(",\"device\":%d,\"policy\":\"memshim\",\"format\":\"%s\",\"events\":%zu,"
                "\"replayed_events\":%llu,\"allocs\":%zu,\"prefix_blocks\":%zu,\"warnings\":%zu,"
                "\"peak_live_bytes\":%llu,\"peak_reserved_bytes\":%zu,\"unlimited_peak_reserved_bytes\":%zu,"
                "\"peak_touched_bytes\":%zu,\"capacity_bytes\":%llu,",
-               set->path, t->device, set->format, t->nraw_events, (unsigned long long)main_run.events,
+               t->device, set->format, t->nraw_events, (unsigned long long)main_run.events,
                t->nallocs, t->nprefix, t->warnings, (unsigned long long)t->peak_live_bytes, s->peak_mapped_bytes,
                unl.st.peak_mapped_bytes, unl.st.peak_touched_bytes, (unsigned long long)cap);
         if (o->auto_cap) printf("\"min_capacity_bytes\":%llu,", (unsigned long long)min_cap);
@@ -421,7 +460,8 @@ static int policy_min_capacity(const struct msh_trace *t, const struct msh_snap_
                                uint64_t *out)
 {
     uint64_t g = o->gran;
-    uint64_t lo = (t->peak_live_bytes + g - 1) / g, hi = (unlimited_peak + g - 1) / g;
+    uint64_t lo = ceil_div(t->peak_live_bytes, g), hi = ceil_div(unlimited_peak, g);
+    if (hi > UINT64_MAX / g) hi = UINT64_MAX / g; /* mid * g must not wrap */
     if (hi < lo) hi = lo;
     struct prun r;
     while (lo < hi) {
@@ -457,16 +497,6 @@ static int torch_conf_for(const struct loaded *L, const struct opts *o, enum msh
     return 0;
 }
 
-static void json_str(const char *s)
-{
-    putchar('"');
-    for (; s && *s; s++) {
-        if (*s == '"' || *s == '\\') printf("\\%c", *s);
-        else if ((unsigned char)*s < 0x20) printf("\\u%04x", *s);
-        else putchar(*s);
-    }
-    putchar('"');
-}
 
 static void json_sizes(const char *name, const struct msh_segev *ev, size_t n, uint8_t op)
 {

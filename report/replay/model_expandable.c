@@ -45,7 +45,9 @@ static struct tm_block *find_expandable_block(struct tm_model *m, struct tm_pool
         if (has_space(c, size)) return c;
     }
     uint64_t page = p->small ? TM_SMALL_BUFFER : TM_LARGE_BUFFER;
-    uint64_t total = m->capacity ? m->capacity : (64ull << 40);
+    /* the reserved range only has to exceed any real capacity; clamping keeps the VA arithmetic
+     * far from 64-bit overflow for absurd --capacity values */
+    uint64_t total = m->capacity && m->capacity < (64ull << 40) ? m->capacity : (64ull << 40);
     uint64_t space = total + total / 8;
     space = (space + page - 1) / page * page;
     struct tm_xseg *es = calloc(1, sizeof *es);

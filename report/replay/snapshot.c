@@ -194,6 +194,9 @@ static int walk_events(struct snap_ctx *c, struct dev_build *b, const struct msh
         if (field_u64(e, "size", &size) != 0)
             return snap_fail(c, "device_traces[%d][%zu] (%.*s): 'size' missing or not a "
                                 "non-negative int", dev, i, (int)(a->s.len < 32 ? a->s.len : 32), a->s.p);
+        if (size > MSH_TRACE_MAX_BLOCK)
+            return snap_fail(c, "device_traces[%d][%zu]: size %llu is larger than 2^48 bytes", dev, i,
+                             (unsigned long long)size);
         if (act == A_SEG_GROW || act == A_SEG_SHRINK) {
             if (size > INT64_MAX / 4)
                 return snap_fail(c, "device_traces[%d][%zu]: segment size %llu out of range", dev, i,
@@ -334,6 +337,8 @@ static int walk_segments(struct snap_ctx *c, struct dev_build **by_dev, const st
                 field_u64(bl, "requested_size", &req) == EINVAL)
                 return snap_fail(c, "segments[%zu].blocks[%zu]: 'address', 'size' or "
                                     "'requested_size' is not a non-negative int", i, j);
+            if (bsize > MSH_TRACE_MAX_BLOCK || req > MSH_TRACE_MAX_BLOCK)
+                return snap_fail(c, "segments[%zu].blocks[%zu]: size larger than 2^48 bytes", i, j);
             at = baddr + bsize;
             const struct msh_pk *st = msh_pk_dict_get(bl, "state");
             if (b->x) {

@@ -166,7 +166,7 @@ static int event_line(struct tparse *p, char op)
     int rc;
     if ((rc = parse_dec(p, "a device number", TEXT_MAX_DEVICES - 1, &d)) ||
         (rc = parse_hex(p, "a hex stream", &stream)) || (rc = parse_hex(p, "a hex address", &addr)) ||
-        (rc = parse_dec(p, "a size in bytes", UINT64_MAX, &size)))
+        (rc = parse_dec(p, "a size in bytes", MSH_TRACE_MAX_BLOCK, &size)))
         return rc;
     const char *save = p->cur, *s;
     size_t n;

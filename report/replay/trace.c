@@ -294,7 +294,8 @@ void msh_trace_analyze(struct msh_trace *t)
         if (e->op == MSH_OP_ALLOC) {
             if (!e->prefix) nallocs++;
             if (ent && ent->live) live -= ent->size;
-            live += e->size;
+            /* saturate: a hostile trace may sum past 2^64 (blocks are capped at 2^48 each) */
+            live = e->size > UINT64_MAX - live ? UINT64_MAX : live + e->size;
             if (ent) {
                 ent->live = 1;
                 ent->size = e->size;

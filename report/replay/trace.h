@@ -83,6 +83,9 @@ int msh_trace_push(struct msh_trace *t, const struct msh_trace_event *e);
 
 /* Largest trace file msh_trace_load() reads, and the most a gzip file may inflate to. */
 #define MSH_TRACE_MAX_FILE ((uint64_t)4 << 30)
+/* Largest block a trace may carry (256 TiB: no device has more; beyond is corruption). Readers
+ * reject larger sizes, so sums and roundings downstream stay far from 64-bit overflow. */
+#define MSH_TRACE_MAX_BLOCK ((uint64_t)1 << 48)
 /* Inflating gzip: at most MSH_GZIP_MAX_RATIO times the compressed size (a zip bomb is refused),
  * but never less than MSH_GZIP_MIN_LIMIT, and never more than MSH_TRACE_MAX_FILE. */
 #define MSH_GZIP_MAX_RATIO 256

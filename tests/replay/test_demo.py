@@ -58,6 +58,14 @@ with tempfile.TemporaryDirectory() as tmp:
         case("config in reports names MEMSHIM_REPORT_DIR from the environment",
              ep[0]["config"].get("MEMSHIM_REPORT_DIR", {}).get("source") == "environment", ep[0]["config"].get("MEMSHIM_REPORT_DIR"))
 
+    # the summary script: a broken file beside good reports is named and skipped, never a traceback
+    open(os.path.join(rdir, "memshim-broken.json"), "w").write('{"schema_version":1,"memory":{}}')
+    p = subprocess.run([sys.executable, os.path.join(os.path.dirname(BUILD), "scripts", "memshim_report.py"), rdir],
+                       capture_output=True, text=True, timeout=60)
+    case("memshim_report.py tabulates the reports and skips a broken one by name",
+         p.returncode == 0 and "memshim-broken.json" in p.stderr and "Traceback" not in p.stderr
+         and "trend" in p.stdout, (p.stdout + p.stderr)[-400:])
+
     p = demo({"MEMSHIM_MODE": "off"}, "--epochs", "1", "--steps", "2")
     case("MEMSHIM_MODE=off: the demo runs on the plain runtime", p.returncode == 0 and "finished" in p.stdout
          and "peak live" not in p.stdout, p.stdout[-300:] + p.stderr[-300:])

@@ -79,6 +79,22 @@ with tempfile.TemporaryDirectory() as tmp:
              and dd["map_ops"] == ds["map_ops"], f"{dd['peak_reserved_bytes']} vs {ds['peak_reserved_bytes']}")
     except (ValueError, IndexError, KeyError) as e:
         case("--device output parses", False, f"{e}: {p.stdout!r} {p.stderr[-300:]!r}")
+    # found by review: paths and sizes that broke the JSON or the arithmetic
+    try:
+        odd = os.path.join(tmp.encode(), b'q"d\\x\xff.txt')
+        with open(odd, "wb") as f:
+            f.write(open(good, "rb").read())
+        p = subprocess.run([REPLAY.encode(), b"--json", odd], capture_output=True, timeout=300)
+        lines = p.stdout.decode("utf-8").splitlines()
+        case("--json stays valid JSON for a path with quotes, backslashes and non-UTF-8 bytes",
+             p.returncode == 0 and lines and all(json.loads(l) for l in lines), p.stdout[:200])
+    except (ValueError, UnicodeDecodeError) as e:
+        case("--json stays valid JSON for an odd path", False, str(e))
+    huge = os.path.join(tmp, "huge.txt")
+    open(huge, "w").write("# memshim-trace 1\na 0 0 0x1000 18446744073709551615\n")
+    rc, out, err = run("--compare", "--capacity", "T4", huge)
+    case("a block larger than 2^48 bytes is refused with the line, not wrapped around",
+         rc == 2 and "huge.txt:2" in err and "out of range" in err, f"rc={rc} {err!r}")
     rc, out, err = run("--capacity", "lots", good)
     case("bad --capacity is a usage error", rc == 2 and "capacity" in err, f"rc={rc}")
 
