@@ -3,8 +3,6 @@
 reference cycles are freed when an allocation would fail, by memshim calling gc.collect() on a
 thread that holds the GIL; a caller without the GIL (ctypes.CDLL releases it) is never made to run
 Python code, and the skip is counted. Ends with "N passed, N failed, N skipped"."""
-import ctypes
-import gc
 import glob
 import json
 import os
