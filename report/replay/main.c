@@ -873,6 +873,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "memshim-replay: --device replays memshim's pool only (not with --compare or --policy)\n");
         return 2;
     }
+    if ((o.compare || o.policy != MSH_POLICY_MEMSHIM) && o.passes > 1) {
+        fprintf(stderr, "memshim-replay: --passes measures memshim's steady state only (not with --compare or --policy)\n");
+        return 2;
+    }
     if (o.compare && o.auto_cap) o.auto_cap = false; /* --compare always searches the minimum */
     if (o.torch_conf && o.policy == MSH_POLICY_TORCH) {
         struct msh_torch_conf tc;

@@ -79,6 +79,10 @@ int msh_torch_conf_parse(const char *s, struct msh_torch_conf *c, char *err, siz
                 break;
             }
             p++;
+            if (*p && *p != ',') { /* "[...]x": text after the list is not a separator */
+                rc = conf_fail(err, errlen, "allocator setting '%s': unexpected text after ']'%s", key, "");
+                break;
+            }
         } else {
             while (*p && *p != ',') p++;
         }
@@ -110,7 +114,7 @@ int msh_torch_conf_parse(const char *s, struct msh_torch_conf *c, char *err, siz
         } else if (!strcmp(key, "roundup_power2_divisions")) {
             if (*val != '[') {
                 unsigned long v = strtoul(val, &end, 10);
-                if (end == val || *end || (v && !is_pow2(v))) {
+                if (end == val || *end || (v && !is_pow2(v)) || v > (1ul << 30)) {
                     rc = conf_fail(err, errlen, "roundup_power2_divisions '%s' must be a power of two%s", val, "");
                     break;
                 }
@@ -128,7 +132,7 @@ int msh_torch_conf_parse(const char *s, struct msh_torch_conf *c, char *err, siz
                     }
                     *q++ = 0;
                     unsigned long d = strtoul(q, &end, 10);
-                    if (end == q || (d && !is_pow2(d))) {
+                    if (end == q || (d && !is_pow2(d)) || d > (1ul << 30)) {
                         rc = conf_fail(err, errlen, "roundup_power2_divisions '%s': divisions must be powers of two%s", val, "");
                         break;
                     }
