@@ -254,7 +254,7 @@ MSH_EXPORT cudaError_t cudaFree(void *devPtr)
         /* A failed synchronization (a sticky error from earlier work) is returned as the real
          * cudaFree would; the block stays live since the GPU may still be using it. The trace
          * line goes first so no other thread's reuse of the block can precede it. */
-        if (r == cudaSuccess)
+        if (r == cudaSuccess && msh_core_tracing())
             msh_core_trace('f', dev, 0, (uint64_t)(uintptr_t)devPtr,
                            msh_pool_block_size(pool, (uint64_t)(uintptr_t)devPtr));
         if (r == cudaSuccess &&

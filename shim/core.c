@@ -54,6 +54,8 @@ static int trend_n[MSH_MAX_DEVICES];
 /* MEMSHIM_TRACE_FILE: memshim's text trace (docs/trace-format.md), buffered, flushed at exit */
 static pthread_mutex_t trace_lock = PTHREAD_MUTEX_INITIALIZER;
 static int trace_fd = -1;
+/* trace_fd >= 0, readable without trace_lock: the hot paths skip all trace work when off */
+static _Atomic bool tracing;
 static char trace_buf[64 * 1024];
 static size_t trace_len;
 static uint64_t trace_committed; /* bytes of whole lines in the file */
@@ -110,6 +112,7 @@ static void trace_flush_locked(void)
                      cut == 0 ? " of whole lines" : " (the last line may be cut)");
             close(trace_fd);
             trace_fd = -1;
+            atomic_store(&tracing, false);
             break;
         }
         off += (size_t)w;
@@ -160,15 +163,21 @@ static void trace_open(void)
     int fl = fcntl(fd, F_GETFL);
     if (fl >= 0) fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
     trace_fd = fd;
+    atomic_store(&tracing, true);
     trace_committed = 0;
     static const char hdr[] = "# memshim-trace 1\n";
     memcpy(trace_buf, hdr, sizeof hdr - 1);
     trace_len = sizeof hdr - 1;
 }
 
+bool msh_core_tracing(void)
+{
+    return atomic_load_explicit(&tracing, memory_order_relaxed);
+}
+
 void msh_core_trace(char op, int device, uint64_t stream, uint64_t addr, uint64_t size)
 {
-    if (trace_fd < 0) return;
+    if (!msh_core_tracing()) return;
     char line[128];
     int n = snprintf(line, sizeof line, "%c %d 0x%llx 0x%llx %llu %llu\n", op, device, (unsigned long long)stream,
                      (unsigned long long)addr, (unsigned long long)size,
@@ -571,6 +580,7 @@ static void fork_child(void)
     trace_len = 0;
     if (trace_fd >= 0) close(trace_fd);
     trace_fd = -1;
+    atomic_store(&tracing, false);
     pthread_mutex_unlock(&trace_lock);
     pthread_mutex_unlock(&epoch_lock);
     pthread_mutex_unlock(&pools_lock);
@@ -587,6 +597,7 @@ static void at_exit(void)
         trace_flush_locked();
         if (trace_fd >= 0) close(trace_fd);
         trace_fd = -1;
+        atomic_store(&tracing, false);
     }
     pthread_mutex_unlock(&trace_lock);
     bool any = false;
@@ -669,10 +680,13 @@ MSH_EXPORT void memshim_free(void *ptr, ssize_t size, int device, memshim_stream
     struct msh_pool *p = device >= 0 && device < MSH_MAX_DEVICES ? atomic_load(&pools[device]) : NULL;
     /* The trace line goes out before the block can be reused by another thread, so a trace
      * never shows the reuse before the free. */
-    bool owned = p && msh_pool_owns(p, (uint64_t)(uintptr_t)ptr);
-    if (owned)
-        msh_core_trace('f', device, (uint64_t)(uintptr_t)stream, (uint64_t)(uintptr_t)ptr,
-                       msh_pool_block_size(p, (uint64_t)(uintptr_t)ptr));
+    bool owned = p != NULL;
+    if (p && msh_core_tracing()) { /* two extra lookups, paid only while tracing */
+        owned = msh_pool_owns(p, (uint64_t)(uintptr_t)ptr);
+        if (owned)
+            msh_core_trace('f', device, (uint64_t)(uintptr_t)stream, (uint64_t)(uintptr_t)ptr,
+                           msh_pool_block_size(p, (uint64_t)(uintptr_t)ptr));
+    }
     if (!owned || msh_pool_free(p, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream)) {
         int d = -1;
         struct msh_pool *q = msh_core_pool_owning((uint64_t)(uintptr_t)ptr, &d);

@@ -36,6 +36,8 @@ enum msh_ext_kind { MSH_EXT_MALLOC, MSH_EXT_ASYNC, MSH_EXT_VMM, MSH_EXT_NKINDS }
 void msh_core_note_external(int device, int kind, int64_t delta_bytes);
 /* Append one event to MEMSHIM_TRACE_FILE (op 'a' alloc, 'f' free); a no-op when tracing is off. */
 void msh_core_trace(char op, int device, uint64_t stream, uint64_t addr, uint64_t size);
+/* Whether MEMSHIM_TRACE_FILE is being written (callers skip trace-only work when not). */
+bool msh_core_tracing(void);
 /* A request failed after the whole rescue chain: write an OOM report (capped). */
 void msh_core_note_oom(int device);
 /* Called on each allocation: epoch timers, signals and idle/threshold policies. Cheap. */
