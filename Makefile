@@ -18,14 +18,15 @@ endif
 SANFLAGS := $(if $(SAN),-fsanitize=$(SAN) -fno-omit-frame-pointer -fno-sanitize-recover=undefined,)
 CFLAGS  ?= $(OPT) -g
 CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -fPIC -pthread \
-           -fvisibility=hidden -Ishim -Ipolicy -Ireport -Ireport/replay -I$(CUDA_INC) $(SANFLAGS)
+           -fvisibility=hidden -Ishim -Ipolicy -Ipolicy/models -Ireport -Ireport/trace -I$(CUDA_INC) $(SANFLAGS)
 LDFLAGS += -pthread $(SANFLAGS)
 LIBS    := -ldl -lm
 
 # The preloaded library: hooks + shim + policy + report. Only glibc may be NEEDED.
 LIB_SRC  := $(sort $(wildcard shim/*.c hooks/*.c policy/*.c report/*.c))
 CORE_SRC := $(sort $(wildcard shim/*.c policy/*.c report/*.c))
-TRACE_SRC := $(filter-out report/replay/main.c report/replay/fuzz_%.c,$(sort $(wildcard report/replay/*.c)))
+# The trace formats (report/trace) and the allocator models replay runs them through (policy/models).
+TRACE_SRC := $(sort $(wildcard report/trace/*.c policy/models/*.c))
 LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
 CORE_OBJ := $(CORE_SRC:%.c=$(BUILD)/obj/%.o)
 TRACE_OBJ := $(TRACE_SRC:%.c=$(BUILD)/obj/%.o)

@@ -4,7 +4,7 @@
 #   tests/fuzz/run_fuzz.sh              every target, FUZZ_SECONDS each (default 30), in parallel
 #   FUZZ_SECONDS=600 tests/fuzz/run_fuzz.sh fuzz_profiler     one target, longer
 #
-# Targets are the files report/replay/fuzz_*.c and tests/fuzz/fuzz_*.c; each one is compiled with
+# Targets are the files tests/fuzz/fuzz_*.c; each one is compiled with
 # clang -fsanitize=fuzzer,address,undefined together with the sources listed for it in
 # target_sources() below (a target without a list fails, so a new one cannot be skipped quietly;
 # a listed target whose file does not exist yet is reported as skipped). Each runs from a copy of
@@ -25,7 +25,7 @@ FUZZ_PARALLEL="${FUZZ_PARALLEL:-1}"
 CC_FUZZ="${CC_FUZZ:-clang}"
 CUDA_INC="${CUDA_HOME:-/usr/local/cuda}/include"
 FLAGS="-g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -D_GNU_SOURCE \
--Ishim -Ipolicy -Ireport -Ireport/replay -I$CUDA_INC"
+-Ishim -Ipolicy -Ipolicy/models -Ireport -Ireport/trace -I$CUDA_INC"
 ARTIFACTS=/tmp/memshim-fuzz-artifacts
 
 # Targets known to this script, whether or not their file exists yet.
@@ -35,8 +35,7 @@ KNOWN="fuzz_pickle fuzz_text fuzz_profiler fuzz_options fuzz_conf"
 # static archive, so a target pulls in only the objects it reaches (the trace readers reach the
 # allocator models, which reach the pool; the options parser reaches only the log).
 trace_sources() { # as the Makefile's libmemshim_trace.a + libmemshim_core.a
-    ls report/replay/*.c shim/*.c policy/*.c report/*.c 2>/dev/null |
-        grep -v -e '^report/replay/main\.c$' -e '^report/replay/fuzz_' | tr '\n' ' '
+    ls report/trace/*.c policy/models/*.c shim/*.c policy/*.c report/*.c 2>/dev/null | tr '\n' ' '
 }
 target_sources() { # target -> its source list, by name
     case "$1" in
@@ -71,7 +70,7 @@ fi
 
 # name -> file, for every target file present; then the known ones that are absent
 declare -A file_of=()
-for f in report/replay/fuzz_*.c tests/fuzz/fuzz_*.c; do
+for f in tests/fuzz/fuzz_*.c; do
     [ -f "$f" ] || continue
     n=$(basename "$f" .c)
     if [ -n "${file_of[$n]:-}" ]; then
@@ -90,7 +89,7 @@ run_one() { # name -> writes $work/<name>.result (one line) and .log
     local n="$1" f="${file_of[$1]:-}" src libs dict corpus bin rc
     local res="$work/$n.result" log="$work/$n.log"
     if [ -z "$f" ]; then
-        echo "skip $n (no report/replay/$n.c or tests/fuzz/$n.c yet)" >"$res"
+        echo "skip $n (no tests/fuzz/$n.c yet)" >"$res"
         return
     fi
     if ! src=$(target_sources "$n"); then

@@ -1,5 +1,5 @@
 /*
- * test_profiler.c: unit tests of the torch.profiler trace reader (report/replay/profiler.c) and
+ * test_profiler.c: unit tests of the torch.profiler trace reader (report/trace/profiler.c) and
  * of gzip input (msh_trace_gunzip, msh_trace_load). Every trace here is synthetic JSON built in
  * the test, in the shape PyTorch's profiler writes ([memory] instant events whose args carry
  * Device Type, Device Id, Addr, Bytes, Total Allocated, Total Reserved): alloc/free pairs, frees

@@ -1,5 +1,5 @@
 /*
- * test_trace.c: unit tests of the trace readers (report/replay): the pickle subset reader
+ * test_trace.c: unit tests of the trace readers (report/trace): the pickle subset reader
  * (every supported opcode, refusal of code-running opcodes, truncation at every offset, hostile
  * lengths and nesting), the snapshot conversion (prefix reconstruction, free_completed, warnings,
  * reserved bytes), the text format (round trip, errors with line and column), and, when

@@ -66,7 +66,7 @@ int msh_trace_load_snapshot_mem(const unsigned char *buf, size_t len, struct msh
 int msh_trace_load_text_mem(const char *buf, size_t len, struct msh_trace_set **out, char *err,
                             size_t errlen);
 /* A torch.profiler JSON trace (export_chrome_trace / tensorboard_trace_handler): its "[memory]"
- * events on CUDA devices, one msh_trace per CUDA device id (report/replay/profiler.c). Errors
+ * events on CUDA devices, one msh_trace per CUDA device id (report/trace/profiler.c). Errors
  * name the byte offset, line and column. */
 int msh_trace_load_profiler_mem(const char *buf, size_t len, struct msh_trace_set **out, char *err,
                                 size_t errlen);
