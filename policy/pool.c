@@ -379,6 +379,12 @@ static int page_handle_get(struct msh_pool *pool, uint64_t *h, bool *reclaimed)
         if (rc == 0) {
             __atomic_fetch_add(&pool->handles, 1, __ATOMIC_RELAXED);
             pool->st.create_ops++;
+            /* The peak follows the handles themselves: an allocation that fails later still
+             * leaves the pages it mapped on the way as cached pages, and reserved memory must
+             * never read above its own peak. */
+            size_t held = pool->handles * pool->gran;
+            if (held > pool->st.peak_mapped_bytes) pool->st.peak_mapped_bytes = held;
+            if (held > pool->st.run_peak_mapped_bytes) pool->st.run_peak_mapped_bytes = held;
             return 0;
         }
         if (rc == ENOMEM) pool->driver_oom = true;
@@ -1039,4 +1045,171 @@ void msh_pool_for_each_live(struct msh_pool *pool,
     for (size_t i = 0; i < pool->hcap; i++)
         for (struct blk *b = pool->htab[i]; b; b = b->hnext) fn(arg, b->addr, b->req, b->streams[0]);
     pthread_mutex_unlock(&pool->lock);
+}
+
+/* ---- invariant checker (msh_pool_check, pool.h) ------------------------------------------------ */
+
+#define CHECK_FAIL(...)                                                                            \
+    do {                                                                                           \
+        if (why && whylen) snprintf(why, whylen, __VA_ARGS__);                                     \
+        rc = EFAULT;                                                                               \
+        goto out;                                                                                  \
+    } while (0)
+
+/* Walk the treap: in-order keys strictly increase, children's priorities never exceed their
+ * parent's, every node is a free block of `area`. Counts nodes into *n. Recursion depth is the
+ * treap's height (expected O(log n)); a corrupt tree deeper than 4096 is reported, not followed. */
+static const char *treap_walk(const struct blk *t, int area, const struct blk **prev, size_t *n, int depth)
+{
+    if (!t) return NULL;
+    if (depth > 4096) return "treap deeper than 4096 (a cycle?)";
+    if (t->tl && t->tl->prio > t->prio) return "treap heap order broken (left child)";
+    if (t->tr && t->tr->prio > t->prio) return "treap heap order broken (right child)";
+    const char *e = treap_walk(t->tl, area, prev, n, depth + 1);
+    if (e) return e;
+    if (!t->free) return "a live block is in the free treap";
+    if (!t->reg || t->reg->area != area) return "a free treap holds a block of another area";
+    if (*prev && !key_less(*prev, t)) return "treap keys out of (size, addr) order";
+    *prev = t;
+    (*n)++;
+    return treap_walk(t->tr, area, prev, n, depth + 1);
+}
+
+int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
+{
+    int rc = 0;
+    int32_t *live_count = NULL;
+    size_t live_count_bytes = 0;
+    if (why && whylen) why[0] = 0;
+    pthread_mutex_lock(&pool->lock);
+    size_t nfree[NAREAS] = {0}, nlive = 0, live_bytes = 0, mapped = 0, touched = 0, cached = 0;
+    size_t va = 0;
+    for (int a = 0; a < NAREAS; a++) {
+        for (struct region *r = pool->areas[a]; r; r = r->next) {
+            va += r->size;
+            if (r->area != a) CHECK_FAIL("region %#llx sits in area %d's list but says area %d",
+                                         (unsigned long long)r->base, a, r->area);
+            if (r->hi_page > r->npages) CHECK_FAIL("region %#llx: hi_page %u > npages %u",
+                                                   (unsigned long long)r->base, r->hi_page, r->npages);
+            /* 1. the blocks tile the region in address order */
+            uint64_t expect = r->base;
+            const struct blk *prev = NULL;
+            if (!r->first || r->first->prev) CHECK_FAIL("region %#llx: bad first block", (unsigned long long)r->base);
+            size_t need = (size_t)r->hi_page * sizeof *live_count;
+            if (need > live_count_bytes) {
+                raw_free(live_count, live_count_bytes);
+                live_count_bytes = round_up(need ? need : 1, 4096);
+                live_count = raw_alloc(live_count_bytes);
+                if (!live_count) {
+                    live_count_bytes = 0;
+                    CHECK_FAIL("cannot map %zu bytes for the check", need);
+                }
+            }
+            if (need) memset(live_count, 0, need);
+            for (const struct blk *b = r->first; b; b = b->next) {
+                if (b->prev != prev) CHECK_FAIL("block %#llx: prev link broken", (unsigned long long)b->addr);
+                if (b->reg != r) CHECK_FAIL("block %#llx: wrong region", (unsigned long long)b->addr);
+                if (b->addr != expect) CHECK_FAIL("region %#llx: gap or overlap at %#llx (block starts at %#llx)",
+                                                  (unsigned long long)r->base, (unsigned long long)expect,
+                                                  (unsigned long long)b->addr);
+                if (!b->size || b->size % BLOCK_ALIGN) CHECK_FAIL("block %#llx: size %llu not a positive multiple of %d",
+                                                                  (unsigned long long)b->addr, (unsigned long long)b->size, BLOCK_ALIGN);
+                if (b->addr + b->size > r->base + r->size) CHECK_FAIL("block %#llx runs past its region", (unsigned long long)b->addr);
+                if (b->free) {
+                    if (prev && prev->free) CHECK_FAIL("free neighbours %#llx and %#llx were not merged",
+                                                       (unsigned long long)prev->addr, (unsigned long long)b->addr);
+                    nfree[a]++;
+                } else {
+                    nlive++;
+                    live_bytes += b->req;
+                    if (b->req > b->size) CHECK_FAIL("block %#llx: requested %llu > extent %llu", (unsigned long long)b->addr,
+                                                     (unsigned long long)b->req, (unsigned long long)b->size);
+                    if (hash_find(pool, b->addr) != b) CHECK_FAIL("live block %#llx is not in the hash", (unsigned long long)b->addr);
+                    uint32_t p0, p1;
+                    page_range(pool, b, &p0, &p1);
+                    if (p1 >= r->hi_page) CHECK_FAIL("live block %#llx touches page %u above hi_page %u",
+                                                     (unsigned long long)b->addr, p1, r->hi_page);
+                    for (uint32_t p = p0; p <= p1; p++) live_count[p]++;
+                }
+                expect = b->addr + b->size;
+                prev = b;
+            }
+            if (expect != r->base + r->size) CHECK_FAIL("region %#llx: blocks end at %#llx, not at its end",
+                                                        (unsigned long long)r->base, (unsigned long long)expect);
+            /* 2. pages: live counts, mappings, the cached list */
+            size_t ncached_here = 0;
+            for (uint32_t p = 0; p < r->hi_page; p++) {
+                const struct page *pg = &r->pages[p];
+                if (pg->live != live_count[p]) CHECK_FAIL("region %#llx page %u: live count %d, but %d live blocks touch it",
+                                                          (unsigned long long)r->base, p, pg->live, live_count[p]);
+                if (pg->live && !pg->handle) CHECK_FAIL("region %#llx page %u: touched by a live block but not mapped",
+                                                        (unsigned long long)r->base, p);
+                if (pg->handle) mapped++;
+                if (pg->live) touched++;
+                if (pg->handle && !pg->live) ncached_here++;
+            }
+            for (uint32_t p = r->hi_page; p < r->npages && p < r->hi_page + 1; p++)
+                if (r->pages[p].handle || r->pages[p].live) CHECK_FAIL("region %#llx page %u above hi_page is in use",
+                                                                      (unsigned long long)r->base, p);
+            size_t walked = 0;
+            uint32_t prevp = NO_PAGE;
+            for (uint32_t p = r->chead; p != NO_PAGE; p = r->pages[p].cnext) {
+                if (p >= r->hi_page) CHECK_FAIL("region %#llx: cached page %u is above hi_page", (unsigned long long)r->base, p);
+                if (r->pages[p].cprev != prevp) CHECK_FAIL("region %#llx: cached list back link broken at page %u",
+                                                           (unsigned long long)r->base, p);
+                if (!r->pages[p].handle || r->pages[p].live) CHECK_FAIL("region %#llx: cached page %u is %s",
+                                                                        (unsigned long long)r->base, p,
+                                                                        r->pages[p].handle ? "touched by a live block" : "not mapped");
+                if (++walked > r->hi_page) CHECK_FAIL("region %#llx: cached list has a cycle", (unsigned long long)r->base);
+                prevp = p;
+            }
+            if (r->ctail != prevp) CHECK_FAIL("region %#llx: cached list tail is %u, the walk ends at %u",
+                                              (unsigned long long)r->base, r->ctail, prevp);
+            if (walked != ncached_here || r->ncached != ncached_here)
+                CHECK_FAIL("region %#llx: %zu mapped pages without a live block, %zu on the cached list, count says %zu",
+                           (unsigned long long)r->base, ncached_here, walked, r->ncached);
+            cached += ncached_here;
+        }
+    }
+    /* 3. the free treaps hold exactly the free blocks */
+    for (int a = 0; a < NAREAS; a++) {
+        const struct blk *prev = NULL;
+        size_t n = 0;
+        const char *e = treap_walk(pool->tree[a], a, &prev, &n, 0);
+        if (e) CHECK_FAIL("area %d: %s", a, e);
+        if (n != nfree[a]) CHECK_FAIL("area %d: %zu free blocks in the regions, %zu in the treap", a, nfree[a], n);
+    }
+    /* 4. the hash holds exactly the live blocks */
+    size_t nhash = 0;
+    for (size_t i = 0; i < pool->hcap; i++)
+        for (const struct blk *b = pool->htab[i]; b; b = b->hnext) {
+            if (b->free) CHECK_FAIL("a free block %#llx is in the live hash", (unsigned long long)b->addr);
+            if (hash_addr(b->addr, pool->hcap) != i) CHECK_FAIL("live block %#llx is in the wrong hash bucket", (unsigned long long)b->addr);
+            if (++nhash > nlive) break;
+        }
+    if (nhash != nlive || pool->hcount != nlive)
+        CHECK_FAIL("%zu live blocks in the regions, %zu in the hash, hash count %zu", nlive, nhash, pool->hcount);
+    /* 5. handles and the counters behind the stats */
+    if (pool->handles != mapped + (size_t)pool->norphans)
+        CHECK_FAIL("handles held %zu != mapped pages %zu + orphans %d", pool->handles, mapped, pool->norphans);
+    if (pool->touched != touched) CHECK_FAIL("touched pages %zu, recount %zu", pool->touched, touched);
+    if (pool->cached != cached) CHECK_FAIL("cached pages %zu, recount %zu", pool->cached, cached);
+    if (pool->st.live_bytes != live_bytes) CHECK_FAIL("live bytes %zu, recount %zu", pool->st.live_bytes, live_bytes);
+    if (pool->st.live_blocks != nlive) CHECK_FAIL("live blocks %zu, recount %zu", pool->st.live_blocks, nlive);
+    if (pool->st.va_bytes != va) CHECK_FAIL("reserved VA %zu, recount %zu", pool->st.va_bytes, va);
+    if (pool->st.peak_live_bytes < live_bytes || pool->st.run_peak_live_bytes < pool->st.peak_live_bytes)
+        CHECK_FAIL("live peaks (epoch %zu, run %zu) below the current %zu", pool->st.peak_live_bytes,
+                   pool->st.run_peak_live_bytes, live_bytes);
+    if (pool->st.peak_mapped_bytes < mapped * pool->gran || pool->st.run_peak_mapped_bytes < pool->st.peak_mapped_bytes)
+        CHECK_FAIL("reserved peaks (epoch %zu, run %zu) below the current %zu", pool->st.peak_mapped_bytes,
+                   pool->st.run_peak_mapped_bytes, mapped * pool->gran);
+    if (pool->st.allocs < pool->st.frees || pool->st.allocs - pool->st.frees != nlive)
+        CHECK_FAIL("allocs %llu - frees %llu != live blocks %zu", (unsigned long long)pool->st.allocs,
+                   (unsigned long long)pool->st.frees, nlive);
+    if (pool->limit && pool->handles * pool->gran > pool->limit)
+        CHECK_FAIL("holds %zu bytes of handles over the limit %zu", pool->handles * pool->gran, pool->limit);
+out:
+    pthread_mutex_unlock(&pool->lock);
+    raw_free(live_count, live_count_bytes);
+    return rc;
 }

@@ -98,4 +98,14 @@ void msh_pool_for_each_live(struct msh_pool *pool,
 /* Turn on per-call latency accounting (two clock reads per call). */
 void msh_pool_set_timing(struct msh_pool *pool, bool on);
 
+/* Verify every structural invariant of the pool under its lock (tests, memshim-replay --check):
+ * each region is tiled by its blocks in address order with no two free neighbours; free blocks
+ * are exactly the treap's (ordered by (size, addr), heap-ordered by priority), live blocks exactly
+ * the hash's; each page's live count equals the live blocks touching it; mapped pages plus
+ * orphaned handles equal the handles held; the cached list is exactly the mapped pages with no
+ * live block; and every counter behind msh_pool_get_stats()/memshim_get_stats() equals a recount.
+ * Returns 0, or EFAULT with the first violation described in `why` (may be NULL). Costs
+ * O(blocks + pages mapped so far); never calls the device. */
+int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen);
+
 #endif

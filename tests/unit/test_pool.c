@@ -26,6 +26,28 @@
 #define GiB MSH_GiB
 #define GRAN (2 * MiB)
 
+/* Every pool call in this file is followed by msh_pool_check() (issue 12): a structural bug
+ * anywhere in the pool fails the test that triggered it, at the line of the call. The macros
+ * shadow the functions; (name)(...) calls the real one. */
+static void pool_checked(struct msh_pool *p, const char *call, const char *file, int line)
+{
+    char why[512];
+    if (p && msh_pool_check(p, why, sizeof why)) {
+        th_failed_now++;
+        fprintf(stderr, "    %s:%d: after %s: pool invariant broken: %s\n", file, line, call, why);
+    }
+}
+#define msh_pool_alloc(p, s, st, a) \
+    __extension__({ int r_ = (msh_pool_alloc)(p, s, st, a); pool_checked(p, "msh_pool_alloc", __FILE__, __LINE__); r_; })
+#define msh_pool_free(p, a, st) \
+    __extension__({ int r_ = (msh_pool_free)(p, a, st); pool_checked(p, "msh_pool_free", __FILE__, __LINE__); r_; })
+#define msh_pool_record_stream(p, a, st) \
+    __extension__({ int r_ = (msh_pool_record_stream)(p, a, st); pool_checked(p, "msh_pool_record_stream", __FILE__, __LINE__); r_; })
+#define msh_pool_empty_cache(p) \
+    __extension__({ size_t r_ = (msh_pool_empty_cache)(p); pool_checked(p, "msh_pool_empty_cache", __FILE__, __LINE__); r_; })
+#define msh_pool_reset_peaks(p) \
+    __extension__({ (msh_pool_reset_peaks)(p); pool_checked(p, "msh_pool_reset_peaks", __FILE__, __LINE__); })
+
 /* ---- the recording fake device ---------------------------------------------------------------- */
 
 enum fk_op { OP_CREATE, OP_RELEASE, OP_MAP, OP_UNMAP, OP_SYNC, OP_EVREC, OP_EVREL, OP_EVQUERY,
