@@ -92,6 +92,75 @@ struct msh_pool {
     struct msh_pool_oom oom;
 };
 
+/* ---- device calls, counted by kind (drvcost.h) ------------------------------------------------ */
+
+const char *const msh_drv_call_names[MSH_DRV_NKINDS] = {
+#define MSH_DRV_NAME_(e, s) s,
+    MSH_DRV_CALLS(MSH_DRV_NAME_)
+#undef MSH_DRV_NAME_
+};
+
+static inline void drv_count(struct msh_pool *pool, enum msh_drv_call k, uint64_t bytes)
+{
+    pool->st.drv_calls[k]++;
+    pool->st.drv_bytes[k] += bytes;
+}
+
+static int dev_create(struct msh_pool *pool, size_t size, uint64_t *h)
+{
+    drv_count(pool, MSH_DRV_CREATE, size);
+    return pool->dev->ops->create(pool->dev, size, h);
+}
+
+static int dev_release(struct msh_pool *pool, uint64_t h)
+{
+    drv_count(pool, MSH_DRV_RELEASE, pool->gran);
+    return pool->dev->ops->release(pool->dev, h);
+}
+
+static int dev_map(struct msh_pool *pool, uint64_t va, size_t size, uint64_t h)
+{
+    drv_count(pool, MSH_DRV_MAP, size);
+    drv_count(pool, MSH_DRV_SET_ACCESS, size);
+    return pool->dev->ops->map(pool->dev, va, size, h);
+}
+
+static int dev_unmap(struct msh_pool *pool, uint64_t va, size_t size)
+{
+    drv_count(pool, MSH_DRV_UNMAP, size);
+    return pool->dev->ops->unmap(pool->dev, va, size);
+}
+
+static int dev_synchronize(struct msh_pool *pool)
+{
+    drv_count(pool, MSH_DRV_SYNCHRONIZE, 0);
+    return pool->dev->ops->synchronize(pool->dev);
+}
+
+static int dev_event_record(struct msh_pool *pool, uint64_t stream, uint64_t *ev)
+{
+    drv_count(pool, MSH_DRV_EVENT_RECORD, 0);
+    return pool->dev->ops->event_record(pool->dev, stream, ev);
+}
+
+static int dev_stream_wait(struct msh_pool *pool, uint64_t stream, uint64_t ev)
+{
+    drv_count(pool, MSH_DRV_STREAM_WAIT, 0);
+    return pool->dev->ops->stream_wait(pool->dev, stream, ev);
+}
+
+static int dev_reserve(struct msh_pool *pool, size_t size, uint64_t *va)
+{
+    drv_count(pool, MSH_DRV_RESERVE, size);
+    return pool->dev->ops->reserve(pool->dev, size, pool->gran, va);
+}
+
+static int dev_unreserve(struct msh_pool *pool, uint64_t va, size_t size)
+{
+    drv_count(pool, MSH_DRV_UNRESERVE, size);
+    return pool->dev->ops->unreserve(pool->dev, va, size);
+}
+
 /* ---- memory for the pool's own structures (mmap, never malloc) ------------------------------ */
 
 static void *raw_alloc(size_t bytes)
@@ -286,7 +355,7 @@ static void cache_remove(struct msh_pool *pool, struct region *r, uint32_t p)
 static int settle_before_unmap(struct msh_pool *pool)
 {
     if (!pool->dirty) return 0;
-    int rc = pool->dev->ops->synchronize(pool->dev);
+    int rc = dev_synchronize(pool);
     if (rc) return rc;
     pool->dirty = false;
     pool->sync_count++;
@@ -298,7 +367,7 @@ static int settle_before_unmap(struct msh_pool *pool)
 static void handle_release(struct msh_pool *pool, uint64_t h)
 {
     pool->st.release_ops++;
-    if (pool->dev->ops->release(pool->dev, h) == 0) {
+    if (dev_release(pool, h) == 0) {
         __atomic_fetch_sub(&pool->handles, 1, __ATOMIC_RELAXED);
         return;
     }
@@ -332,7 +401,7 @@ static struct region *region_add(struct msh_pool *pool, int area, uint64_t min_b
     size = round_up(size, pool->gran);
     if (size / pool->gran > MAX_REGION_PAGES) return NULL;
     uint64_t va = 0;
-    int rc = pool->dev->ops->reserve(pool->dev, size, pool->gran, &va);
+    int rc = dev_reserve(pool, size, &va);
     if (rc) {
         msh_warn("pool: cannot reserve %llu bytes of virtual address space (error %d)",
                  (unsigned long long)size, rc);
@@ -346,7 +415,7 @@ static struct region *region_add(struct msh_pool *pool, int area, uint64_t min_b
         raw_free(r, sizeof *r);
         raw_free(pages, (size_t)npages * sizeof *pages);
         if (b) blk_put(pool, b);
-        pool->dev->ops->unreserve(pool->dev, va, size);
+        dev_unreserve(pool, va, size);
         return NULL;
     }
     r->base = va;
@@ -373,9 +442,8 @@ static struct region *region_add(struct msh_pool *pool, int area, uint64_t min_b
  * oldest cached page, unmapped from where it sits. */
 static int page_handle_get(struct msh_pool *pool, uint64_t *h, bool *reclaimed)
 {
-    const struct msh_device_ops *ops = pool->dev->ops;
     if (!pool->limit || (pool->handles + 1) * pool->gran <= pool->limit) {
-        int rc = ops->create(pool->dev, pool->gran, h);
+        int rc = dev_create(pool, pool->gran, h);
         if (rc == 0) {
             __atomic_fetch_add(&pool->handles, 1, __ATOMIC_RELAXED);
             pool->st.create_ops++;
@@ -398,7 +466,7 @@ static int page_handle_get(struct msh_pool *pool, uint64_t *h, bool *reclaimed)
             if (rc) return rc;
             uint32_t p = r->chead;
             struct page *pg = &r->pages[p];
-            rc = ops->unmap(pool->dev, r->base + (uint64_t)p * pool->gran, pool->gran);
+            rc = dev_unmap(pool, r->base + (uint64_t)p * pool->gran, pool->gran);
             if (rc) return rc;
             pool->st.unmap_ops++;
             pool->st.reclaimed_pages++;
@@ -451,14 +519,13 @@ static int pages_commit(struct msh_pool *pool, struct blk *b, bool *used_new, bo
     }
     if (!missing) return 0;
     *used_new = true;
-    const struct msh_device_ops *ops = pool->dev->ops;
     for (uint32_t p = p0; p <= p1; p++) {
         struct page *pg = &r->pages[p];
         if (pg->handle) continue;
         uint64_t h = 0;
         int rc = page_handle_get(pool, &h, reclaimed);
         if (rc == 0) {
-            rc = ops->map(pool->dev, r->base + (uint64_t)p * pool->gran, pool->gran, h);
+            rc = dev_map(pool, r->base + (uint64_t)p * pool->gran, pool->gran, h);
             if (rc) handle_release(pool, h);
         }
         if (rc) {
@@ -477,14 +544,13 @@ static size_t release_cached(struct msh_pool *pool, size_t max_keep)
 {
     size_t released = 0;
     if (pool->norphans) orphans_retry(pool);
-    const struct msh_device_ops *ops = pool->dev->ops;
     for (int a = 0; a < NAREAS; a++) {
         for (struct region *r = pool->areas[a]; r; r = r->next) {
             while (r->chead != NO_PAGE && pool->cached * pool->gran > max_keep) {
                 if (settle_before_unmap(pool)) return released;
                 uint32_t p = r->chead;
                 struct page *pg = &r->pages[p];
-                if (ops->unmap(pool->dev, r->base + (uint64_t)p * pool->gran, pool->gran)) return released;
+                if (dev_unmap(pool, r->base + (uint64_t)p * pool->gran, pool->gran)) return released;
                 pool->st.unmap_ops++;
                 cache_remove(pool, r, p);
                 handle_release(pool, pg->handle);
@@ -535,9 +601,8 @@ static int streams_settle_for(struct msh_pool *pool, struct blk *b, uint64_t str
     /* VA above every page ever mapped was never touched by the GPU: no work to wait for, even
      * though coalescing into the open end of the line copied a stream tag onto it. */
     if (b->addr >= b->reg->base + (uint64_t)b->reg->hi_page * pool->gran) return 0;
-    const struct msh_device_ops *ops = pool->dev->ops;
     if (b->sync_needed || stream == MSH_STREAM_COMPLETED) {
-        int rc = ops->synchronize(pool->dev);
+        int rc = dev_synchronize(pool);
         if (rc) return rc;
         pool->dirty = false;
         pool->sync_count++;
@@ -546,14 +611,14 @@ static int streams_settle_for(struct msh_pool *pool, struct blk *b, uint64_t str
     for (int i = 0; i < b->nstreams; i++) {
         if (b->streams[i] == stream) continue;
         uint64_t ev = 0;
-        int rc = ops->event_record(pool->dev, b->streams[i], &ev);
+        int rc = dev_event_record(pool, b->streams[i], &ev);
         if (rc == 0) {
-            rc = ops->stream_wait(pool->dev, stream, ev);
+            rc = dev_stream_wait(pool, stream, ev);
             /* a failed destroy is retried once; the driver reclaims events at exit anyway */
-            if (ops->event_release(pool->dev, ev)) ops->event_release(pool->dev, ev);
+            if (pool->dev->ops->event_release(pool->dev, ev)) pool->dev->ops->event_release(pool->dev, ev);
         }
         if (rc) { /* cannot order the streams: fall back to waiting for everything */
-            rc = ops->synchronize(pool->dev);
+            rc = dev_synchronize(pool);
             if (rc) return rc;
             pool->dirty = false;
             pool->sync_count++;
@@ -731,8 +796,7 @@ int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params
 void msh_pool_destroy(struct msh_pool *pool)
 {
     if (!pool) return;
-    const struct msh_device_ops *ops = pool->dev->ops;
-    ops->synchronize(pool->dev);
+    dev_synchronize(pool);
     for (int a = 0; a < NAREAS; a++) {
         struct region *r = pool->areas[a];
         while (r) {
@@ -740,14 +804,14 @@ void msh_pool_destroy(struct msh_pool *pool)
             for (uint32_t p = 0; p < r->hi_page; p++) {
                 struct page *pg = &r->pages[p];
                 if (!pg->handle) continue;
-                if (ops->unmap(pool->dev, r->base + (uint64_t)p * pool->gran, pool->gran)) {
+                if (dev_unmap(pool, r->base + (uint64_t)p * pool->gran, pool->gran)) {
                     stuck = true; /* a mapped handle must not be released nor its range freed */
                     continue;
                 }
                 handle_release(pool, pg->handle);
                 pg->handle = 0;
             }
-            if (!stuck) ops->unreserve(pool->dev, r->base, r->size);
+            if (!stuck) dev_unreserve(pool, r->base, r->size);
             else msh_warn("pool: unmap failed at shutdown; leaving a reserved range to the driver");
             struct region *nx = r->next;
             raw_free(r->pages, (size_t)r->npages * sizeof *r->pages);

@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "device.h"
+#include "drvcost.h"
 
 /* Pseudo-stream for frees whose last use is already known complete (cudaFree synchronizes). */
 #define MSH_STREAM_COMPLETED UINT64_MAX
@@ -49,6 +50,10 @@ struct msh_pool_stats {
     uint64_t oom_events;                         /* requests that failed after the whole chain */
     uint64_t hist[24];                           /* allocation sizes: bucket i = [2^(9+i-1), 2^(9+i)) */
     uint64_t alloc_ns_total, free_ns_total;      /* time in alloc/free (when timing is on) */
+    /* Every call the pool made to its device backend, by kind (drvcost.h), and the bytes those
+     * calls covered (create/release/map/unmap/set_access/reserve/unreserve). A backend map
+     * includes the access grant, so each map counts one set_access over the same bytes. */
+    uint64_t drv_calls[MSH_DRV_NKINDS], drv_bytes[MSH_DRV_NKINDS];
 };
 
 /* Why the last request failed (filled on every failure, read by the report). */

@@ -1241,6 +1241,32 @@ static void workload(struct fake *f, struct msh_pool *pool, struct wl_result *re
     memcpy(res->calls, f->calls, sizeof res->calls);
 }
 
+TEST(driver_calls_are_counted_by_kind_as_the_device_sees_them)
+{
+    /* issue 10: the per-kind counts behind --json driver_calls must be what the device saw */
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 12 * MiB, true, 0);
+    REQUIRE(pool);
+    struct wl_result r;
+    memset(&r, 0, sizeof r);
+    workload(f, pool, &r);
+    struct msh_pool_stats s = stats(pool);
+    CHECK(s.drv_calls[MSH_DRV_CREATE] == (uint64_t)f->calls[OP_CREATE]);
+    CHECK(s.drv_calls[MSH_DRV_RELEASE] == (uint64_t)f->calls[OP_RELEASE]);
+    CHECK(s.drv_calls[MSH_DRV_MAP] == (uint64_t)f->calls[OP_MAP]);
+    CHECK(s.drv_calls[MSH_DRV_SET_ACCESS] == (uint64_t)f->calls[OP_MAP]); /* map grants access */
+    CHECK(s.drv_calls[MSH_DRV_UNMAP] == (uint64_t)f->calls[OP_UNMAP]);
+    CHECK(s.drv_calls[MSH_DRV_SYNCHRONIZE] == (uint64_t)f->calls[OP_SYNC]);
+    CHECK(s.drv_calls[MSH_DRV_EVENT_RECORD] == (uint64_t)f->calls[OP_EVREC]);
+    CHECK(s.drv_calls[MSH_DRV_STREAM_WAIT] == (uint64_t)f->calls[OP_WAIT]);
+    CHECK(s.drv_calls[MSH_DRV_RESERVE] == (uint64_t)f->nresv); /* the fake logs reserves, counts none */
+    CHECK(s.drv_bytes[MSH_DRV_MAP] == s.drv_calls[MSH_DRV_MAP] * GRAN);
+    CHECK(s.drv_calls[MSH_DRV_CREATE] > 0 && s.drv_calls[MSH_DRV_UNMAP] > 0 && s.drv_calls[MSH_DRV_EVENT_RECORD] > 0);
+    CHECK(s.drv_calls[MSH_DRV_MALLOC] == 0 && s.drv_calls[MSH_DRV_FREE] == 0);
+    CHECK(strcmp(msh_drv_call_names[MSH_DRV_SET_ACCESS], "set_access") == 0);
+    msh_pool_destroy(pool);
+}
+
 TEST(fault_injection_create_map_unmap_every_nth_call)
 {
     /* a clean run gives the number of calls of each kind */
