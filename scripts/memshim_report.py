@@ -23,7 +23,7 @@ def load(directory):
         try:
             with open(path) as f:
                 r = json.load(f)
-            if not isinstance(r, dict) or r.get("schema_version") != 1 or "memory" not in r:
+            if not isinstance(r, dict) or r.get("schema_version") not in (1, 2) or "memory" not in r:
                 raise ValueError("not a memshim report of schema 1")
             r["_row"] = row(r)  # every field the table needs, checked here
             if not all(isinstance(r["_row"][k], int) for k in ("pid", "device", "epoch")):

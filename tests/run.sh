@@ -57,6 +57,8 @@ quick|all)
         run_suite "replay (torch models vs traces)" env BUILD="$BUILD" python3 tests/replay/test_models_traces.py
         run_suite "demo (main job, reports)" env BUILD="$BUILD" bash tests/replay/run_demo.sh
         run_suite "python GC step (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_pygc.py
+        run_suite "allocation sites (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_sites.py
+        run_suite "PyTorch snapshots (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_snapshot.py
         run_suite "reliability" env BUILD="$BUILD" bash tests/reliability/run_reliability.sh
         run_suite "pytorch (allocator API; GPU parts)" env BUILD="$BUILD" python3 tests/gpu/test_torch.py
         # issue 5: each parser fuzzed "a minute or so" in CI (all targets at once, 2 cores)
