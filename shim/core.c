@@ -695,7 +695,10 @@ MSH_EXPORT void memshim_free(void *ptr, ssize_t size, int device, memshim_stream
     /* The trace line goes out before the block can be reused by another thread, so a trace
      * never shows the reuse before the free. */
     bool owned = p != NULL;
-    if (p && msh_core_tracing()) { /* two extra lookups, paid only while tracing */
+    bool file = atomic_load_explicit(&tracing, memory_order_relaxed);
+    if (p && !file && size >= 0 && msh_history_recording()) /* the snapshot ring: the caller's size will do */
+        msh_history_note('f', device, (uint64_t)(uintptr_t)stream, (uint64_t)(uintptr_t)ptr, (uint64_t)size);
+    else if (p && msh_core_tracing()) { /* two extra lookups, paid only while tracing */
         owned = msh_pool_owns(p, (uint64_t)(uintptr_t)ptr);
         if (owned)
             msh_core_trace('f', device, (uint64_t)(uintptr_t)stream, (uint64_t)(uintptr_t)ptr,

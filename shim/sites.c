@@ -614,8 +614,8 @@ static int64_t next_gap(void)
 
 void msh_sites_alloc(int device, uint64_t addr, size_t size)
 {
+    if (!sites_on) return; /* msh_sites_last_stack stays 0: the history ring clears it on use */
     msh_sites_last_stack = MSH_STACK_NONE;
-    if (!sites_on) return;
     struct dev_acc *a = acc_get(device, true);
     if (!a) return;
     int64_t total = atomic_fetch_add_explicit(&a->total, (int64_t)size, memory_order_relaxed) + (int64_t)size;

@@ -156,10 +156,16 @@ static void maps_remove(struct dev_maps *d, uint64_t va, uint64_t size)
 
 /* ---- the device wrapper ---------------------------------------------------------------------------- */
 
+static void record_at(uint64_t t, uint8_t action, int device, uint64_t addr, uint64_t size, uint64_t stream,
+                      uint32_t stack)
+{
+    struct msh_hist_event e = {addr, size, stream, t, stack, action, (uint8_t)device};
+    ring_put(&e);
+}
+
 static void record(uint8_t action, int device, uint64_t addr, uint64_t size, uint64_t stream, uint32_t stack)
 {
-    struct msh_hist_event e = {addr, size, stream, wall_us(), stack, action, (uint8_t)device};
-    ring_put(&e);
+    record_at(wall_us(), action, device, addr, size, stream, stack);
 }
 
 static int w_map(struct msh_device *d, uint64_t va, size_t size, uint64_t h)
@@ -271,12 +277,13 @@ void msh_history_note(char op, int device, uint64_t stream, uint64_t addr, uint6
     msh_sites_last_stack = MSH_STACK_NONE;
     if (atomic_load_explicit(&recording, memory_order_relaxed) != 2 || device < 0 || device >= MSH_MAX_DEVICES) return;
     if (!record_frames) stack = MSH_STACK_NONE;
+    uint64_t t = wall_us(); /* read before the lock: the clock is the slowest part here */
     pthread_mutex_lock(&hist_lock);
     if (op == 'a') {
-        record(MSH_H_ALLOC, device, addr, size, stream, stack);
+        record_at(t, MSH_H_ALLOC, device, addr, size, stream, stack);
     } else if (op == 'f') { /* both at once: PyTorch's viewer pairs them */
-        record(MSH_H_FREE_REQUESTED, device, addr, size, stream, 0);
-        record(MSH_H_FREE_COMPLETED, device, addr, size, stream, 0);
+        record_at(t, MSH_H_FREE_REQUESTED, device, addr, size, stream, 0);
+        record_at(t, MSH_H_FREE_COMPLETED, device, addr, size, stream, 0);
     }
     pthread_mutex_unlock(&hist_lock);
 }

@@ -84,7 +84,7 @@ def run(src, tmp, name, env_extra=None, timeout=180):
     rdir = os.path.join(tmp, name + "-rep")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSHIM_") and k not in ("RANK", "LOCAL_RANK")}
     env.update({"LD_LIBRARY_PATH": os.path.join(BUILD, "double"), "CUDBL_CAPACITY": "8G", "MEMSHIM_REPORT_DIR": rdir,
-                "MEMSHIM_LOG": "warn", "LIB": LIB, "HISTORY_PY": HISTORY_PY})
+                "MEMSHIM_LOG": "warn", "LIB": LIB, "HISTORY_PY": HISTORY_PY, "MEMSHIM_SITES_SAMPLE": "0"})
     env.update(env_extra or {})
     path = os.path.join(tmp, name + ".py")
     with open(path, "w") as f:

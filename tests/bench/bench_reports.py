@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""What reports, allocation sites and the snapshot ring cost on memshim's tensor-mode allocation
+path (memshim_malloc + memshim_free), side by side in one run. Not a test: scripts/bench.sh runs
+it and docs/benchmarks.md quotes the table.
+
+The path is driven as PyTorch drives it: a C loop (compiled here) calls memshim_malloc and
+memshim_free through function pointers while a Python stack sits above it, DEPTH frames deep (as
+an nn.Module's forward is). With ctypes.CDLL the loop runs with the GIL released, as PyTorch's
+operators do before they allocate, so memshim re-takes the GIL to read the stack; with
+ctypes.PyDLL the GIL stays held. Sizes: 200 per step, 1 KiB to 1 MiB (a small-tensor mix: the
+case where per-call costs weigh most). The double serves the memory (pages stay mapped after the
+warm-up, so no driver call is timed).
+
+memshim reads its settings once per process, so each configuration is its own process; the
+configurations alternate over ROUNDS rounds. A process times REPS runs of STEPS steps and keeps
+the fastest (preemption on a shared machine only ever adds time); the table gives the median and
+the range of the rounds' ns per alloc+free pair. Usage: bench_reports.py [BUILD] (default: build, or $BUILD).
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = os.path.join(ROOT, sys.argv[1] if len(sys.argv) > 1 else os.environ.get("BUILD", "build"))
+LIB = os.path.join(BUILD, "libmemshim.so")
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "7"))
+STEPS, BLOCKS, DEPTH, REPS = 100, 200, 6, 5
+
+LOOP_C = r"""
+#include <stdint.h>
+#include <sys/types.h>
+#include <time.h>
+typedef void *(*mf)(ssize_t, int, void *);
+typedef void (*ff)(void *, ssize_t, int, void *);
+static uint64_t now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000ull + t.tv_nsec; }
+double loop(void *m_, void *f_, const long *sizes, int n, int steps)
+{
+    mf m = (mf)m_; ff f = (ff)f_; void *p[1024];
+    if (n > 1024) n = 1024;
+    uint64_t t0 = now();
+    for (int s = 0; s < steps; s++) {
+        for (int i = 0; i < n; i++) p[i] = m(sizes[i], 0, 0);
+        for (int i = n; i-- > 0;) f(p[i], sizes[i], 0, 0);
+    }
+    return (double)(now() - t0) / ((double)n * steps);
+}
+"""
+
+CHILD = r"""
+import ctypes, json, os, sys
+lib = ctypes.PyDLL(os.environ["LIB"])
+held = os.environ["GIL"] == "held"
+L = (ctypes.PyDLL if held else ctypes.CDLL)(os.environ["LOOP"])
+L.loop.restype = ctypes.c_double
+L.loop.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_long), ctypes.c_int, ctypes.c_int]
+n, steps, depth = int(os.environ["BLOCKS"]), int(os.environ["STEPS"]), int(os.environ["DEPTH"])
+sizes = (ctypes.c_long * n)(*[(512 << (i % 12)) + 512 * (i % 7) for i in range(n)])
+m = ctypes.cast(lib.memshim_malloc, ctypes.c_void_p).value
+f = ctypes.cast(lib.memshim_free, ctypes.c_void_p).value
+def forward(d, steps):
+    if d:
+        return forward(d - 1, steps)
+    return L.loop(m, f, sizes, n, steps)
+forward(depth, 20)  # warm-up: pages mapped, frames and stacks interned, the ring's pages touched
+print(json.dumps({"ns": min(forward(depth, steps) for _ in range(int(os.environ["REPS"])))}))
+"""
+
+# (name, GIL mode, settings); None: the variable is unset
+CONFIGS = [
+    ("everything off", "released", {"MEMSHIM_REPORT_DIR": None, "MEMSHIM_SITES": "off"}),
+    ("reports on, sites off", "released", {"MEMSHIM_SITES": "off"}),
+    ("reports + snapshot ring, sites off", "released", {"MEMSHIM_SITES": "off", "MEMSHIM_SNAPSHOT": "SNAP"}),
+    ("reports + sites (GIL re-taken)", "released", {}),
+    ("reports + sites (GIL held)", "held", {}),
+    ("reports + sites (GIL re-taken), sampled below 1 MiB", "released", {"MEMSHIM_SITES_SAMPLE": "1M"}),
+    ("reports + sites + snapshot ring (GIL re-taken)", "released", {"MEMSHIM_SNAPSHOT": "SNAP"}),
+]
+
+
+def run(tmp, loop, gil, settings):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSHIM_")}
+    env.update({"LD_LIBRARY_PATH": os.path.join(BUILD, "double"), "CUDBL_CAPACITY": "8G", "MEMSHIM_LOG": "error",
+                "MEMSHIM_REPORT_DIR": os.path.join(tmp, "rep"), "LIB": LIB, "LOOP": loop, "GIL": gil,
+                "BLOCKS": str(BLOCKS), "STEPS": str(STEPS), "DEPTH": str(DEPTH), "REPS": str(REPS)})
+    for k, v in settings.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = os.path.join(tmp, "snap.pickle") if v == "SNAP" else v
+    p = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
+    if p.returncode:
+        raise SystemExit(f"bench_reports: child failed: {p.stderr[-400:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])["ns"]
+
+
+def main():
+    if not os.path.exists(LIB):
+        raise SystemExit(f"bench_reports: {LIB} not built (make)")
+    with tempfile.TemporaryDirectory(prefix="memshim-bench-reports-") as tmp:
+        src, loop = os.path.join(tmp, "loop.c"), os.path.join(tmp, "loop.so")
+        with open(src, "w") as f:
+            f.write(LOOP_C)
+        subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", loop, src], check=True)
+        res = {name: [] for name, _, _ in CONFIGS}
+        for _ in range(ROUNDS):
+            for name, gil, settings in CONFIGS:
+                res[name].append(run(tmp, loop, gil, settings))
+    base = statistics.median(res[CONFIGS[0][0]])
+    print(f"{ROUNDS} rounds, configurations alternating; per process the fastest of {REPS} runs of {STEPS} steps x "
+          f"{BLOCKS} memshim_malloc (1 KiB - 1 MiB) then {BLOCKS} memshim_free, from a C loop under a Python stack "
+          f"{DEPTH} frames deep; ns per alloc+free pair (median of the rounds, and their range)")
+    print()
+    print("| configuration | ns per pair | range | cost vs. everything off |")
+    print("|---|---:|---:|---:|")
+    for name, _, _ in CONFIGS:
+        v = res[name]
+        m = statistics.median(v)
+        print(f"| {name} | {m:.0f} | {min(v):.0f}-{max(v):.0f} | {m - base:+.0f} ns ({100 * (m / base - 1):+.1f}%) |")
+    print()
+    print("bench_reports: " + " ".join(f"{n.replace(' ', '_')}={statistics.median(v):.0f}" for n, v in
+                                       ((c[0], res[c[0]]) for c in CONFIGS)))
+
+
+if __name__ == "__main__":
+    main()
