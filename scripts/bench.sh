@@ -87,3 +87,8 @@ if [ -f tests/bench/bench_latency.c ]; then
 else
     echo "(tests/bench/bench_latency.c missing)"
 fi
+
+echo
+echo "### Cost of reports, allocation sites and the snapshot ring (tensor-mode path, CPython + driver double)"
+echo
+python3 tests/bench/bench_reports.py "$BUILD"

@@ -139,7 +139,7 @@ static void *vm(size_t bytes)
 #define STACK_CAP (1u << 17)
 #define STKF_CAP ((size_t)STACK_CAP * 8)
 #define WALK_MAX 48     /* frames looked at to find the site */
-#define SITE_CALLERS 3  /* frames kept above the site */
+#define SITE_CALLERS 3  /* frames kept above the site while the history records */
 
 struct code_ent { uint64_t ptr; uint32_t file, name; uint8_t internal; };
 struct frame_ent { uint64_t codep; int32_t pos, line; uint32_t code, site; uint8_t internal; };
@@ -406,6 +406,8 @@ static uint32_t walk(void)
     if (!f) return MSH_STACK_UNATTRIBUTED;
     uint32_t ids[MSH_SITE_MAX_FRAMES];
     int n = 0, site_at = -1, looked = 0;
+    /* Callers above the site only serve the snapshot's frames: walk them while history records. */
+    int callers = atomic_load_explicit(&capture_all, memory_order_relaxed) ? SITE_CALLERS : 0;
     pyobj *owned = NULL; /* the frame we hold a reference to */
     while (f && looked < WALK_MAX) {
         pyobj *code = py.frame_code(f);
@@ -420,7 +422,7 @@ static uint32_t walk(void)
         if (n < MSH_SITE_MAX_FRAMES) ids[n++] = id;
         else if (site_at < 0 && !internal) ids[n - 1] = id; /* keep the site as the last frame */
         if (site_at < 0 && !internal) site_at = n - 1;
-        if (site_at >= 0 && (n - 1 - site_at >= SITE_CALLERS || n == MSH_SITE_MAX_FRAMES)) break;
+        if (site_at >= 0 && (n - 1 - site_at >= callers || n == MSH_SITE_MAX_FRAMES)) break;
         pyobj *back = py.frame_back(f);
         if (owned) py.decref(owned);
         owned = back;
@@ -648,7 +650,7 @@ void msh_sites_alloc(int device, uint64_t addr, size_t size)
     } else {
         if (!a->tab[j].addr) a->used++;
         a->live++;
-        a->filter[filt(addr)]++;
+        __atomic_fetch_add(&a->filter[filt(addr)], 1, __ATOMIC_RELAXED);
     }
     a->tab[j] = (struct blk_ent){addr, w, wc, stack, site};
     struct site_acc *s = &a->site[site];
@@ -691,7 +693,7 @@ void msh_sites_free(int device, uint64_t addr, size_t size)
         s->live_cnt -= (int64_t)e->wc;
         e->addr = 1;
         a->live--;
-        a->filter[filt(addr)]--;
+        __atomic_fetch_sub(&a->filter[filt(addr)], 1, __ATOMIC_RELAXED);
         if (e->wc == 1024) size = e->w; /* an exact block: its own size, not the caller's */
     }
     pthread_mutex_unlock(&a->lock);

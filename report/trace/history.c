@@ -32,7 +32,7 @@
 
 static pthread_mutex_t hist_lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic int recording;   /* 0 off, 1 "state" (frames for blocks, no events), 2 "all" */
-static bool record_frames = true;
+static _Atomic bool record_frames = true;
 static struct msh_hist_event *ring;
 static size_t ring_cap, ring_head, ring_n;
 

@@ -13,8 +13,9 @@ warm-up, so no driver call is timed).
 
 memshim reads its settings once per process, so each configuration is its own process; the
 configurations alternate over ROUNDS rounds. A process times REPS runs of STEPS steps and keeps
-the fastest (preemption on a shared machine only ever adds time); the table gives the median and
-the range of the rounds' ns per alloc+free pair. Usage: bench_reports.py [BUILD] (default: build, or $BUILD).
+the fastest, timed in thread CPU time (clock_gettime(CLOCK_THREAD_CPUTIME_ID): preemption by other
+processes on a shared machine is not counted; cache pollution still is); the table gives the median
+and the range of the rounds' ns per alloc+free pair. Usage: bench_reports.py [BUILD] (default: build, or $BUILD).
 """
 import json
 import os
@@ -35,7 +36,8 @@ LOOP_C = r"""
 #include <time.h>
 typedef void *(*mf)(ssize_t, int, void *);
 typedef void (*ff)(void *, ssize_t, int, void *);
-static uint64_t now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000ull + t.tv_nsec; }
+/* thread CPU time: time this thread ran, so other processes on a shared machine do not count */
+static uint64_t now(void) { struct timespec t; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t); return t.tv_sec * 1000000000ull + t.tv_nsec; }
 double loop(void *m_, void *f_, const long *sizes, int n, int steps)
 {
     mf m = (mf)m_; ff f = (ff)f_; void *p[1024];
@@ -111,7 +113,7 @@ def main():
     base = statistics.median(res[CONFIGS[0][0]])
     print(f"{ROUNDS} rounds, configurations alternating; per process the fastest of {REPS} runs of {STEPS} steps x "
           f"{BLOCKS} memshim_malloc (1 KiB - 1 MiB) then {BLOCKS} memshim_free, from a C loop under a Python stack "
-          f"{DEPTH} frames deep; ns per alloc+free pair (median of the rounds, and their range)")
+          f"{DEPTH} frames deep; thread CPU ns per alloc+free pair (median of the rounds, and their range)")
     print()
     print("| configuration | ns per pair | range | cost vs. everything off |")
     print("|---|---:|---:|---:|")
