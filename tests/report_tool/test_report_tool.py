@@ -728,6 +728,40 @@ def check_schema2(tmp, steady, leak, job):
          and site[0]["figures"]["ranks"] == list(range(8)), site)
 
 
+def check_wide(tmp, job):
+    """SYNTHETIC 24-rank run (run 2's reports copied as ranks 8-23): per-rank columns in blocks of 16."""
+    d = os.path.join(tmp, "synthetic-wide")
+    os.makedirs(d)
+    raw_job = raw_reports(job)
+    pids = sorted({r["pid"] for r in raw_job.values() if r["rank"] >= 0})[8:16]
+    for path, r in raw_job.items():
+        if r["pid"] not in pids:
+            continue
+        for k in range(3):
+            s = dict(r, rank=r["rank"] + 8 * k, pid=r["pid"] + 1000000 * k, _synthetic=SYNTHETIC)
+            name = os.path.basename(path).replace(f"-rank{r['rank']}-", f"-rank{s['rank']}-")
+            json.dump(s, open(os.path.join(d, name.replace(f"pid{r['pid']}", f"pid{s['pid']}")), "w"))
+    raw = raw_reports(d)
+    lines = tool(d).stdout.splitlines()
+    at = next((i for i, ln in enumerate(lines) if ln.startswith("peak allocated per epoch")), None)
+    first = parse_table(lines[at + 1:], "epoch") if at is not None else None
+    nxt = next((i for i in range(at + 4, len(lines)) if lines[i].startswith("epoch ")), None) if first else None
+    second = parse_table(lines[nxt:], "epoch") if nxt else None
+    bad = []
+    for row in second or []:
+        for col, cell in list(row.items())[1:]:
+            kind = "summary" if row["epoch"] == "run" else "epoch"
+            f = [r for r in raw.values() if r["rank"] == int(col[1:]) and r["kind"] == kind
+                 and (kind == "summary" or r["epoch"] == int(row["epoch"]))]
+            m = f[0]["memory"] if f else {}
+            want = mib(m["allocated_run_peak_bytes"] if kind == "summary" else m["allocated_peak_bytes"])
+            if cell != want:
+                bad.append((row["epoch"], col, cell, want))
+    case("24 ranks (synthetic copies): per-rank columns in blocks of 16, r0-r15 then r16-r23, figures from the files",
+         first and second and list(first[0])[1:] == [f"r{i}" for i in range(16)]
+         and list(second[0])[1:] == [f"r{i}" for i in range(16, 24)] and not bad, bad[:3] or (first, second))
+
+
 def check_oom_and_pages(tmp, steady):
     d = os.path.join(tmp, "oom")
     _, ok, err = demo(d, "--epochs", "3", "--steps", "3", env={"MEMSHIM_LIMIT": "1200M"})
@@ -971,6 +1005,7 @@ def main():
             guarded(check_ranks, tmp, *job)
         if steady and job:
             guarded(check_schema2, tmp, steady, leak, job[0])
+            guarded(check_wide, tmp, job[0])
         if steady:
             guarded(check_oom_and_pages, tmp, steady)
             guarded(check_bad_input, tmp, steady)
