@@ -12,6 +12,10 @@
  * allocator (policy.h, docs/models.md), seeded with the segments a snapshot recorded; --compare
  * puts the three side by side per device trace (minimum capacity, ratio to the live peak, OOMs
  * and fit at --capacity, which also takes device names such as A100-80GB).
+ *
+ * Every run also reports the driver calls made (the pool's, or those PyTorch's allocator would
+ * make) and their modelled seconds under a cost table (policy/drvcost.h; --driver-costs FILE);
+ * with --device each call is also timed on the driver present, so the table can be checked.
  */
 #include <errno.h>
 #include <getopt.h>
