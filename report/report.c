@@ -14,8 +14,9 @@
  *
  * Schema 2 (docs/report.schema.json) adds `versions` (CUDA driver and runtime, device name,
  * memshim, torch), `latency` (percentiles of the pool's timed alloc/free calls, from the pool's
- * log-linear histogram: per epoch in epoch reports, since start otherwise), `sites` (allocation
- * sites at the epoch's peak, shim/sites.c) and `trend.growing_sites`.
+ * log-linear histogram: per epoch in epoch reports, since start otherwise), `driver` (the pool's
+ * driver calls by kind and their modelled seconds), `sites` (allocation sites at the epoch's
+ * peak, shim/sites.c) and `trend.growing_sites`.
  */
 #include "report.h"
 
@@ -35,6 +36,7 @@
 
 #include "core.h"
 #include "cuda_real.h"
+#include "drvcost.h"
 #include "memshim.h"
 #include "msh.h"
 #include "sites.h"
@@ -430,6 +432,14 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_d(ops, "free_mean_ns", st->frees ? (double)st->free_ns_total / (double)st->frees : 0.0);
     J.object_set_new(root, "operations", ops);
     J.object_set_new(root, "latency", latency_json(r, d));
+
+    /* Every call the pool made to the driver, by kind, and what they cost by the default cost
+     * table (policy/drvcost.c; docs/benchmarks.md): cumulative, like `operations`. */
+    json_t *drv = J.object(), *calls = J.object();
+    for (int k = 0; k < MSH_DRV_NKINDS; k++) set_u(calls, msh_drv_call_names[k], st->drv_calls[k]);
+    J.object_set_new(drv, "calls", calls);
+    set_d(drv, "modelled_seconds", msh_drvcost_seconds(msh_drvcost_default(), st->drv_calls, st->drv_bytes));
+    J.object_set_new(root, "driver", drv);
 
     json_t *hist = J.array();
     for (int i = 0; i < 24; i++) {

@@ -56,6 +56,7 @@ quick|all)
         run_suite "replay (CLI, traces, targets)" env BUILD="$BUILD" bash tests/replay/run_replay.sh
         run_suite "replay (torch models vs traces)" env BUILD="$BUILD" python3 tests/replay/test_models_traces.py
         run_suite "demo (main job, reports)" env BUILD="$BUILD" bash tests/replay/run_demo.sh
+        run_suite "report tool (memshim-report)" env BUILD="$BUILD" python3 tests/report_tool/test_report_tool.py
         run_suite "python GC step (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_pygc.py
         run_suite "allocation sites (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_sites.py
         run_suite "PyTorch snapshots (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_snapshot.py

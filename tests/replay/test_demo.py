@@ -51,7 +51,12 @@ with tempfile.TemporaryDirectory() as tmp:
         case(f"{r.get('kind')} {r.get('epoch')}: matches docs/report.schema.json", not report_problems(r),
              report_problems(r)[:3])
     if reps:
-        r = reps[0]
+        r = next((x for x in reps if x["kind"] == "summary"), reps[0])
+        ops, drv = r["operations"], r["driver"]
+        case("driver: the pool's map/unmap/create calls as counted in operations, and their modelled seconds",
+             drv["calls"]["map"] == ops["map_ops"] and drv["calls"]["unmap"] == ops["unmap_ops"]
+             and drv["calls"]["create"] == ops["create_ops"] and drv["calls"]["set_access"] == ops["map_ops"]
+             and (drv["modelled_seconds"] > 0) == (ops["map_ops"] > 0), (drv, ops))
         case("no Python in the demo: sites [] with a note saying why; versions name the driver and the device",
              r["sites"] == [] and "no Python" in (r["sites_note"] or "") and r["versions"]["cuda_driver"]
              and r["versions"]["device_name"] and r["versions"]["cuda_runtime"], (r["sites_note"], r["versions"]))
@@ -69,9 +74,9 @@ with tempfile.TemporaryDirectory() as tmp:
 
     # the summary script: a broken file beside good reports is named and skipped, never a traceback
     open(os.path.join(rdir, "memshim-broken.json"), "w").write('{"schema_version":1,"memory":{}}')
-    p = subprocess.run([sys.executable, os.path.join(os.path.dirname(BUILD), "scripts", "memshim_report.py"), rdir],
+    p = subprocess.run([sys.executable, os.path.join(os.path.dirname(BUILD), "scripts", "memshim-report"), rdir],
                        capture_output=True, text=True, timeout=60)
-    case("memshim_report.py tabulates the reports and skips a broken one by name",
+    case("memshim-report tabulates the reports and skips a broken one by name",
          p.returncode == 0 and "memshim-broken.json" in p.stderr and "Traceback" not in p.stderr
          and "trend" in p.stdout, (p.stdout + p.stderr)[-400:])
 
