@@ -238,13 +238,14 @@ static const struct opt opts[O_COUNT] = {
                  "How memshim learns the Python call site of the blocks it places in tensor mode "
                  "(the first frame outside torch and memshim's own package; docs/reports.md). "
                  "Only used when reports or a snapshot are on, and only in a CPython process."},
-    [O_SITES_SAMPLE] = {"MEMSHIM_SITES_SAMPLE", T_SIZE, "1MiB", NULL,
+    [O_SITES_SAMPLE] = {"MEMSHIM_SITES_SAMPLE", T_SIZE, "0", "every allocation exactly",
                         "a size, 0 or more", "bytes",
                         "Allocations of at least this size always get their exact site; smaller "
                         "ones are sampled (on average one per this many bytes, as a Poisson "
                         "process) and their live bytes and counts per site are unbiased "
-                        "estimates. `0`: every allocation exactly. Reading a stack costs 0.1 to "
-                        "0.5 us (docs/benchmarks.md); while a snapshot history is recorded, every "
+                        "estimates. `0`: every allocation exactly (reading a stack whose frames "
+                        "Python already holds costs tens of ns, about what sampling saves: "
+                        "docs/benchmarks.md). While a snapshot history is recorded, every "
                         "allocation gets its site.",
                         F(sites_sample), 0, 0, UINT64_MAX, NULL, NULL},
     [O_SNAPSHOT] = {"MEMSHIM_SNAPSHOT", T_PATH, "", "no snapshot",

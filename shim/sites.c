@@ -787,7 +787,8 @@ int msh_sites_growing(int device, struct msh_site_growth *rows, int max)
 {
     struct dev_acc *a = sites_on ? acc_get(device, false) : NULL;
     if (!a || max <= 0) return 0;
-    int64_t step = sample_T ? (int64_t)sample_T : 1;
+    /* below a page of growth per epoch is jitter, and with sampling below the interval is noise */
+    int64_t step = sample_T > 4096 ? (int64_t)sample_T : 4096;
     int n = 0;
     pthread_mutex_lock(&a->lock);
     for (uint32_t s = 1; s < a->site_hi; s++) {

@@ -59,7 +59,7 @@ struct msh_site_growth {
 /* Top sites of `device` by live bytes at the current epoch's peak, largest first. */
 int msh_sites_top(int device, struct msh_site_row *rows, int max);
 /* Sites whose live bytes at the end of each recorded epoch grew at every boundary (at least two
- * boundaries, each by at least the sampling interval), largest growth first. */
+ * boundaries, each by at least 4 KiB or the sampling interval if larger), largest growth first. */
 int msh_sites_growing(int device, struct msh_site_growth *rows, int max);
 /* Why `sites` is empty or estimated, or NULL when there is nothing to say. */
 const char *msh_sites_note(void);
