@@ -117,6 +117,33 @@ def run(tmp, loop, gil, settings):
     return json.loads(p.stdout.strip().splitlines()[-1])["ns"]
 
 
+TORCH_OPS = r"""
+import json, time, torch
+torch.set_num_threads(1)
+x, y = torch.ones(256), torch.ones(256)
+lin, inp = torch.nn.Linear(64, 64), torch.ones(8, 64)
+out = []
+for name, fn in (("torch.empty(256)", lambda: torch.empty(256)), ("x + y (256 floats)", lambda: x + y),
+                 ("nn.Linear(64, 64) on 8 rows", lambda: lin(inp))):
+    for _ in range(1000):
+        fn()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.thread_time_ns()
+        for _ in range(20000):
+            fn()
+        best = min(best, (time.thread_time_ns() - t0) / 20000)
+    out.append((name, best))
+print(json.dumps(out))
+"""
+
+
+def torch_op_costs():
+    """What small PyTorch operators cost on the CPU (thread CPU ns per call), or None without torch."""
+    p = subprocess.run([sys.executable, "-c", TORCH_OPS], capture_output=True, text=True, timeout=600)
+    return json.loads(p.stdout) if p.returncode == 0 and p.stdout.strip() else None
+
+
 def main():
     if not os.path.exists(LIB):
         raise SystemExit(f"bench_reports: {LIB} not built (make)")
@@ -150,6 +177,11 @@ def main():
         m, lo = statistics.median(v), min(v)
         print(f"| {name} | {m:.0f} | {lo:.0f}-{max(v):.0f} | {m - base:+.0f} ns ({100 * (m / base - 1):+.1f}%) | "
               f"{lo:.0f} | {lo - base_min:+.0f} ns ({100 * (lo / base_min - 1):+.1f}%) |")
+    scale = torch_op_costs()
+    if scale:
+        print()
+        print("For scale, PyTorch CPU operators called from Python on this machine (thread CPU ns per call, fastest "
+              "of 5 x 20000; a CUDA operator adds its launch): " + ", ".join(f"{k} {v:.0f}" for k, v in scale))
     print()
     print("bench_reports: " + " ".join(f"{n.replace(' ', '_')}={statistics.median(v):.0f}" for n, v in
                                        ((c[0], res[c[0]]) for c in CONFIGS)))
