@@ -343,10 +343,15 @@ static uint32_t frame_find(uint64_t codep, int32_t pos)
     }
 }
 
+/* Set while this thread interns a frame: resolving a code object's names calls into Python with
+ * intern_lock held, and an allocation made from there must not come back for that lock. */
+static __thread int tl_interning;
+
 static uint32_t frame_insert(pyobj *frame, pyobj *code, int32_t pos)
 {
     uint64_t codep = (uint64_t)(uintptr_t)code;
     pthread_mutex_lock(&intern_lock);
+    tl_interning = 1;
     uint32_t id = frame_find(codep, pos);
     if (id == UINT32_MAX && nframes + 1 < FRAME_CAP) {
         uint32_t c = code_get(code);
@@ -359,6 +364,7 @@ static uint32_t frame_insert(pyobj *frame, pyobj *code, int32_t pos)
             slot_publish(&frame_idx[i], id + 1);
         }
     }
+    tl_interning = 0;
     pthread_mutex_unlock(&intern_lock);
     return id;
 }
@@ -439,7 +445,7 @@ static bool py_finalizing(void)
 
 static uint32_t capture(void)
 {
-    if (py_finalizing()) return MSH_STACK_UNATTRIBUTED;
+    if (tl_interning || py_finalizing()) return MSH_STACK_UNATTRIBUTED;
     if (py.gil_check()) return walk();
     if (!py.this_thread_state()) return MSH_STACK_BACKWARD;
     if (sites_mode != MSH_SITES_ACQUIRE) return MSH_STACK_UNATTRIBUTED;
