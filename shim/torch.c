@@ -31,8 +31,8 @@
 /* ---- the Python start-up hook ---------------------------------------------------------------
  * glibc passes (argc, argv, envp) to constructors. Before CPython reads its environment, the
  * directory holding memshim's sitecustomize.py goes first on PYTHONPATH; the user's value is
- * kept in _MEMSHIM_PYTHONPATH ("1:" + value, or "0:" when unset) for sitecustomize to restore,
- * and the library's own path in _MEMSHIM_LIB. Not MEMSHIM_*: those names are settings. */
+ * kept in _MEMSHIM_PYTHONPATH ("1:" + value, or "0:" when unset) for sitecustomize to restore.
+ * Not MEMSHIM_*: those names are settings. */
 
 static char lib_path[PATH_MAX];
 
@@ -130,8 +130,7 @@ __attribute__((constructor)) static void msh_torch_ctor(int argc, char **argv, c
     }
     snprintf(saved, ol + 3, "%s%s", old ? "1:" : "0:", old ? old : "");
     snprintf(now, dl + ol + 2, "%s%s%s", dir, old && *old ? ":" : "", old && *old ? old : "");
-    if (setenv("_MEMSHIM_PYTHONPATH", saved, 1) == 0 && setenv("_MEMSHIM_LIB", lib_path, 1) == 0)
-        setenv("PYTHONPATH", now, 1);
+    if (setenv("_MEMSHIM_PYTHONPATH", saved, 1) == 0) setenv("PYTHONPATH", now, 1);
     free(saved);
     free(now);
 }
