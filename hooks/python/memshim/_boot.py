@@ -108,9 +108,13 @@ class _Loader:
         try:
             self._inner.exec_module(module)
         finally:
-            module.__loader__ = self._inner
-            if getattr(module, "__spec__", None) is not None:
-                module.__spec__.loader = self._inner
+            # Some modules refuse new attributes (torch._inductor.config): the spec is enough then.
+            for obj, attr in ((module, "__loader__"), (getattr(module, "__spec__", None), "loader")):
+                try:
+                    if obj is not None and getattr(obj, attr, None) is self:
+                        setattr(obj, attr, self._inner)
+                except Exception:  # noqa: BLE001
+                    pass
         _fire(self._name, module)
 
     def __getattr__(self, attr):
