@@ -365,6 +365,11 @@ static struct cap *cap_create_locked(int device, uint64_t id0, uint64_t id1)
     for (int i = 0; i < CAP_MAX; i++) {
         if (caps[i].used) continue;
         struct msh_pool_params prm = tmpl[device];
+        /* A graph replays into every address its capture touched, freed blocks included: no page
+         * of a capture pool may be unmapped, moved or given back before the pool is released. */
+        prm.defrag = false;
+        prm.no_release_on_oom = true;
+        prm.release_threshold = 0;
         struct msh_pool *p = NULL;
         int rc = msh_pool_create(dev, &prm, &p);
         if (rc) {
@@ -464,6 +469,12 @@ static void *cap_alloc_locked(struct cap *c, size_t size, void *stream)
 {
     uint64_t a = 0;
     int rc = msh_pool_alloc(c->pool, size, (uint64_t)(uintptr_t)stream, &a);
+    if (rc == ENOMEM) {
+        /* The limit is shared: the main pool's cached pages may be what stands in the way. */
+        struct msh_pool *main_pool = msh_core_pool(c->device);
+        if (main_pool && msh_pool_empty_cache(main_pool))
+            rc = msh_pool_alloc(c->pool, size, (uint64_t)(uintptr_t)stream, &a);
+    }
     if (rc) {
         last_oom_pool = c->pool;
         last_oom_capture = true;
