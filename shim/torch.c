@@ -438,9 +438,33 @@ static int (*capture_query_override)(void *stream);
 static CUresult (*is_capturing)(CUstream, CUstreamCaptureStatus *);
 static pthread_once_t capq_once = PTHREAD_ONCE_INIT;
 
+static CUresult (*exchange_capture_mode)(CUstreamCaptureMode *);
+
 static void capq_resolve(void)
 {
-    if (msh_cuda_load() == 0 && msh_cu.handle) *(void **)&is_capturing = dlsym(msh_cu.handle, "cuStreamIsCapturing");
+    if (msh_cuda_load() || !msh_cu.handle) return;
+    *(void **)&is_capturing = dlsym(msh_cu.handle, "cuStreamIsCapturing");
+    *(void **)&exchange_capture_mode = dlsym(msh_cu.handle, "cuThreadExchangeStreamCaptureMode");
+}
+
+/* While a graph is being captured, the driver refuses "unsafe" calls (memory creation and
+ * mapping among them) from any thread in the default global capture mode. Like PyTorch's own
+ * allocator around cudaMalloc, memshim's pool calls run in relaxed mode then. Returns the mode
+ * to restore (or -1). */
+static int relaxed_begin(void)
+{
+    if (!atomic_load_explicit(&caps_alive, memory_order_relaxed)) return -1;
+    pthread_once(&capq_once, capq_resolve);
+    if (!exchange_capture_mode) return -1;
+    CUstreamCaptureMode m = CU_STREAM_CAPTURE_MODE_RELAXED;
+    return exchange_capture_mode(&m) == CUDA_SUCCESS ? (int)m : -1;
+}
+
+static void relaxed_end(int saved)
+{
+    if (saved < 0 || !exchange_capture_mode) return;
+    CUstreamCaptureMode m = (CUstreamCaptureMode)saved;
+    exchange_capture_mode(&m);
 }
 
 void msh_torch_set_capture_query(int (*fn)(void *stream))
@@ -468,6 +492,7 @@ static __thread bool last_oom_capture;
 static void *cap_alloc_locked(struct cap *c, size_t size, void *stream)
 {
     uint64_t a = 0;
+    int saved = relaxed_begin();
     int rc = msh_pool_alloc(c->pool, size, (uint64_t)(uintptr_t)stream, &a);
     if (rc == ENOMEM) {
         /* The limit is shared: the main pool's cached pages may be what stands in the way. */
@@ -475,6 +500,7 @@ static void *cap_alloc_locked(struct cap *c, size_t size, void *stream)
         if (main_pool && msh_pool_empty_cache(main_pool))
             rc = msh_pool_alloc(c->pool, size, (uint64_t)(uintptr_t)stream, &a);
     }
+    relaxed_end(saved);
     if (rc) {
         last_oom_pool = c->pool;
         last_oom_capture = true;
@@ -528,7 +554,9 @@ MSH_EXPORT void *memshim_torch_alloc(ssize_t size, int device, memshim_stream_t 
 {
     if (size < 0 || !dev_ok(device)) return NULL;
     if (stream && stream_capturing(stream) == 1) return alloc_in_cap(device, (size_t)size, stream, 0, 0, true);
+    int saved = relaxed_begin(); /* another thread may be capturing a graph */
     void *p = memshim_malloc(size, device, stream);
+    relaxed_end(saved);
     struct tdev *t = &tdevs[device];
     if (MSH_UNLIKELY(!t->gran)) {
         struct msh_device *dev = msh_core_device(device);
