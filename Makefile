@@ -155,7 +155,7 @@ install: all
 # site-packages that boots memshim's hook when libmemshim.so is preloaded. After `make install`.
 install-python:
 	@site=$$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
-	printf '%s\n%s\n' "$(PREFIX)/lib/memshim-python" \
+	mkdir -p "$(DESTDIR)$$site" && printf '%s\n%s\n' "$(PREFIX)/lib/memshim-python" \
 	    "import os; 'libmemshim' in os.environ.get('LD_PRELOAD', '') and __import__('memshim._boot').\
 _boot.from_pth()" > "$(DESTDIR)$$site/memshim.pth" && echo "install-python: wrote $(DESTDIR)$$site/memshim.pth"
 

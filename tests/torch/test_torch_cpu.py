@@ -125,6 +125,30 @@ with tempfile.TemporaryDirectory(prefix="memshim-t9-") as tmp:
                       "'_MEMSHIM_PYTHONPATH' in os.environ)", preload=False)
     case("libmemshim.so loaded into a running interpreter (ctypes) changes nothing",
          rc == 0 and lines(out, "CT") == ["None False"], out + err)
+    # make install puts the hook beside the library, where the library looks for it; make
+    # install-python's .pth boots it where PYTHONPATH is ignored (python -I).
+    prefix, dest = os.path.join(tmp, "prefix"), os.path.join(tmp, "dest")
+    mk = subprocess.run(["make", "-s", f"BUILD={os.path.relpath(BUILD, ROOT)}", f"PREFIX={prefix}", "install"],
+                        cwd=ROOT, capture_output=True, text=True)
+    mk2 = subprocess.run(["make", "-s", f"BUILD={os.path.relpath(BUILD, ROOT)}", f"PREFIX={prefix}",
+                          f"DESTDIR={dest}", "install-python"], cwd=ROOT, capture_output=True, text=True)
+    inst_lib = os.path.join(prefix, "lib", "libmemshim.so")
+    rc, out, err = run([sys.executable, "-c", "import memshim; print('INST', memshim.__file__)"],
+                       {"LD_PRELOAD": inst_lib})
+    case("make install: the installed library finds its Python hook beside it",
+         mk.returncode == 0 and lines(out, "INST") == [os.path.join(prefix, "lib", "memshim-python", "memshim",
+                                                                    "__init__.py")], mk.stderr + out + err)
+    pth = [os.path.join(d, "memshim.pth") for d, _, fs in os.walk(dest) if "memshim.pth" in fs]  # (.pyenv: hidden)
+    rc, out, err = run([sys.executable, "-I", "-c", "import site, sys; before = 'memshim' in sys.modules; "
+                        f"site.addsitedir({os.path.dirname(pth[0]) if pth else tmp!r}); "
+                        "print('PTH', before, 'memshim' in sys.modules)"], {"LD_PRELOAD": inst_lib})
+    case("make install-python: its .pth boots memshim under python -I", mk2.returncode == 0 and bool(pth)
+         and lines(out, "PTH") == ["False True"], (pth, mk2.stderr + out + err))
+    rc, out, err = run([sys.executable, "-I", "-c", "import site, sys; "
+                        f"site.addsitedir({os.path.dirname(pth[0]) if pth else tmp!r}); "
+                        "print('PTH', 'memshim' in sys.modules)"], preload=False)
+    case("the .pth does nothing without libmemshim.so preloaded", lines(out, "PTH") == ["False"], out + err)
+
     rc, out, err = py(PROBE, {"MEMSHIM_MODE": "off"})
     case("MEMSHIM_MODE=off: no hook", rc == 0 and lines(out, "HOOK") == ["False None False"], out + err)
 
