@@ -112,6 +112,8 @@ void memshim_step_if_started(void);
  * "enabled": "mode" (0 auto, 1 tensor, 2 segment, 3 off), "started", "enabled", "tensor",
  * "epoch_detect", "gc" and "empty_cache" (enum values of msh.h), "log". -1: unknown name. */
 long memshim_torch_setting(const char *name);
+/* The PyTorch version of this process (the reports' versions.torch). */
+void memshim_torch_set_version(const char *version);
 /* One line through memshim's logger (level 0 error .. 3 debug). */
 void memshim_torch_log(int level, const char *msg);
 /* Where this libmemshim.so was loaded from (absolute), or "" when unknown. */

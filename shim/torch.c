@@ -35,6 +35,7 @@
  * Not MEMSHIM_*: those names are settings. */
 
 static char lib_path[PATH_MAX];
+static pthread_mutex_t tlock_early = PTHREAD_MUTEX_INITIALIZER;
 
 static void find_lib_path(void)
 {
@@ -171,6 +172,23 @@ MSH_EXPORT int memshim_epoch_from(const char *reason)
     if (!msh_core_started()) return ENODEV;
     msh_core_epoch(r);
     return 0;
+}
+
+/* The PyTorch version the Python side found (for the reports' versions.torch), or NULL. */
+static char torch_version[64];
+
+MSH_EXPORT void memshim_torch_set_version(const char *v)
+{
+    if (v && strlen(v) < sizeof torch_version) {
+        pthread_mutex_lock(&tlock_early);
+        strcpy(torch_version, v);
+        pthread_mutex_unlock(&tlock_early);
+    }
+}
+
+const char *msh_torch_version(void)
+{
+    return torch_version[0] ? torch_version : NULL;
 }
 
 MSH_EXPORT void memshim_step_if_started(void)

@@ -24,6 +24,10 @@ size_t msh_torch_limit(int device);
  * (segment mode, docs/pytorch.md): entry i of device: 1 with its key and value when it exists, else 0. */
 int msh_torch_report_stat(int device, int i, const char **key, int64_t *val);
 
+/* The installed PyTorch's version as the Python side reported it (memshim_torch_set_version),
+ * for the reports' versions.torch; NULL when unknown (not a PyTorch process, or before import). */
+const char *msh_torch_version(void);
+
 /* Tests: replace the query "is this stream capturing a CUDA graph" (default: the driver's
  * cuStreamIsCapturing when it has one; NULL restores the default). The query returns 1 when
  * capturing, 0 when not, -1 when it cannot tell. */

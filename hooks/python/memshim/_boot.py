@@ -32,6 +32,7 @@ _SIGS = {
     "memshim_torch_get_memory_fraction": ([ctypes.c_int], ctypes.c_double),
     "memshim_torch_epoch_stat": ([ctypes.c_int, ctypes.c_char_p, ctypes.c_longlong], None),
     "memshim_torch_epoch_stats_clear": ([], None),
+    "memshim_torch_set_version": ([ctypes.c_char_p], None),
 }
 
 

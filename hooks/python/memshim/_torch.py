@@ -52,6 +52,7 @@ def on_torch(torch):
     """Right after `import torch` finished."""
     global _torch
     _torch = torch
+    _boot.lib().memshim_torch_set_version(str(torch.__version__).encode())
     cuda = torch.cuda
     mem = getattr(cuda, "memory", None)
     orig_lazy = getattr(cuda, "_lazy_init", None)
