@@ -23,7 +23,7 @@ if [ "${DEMO:-auto}" != c ] && [ -e /dev/nvidiactl ] && [ -e "$BUILD/libmemshim_
     echo "demo: reports written to $report_dir/:"
     ls -1 "$report_dir"
     echo
-    python3 scripts/memshim_report.py "$report_dir"
+    python3 scripts/memshim-report "$report_dir"
     exit 0
 fi
 echo "demo: no GPU with PyTorch here (or DEMO=c): the C training-loop workload"
@@ -53,7 +53,7 @@ echo
 echo "demo: reports written to $report_dir/:"
 ls -1 "$report_dir"
 echo
-python3 scripts/memshim_report.py "$report_dir"
+python3 scripts/memshim-report "$report_dir"
 
 echo
 echo "demo: the same allocation stream (from $trace) under PyTorch's own allocator, modelled:"
