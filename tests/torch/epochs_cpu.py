@@ -110,6 +110,31 @@ for xb, yb in train:
 torch.cuda.is_initialized, torch.cuda.memory_stats, torch.cuda.device_count = saved
 report("segment_torch_stats")
 
+# 9. MEMSHIM_GC=epoch (set for this process): a detected epoch end runs gc.collect() on the training
+# thread, which frees device memory held only by a reference cycle
+import gc  # noqa: E402
+lib.memshim_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+gc.set_threshold(1 << 30)  # no automatic collection: only memshim's
+collected = []
+
+
+class Cycle:
+    def __init__(self):
+        self.me, self.p = self, lib.memshim_malloc(1 << 20, 0, None)
+
+    def __del__(self):
+        collected.append(bool(self.p))
+        lib.memshim_free(self.p, 1 << 20, 0, None)
+
+
+c = Cycle()
+del c
+print("GC_BEFORE", collected)
+for xb, yb in train:
+    train_batch(xb, yb)
+report("gc_epoch")
+print("GC_AFTER", collected)
+
 # 8. the memshim module: stats, manual epoch, reset_peak
 import memshim  # noqa: E402
 s = memshim.stats(0)

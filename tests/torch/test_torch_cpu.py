@@ -280,7 +280,7 @@ case("a program that sets PyTorch's allocator settings keeps PyTorch's allocator
 # ---- 4. epochs ----------------------------------------------------------------------------------
 with tempfile.TemporaryDirectory(prefix="memshim-t9-") as rdir:
     rc, out, err = run([sys.executable, os.path.join(HERE, "epochs_cpu.py"), rdir],
-                       {"MEMSHIM_REPORT_DIR": rdir, "MEMSHIM_LOG": "info", "RANK": "0"})
+                       {"MEMSHIM_REPORT_DIR": rdir, "MEMSHIM_LOG": "info", "RANK": "0", "MEMSHIM_GC": "epoch"})
     res = {}
     for l in lines(out, "RESULT"):
         name, _, js = l.partition(" ")
@@ -306,6 +306,9 @@ with tempfile.TemporaryDirectory(prefix="memshim-t9-") as rdir:
     case("segment mode: the epoch report carries PyTorch's own memory_stats() (torch_memory_stats)",
          tms == {"allocated_bytes.all.current": 1234, "reserved_bytes.all.peak": 4 << 20, "num_ooms": 0,
                  "num_alloc_retries": 2} and res["segment_torch_stats"][0]["reason"] == "dataloader", detail)
+    case("MEMSHIM_GC=epoch: a detected epoch end runs gc.collect() on the training thread",
+         lines(out, "GC_BEFORE") == ["[]"] and lines(out, "GC_AFTER") == ["[True]"]
+         and reasons("gc_epoch") == [("dataloader", 8)], detail)
     case("epochs: memshim.epoch() closes one with reason manual", reasons("manual_epoch") == [("manual", 0)], detail)
     case("torchrun-style RANK goes into the report names", all("-rank0-" in f for f in os.listdir(rdir)),
          os.listdir(rdir))
