@@ -277,6 +277,19 @@ case("a program that sets PyTorch's allocator settings keeps PyTorch's allocator
      and sum("memshim stays in segment mode" in l and "_set_allocator_settings" in l for l in err.splitlines()) == 1,
      out + err[-1500:])
 
+with tempfile.TemporaryDirectory(prefix="memshim-t9-") as tmp:
+    # an installed layout without the C++ glue: memshim stays in segment mode and says why
+    os.makedirs(os.path.join(tmp, "lib"))
+    subprocess.run(["cp", LIB, os.path.join(tmp, "lib", "libmemshim.so")], check=True)
+    os.symlink(PYDIR, os.path.join(tmp, "lib", "memshim-python"))
+    rc, out, err = py("import torch\ntry:\n    torch.empty(1, device='cuda')\nexcept Exception:\n    pass\n"
+                      "from memshim import _torch as mt\nprint('NOGLUE', mt.state.decided, mt.state.tensor)",
+                      {"MEMSHIM_LOG": "info", "LD_PRELOAD": os.path.join(tmp, "lib", "libmemshim.so")})
+    said = [l for l in err.splitlines() if "memshim stays in segment mode" in l]
+    case("without the C++ glue memshim does not switch, and says why in one line",
+         rc == 0 and lines(out, "NOGLUE") == ["True False"] and len(said) == 1 and "libmemshim_torch.so is missing"
+         in said[0], out + err[-1500:])
+
 # ---- 4. epochs ----------------------------------------------------------------------------------
 with tempfile.TemporaryDirectory(prefix="memshim-t9-") as rdir:
     rc, out, err = run([sys.executable, os.path.join(HERE, "epochs_cpu.py"), rdir],
