@@ -347,67 +347,99 @@ MSH_EXPORT double memshim_torch_get_memory_fraction(int device)
 }
 
 /* ---- capture pools -----------------------------------------------------------------------------
- * One msh_pool per (device, MempoolId_t), sharing the device's limit. A pool is "active" between
- * begin and end; after release_pool it is destroyed as soon as its last block is freed. The
- * backstop pool (ids all ones) takes allocations on a capturing stream that no begun pool
- * claimed: its memory is only ever reused by such allocations. */
+ * A capture pool is one PyTorch MempoolId_t of a device: "active" between begin and end, and
+ * after release_pool destroyed as soon as its last block is freed. Inside it, one msh_pool per
+ * stream, all sharing the device's limit: a block freed on one stream is reused only by
+ * allocations on that stream, as in PyTorch's own private pools. Reuse across streams would need
+ * an event recorded outside the capture and waited on inside it, which the driver refuses while
+ * capturing (and which would invalidate the graph). The backstop pool (ids all ones) takes
+ * allocations on a capturing stream that no begun pool claimed; its memory is only ever reused
+ * by such allocations. */
+#define CAPG_MAX 32
 #define CAP_MAX 64
 #define BACKSTOP_ID UINT64_MAX
-struct cap {
+struct capgroup {
     bool used, released;
-    int device;
+    int device, active;
     uint64_t id0, id1, seq;
-    int active;
+};
+struct cap { /* one stream's pool inside a group */
+    bool used;
+    int g, device;
+    uint64_t stream;
     size_t live;
     struct msh_pool *pool;
 };
 static pthread_mutex_t caps_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct capgroup groups[CAPG_MAX];
 static struct cap caps[CAP_MAX];
-static _Atomic int caps_alive; /* slots in use: frees look at capture pools only when > 0 */
+static _Atomic int caps_alive; /* groups in use: frees look at capture pools only when > 0 */
 static uint64_t caps_seq;
 
-static struct cap *cap_find_locked(int device, uint64_t id0, uint64_t id1)
+static struct capgroup *group_find_locked(int device, uint64_t id0, uint64_t id1)
 {
-    for (int i = 0; i < CAP_MAX; i++)
-        if (caps[i].used && !caps[i].released && caps[i].device == device && caps[i].id0 == id0 &&
-            caps[i].id1 == id1)
-            return &caps[i];
+    for (int i = 0; i < CAPG_MAX; i++)
+        if (groups[i].used && !groups[i].released && groups[i].device == device && groups[i].id0 == id0 &&
+            groups[i].id1 == id1)
+            return &groups[i];
     return NULL;
 }
 
-static struct cap *cap_create_locked(int device, uint64_t id0, uint64_t id1)
+static struct capgroup *group_create_locked(int device, uint64_t id0, uint64_t id1)
 {
-    if (!msh_core_pool(device)) return NULL; /* the main pool sets the shared limit up */
-    struct msh_device *dev = msh_core_device(device);
-    if (!dev) return NULL;
+    if (!msh_core_pool(device) || !msh_core_device(device)) return NULL; /* the main pool sets the limit up */
+    for (int i = 0; i < CAPG_MAX; i++) {
+        if (groups[i].used) continue;
+        groups[i] = (struct capgroup){.used = true, .device = device, .id0 = id0, .id1 = id1};
+        atomic_fetch_add(&caps_alive, 1);
+        return &groups[i];
+    }
+    msh_warn("device %d: more than %d CUDA-graph capture pools alive; this one is refused", device, CAPG_MAX);
+    return NULL;
+}
+
+/* The pool of group g for `stream`, created on first use. */
+static struct cap *cap_get_locked(struct capgroup *g, uint64_t stream)
+{
+    int gi = (int)(g - groups);
+    for (int i = 0; i < CAP_MAX; i++)
+        if (caps[i].used && caps[i].g == gi && caps[i].stream == stream) return &caps[i];
     for (int i = 0; i < CAP_MAX; i++) {
         if (caps[i].used) continue;
-        struct msh_pool_params prm = tmpl[device];
+        struct msh_pool_params prm = tmpl[g->device];
         /* A graph replays into every address its capture touched, freed blocks included: no page
          * of a capture pool may be unmapped, moved or given back before the pool is released. */
         prm.defrag = false;
         prm.no_release_on_oom = true;
         prm.release_threshold = 0;
         struct msh_pool *p = NULL;
-        int rc = msh_pool_create(dev, &prm, &p);
+        int rc = msh_pool_create(msh_core_device(g->device), &prm, &p);
         if (rc) {
-            msh_warn("device %d: cannot create a CUDA-graph capture pool (error %d)", device, rc);
+            msh_warn("device %d: cannot create a CUDA-graph capture pool (error %d)", g->device, rc);
             return NULL;
         }
         msh_pool_set_timing(p, true);
-        caps[i] = (struct cap){.used = true, .device = device, .id0 = id0, .id1 = id1, .pool = p};
-        atomic_fetch_add(&caps_alive, 1);
+        caps[i] = (struct cap){.used = true, .g = gi, .device = g->device, .stream = stream, .pool = p};
         return &caps[i];
     }
-    msh_warn("device %d: more than %d CUDA-graph capture pools alive; this one is refused", device, CAP_MAX);
+    msh_warn("device %d: more than %d CUDA-graph capture pools (per stream) alive; this one is refused",
+             g->device, CAP_MAX);
     return NULL;
 }
 
-static void cap_maybe_destroy_locked(struct cap *c)
+/* A released group whose blocks are all freed goes, with every page of every stream's pool. */
+static void group_maybe_destroy_locked(struct capgroup *g)
 {
-    if (!c->released || c->live) return;
-    msh_pool_destroy(c->pool);
-    memset(c, 0, sizeof *c);
+    if (!g->released) return;
+    int gi = (int)(g - groups);
+    for (int i = 0; i < CAP_MAX; i++)
+        if (caps[i].used && caps[i].g == gi && caps[i].live) return;
+    for (int i = 0; i < CAP_MAX; i++) {
+        if (!caps[i].used || caps[i].g != gi) continue;
+        msh_pool_destroy(caps[i].pool);
+        memset(&caps[i], 0, sizeof caps[i]);
+    }
+    memset(g, 0, sizeof *g);
     atomic_fetch_sub(&caps_alive, 1);
 }
 
@@ -418,11 +450,11 @@ MSH_EXPORT void memshim_torch_begin_allocate_to_pool(int device, unsigned long l
     if (!dev_ok(device) || !msh_core_init()) return;
     msh_in_hook++;
     pthread_mutex_lock(&caps_lock);
-    struct cap *c = cap_find_locked(device, id0, id1);
-    if (!c) c = cap_create_locked(device, id0, id1);
-    if (c) {
-        c->active++;
-        c->seq = ++caps_seq;
+    struct capgroup *g = group_find_locked(device, id0, id1);
+    if (!g) g = group_create_locked(device, id0, id1);
+    if (g) {
+        g->active++;
+        g->seq = ++caps_seq;
     }
     pthread_mutex_unlock(&caps_lock);
     msh_in_hook--;
@@ -432,8 +464,8 @@ MSH_EXPORT void memshim_torch_begin_allocate_to_pool(int device, unsigned long l
 MSH_EXPORT void memshim_torch_end_allocate_to_pool(int device, unsigned long long id0, unsigned long long id1)
 {
     pthread_mutex_lock(&caps_lock);
-    struct cap *c = cap_find_locked(device, id0, id1);
-    if (c && c->active > 0) c->active--;
+    struct capgroup *g = group_find_locked(device, id0, id1);
+    if (g && g->active > 0) g->active--;
     pthread_mutex_unlock(&caps_lock);
 }
 
@@ -441,11 +473,11 @@ MSH_EXPORT void memshim_torch_release_pool(int device, unsigned long long id0, u
 {
     msh_in_hook++;
     pthread_mutex_lock(&caps_lock);
-    struct cap *c = cap_find_locked(device, id0, id1);
-    if (c) {
-        c->active = 0;
-        c->released = true;
-        cap_maybe_destroy_locked(c);
+    struct capgroup *g = group_find_locked(device, id0, id1);
+    if (g) {
+        g->active = 0;
+        g->released = true;
+        group_maybe_destroy_locked(g);
     }
     pthread_mutex_unlock(&caps_lock);
     msh_in_hook--;
@@ -533,26 +565,27 @@ static void *alloc_in_cap(int device, size_t size, void *stream, uint64_t id0, u
 {
     msh_in_hook++;
     pthread_mutex_lock(&caps_lock);
-    struct cap *c = NULL;
+    struct capgroup *g = NULL;
     if (!backstop) {
-        c = cap_find_locked(device, id0, id1);
+        g = group_find_locked(device, id0, id1);
+        if (!g) g = group_create_locked(device, id0, id1); /* a pool used without begin */
     } else { /* the most recently begun active pool of the device, else the backstop pool */
-        for (int i = 0; i < CAP_MAX; i++)
-            if (caps[i].used && !caps[i].released && caps[i].device == device && caps[i].active &&
-                (!c || caps[i].seq > c->seq))
-                c = &caps[i];
-        if (!c) {
-            c = cap_find_locked(device, BACKSTOP_ID, BACKSTOP_ID);
-            if (!c) {
-                c = cap_create_locked(device, BACKSTOP_ID, BACKSTOP_ID);
-                if (c)
+        for (int i = 0; i < CAPG_MAX; i++)
+            if (groups[i].used && !groups[i].released && groups[i].device == device && groups[i].active &&
+                (!g || groups[i].seq > g->seq))
+                g = &groups[i];
+        if (!g) {
+            g = group_find_locked(device, BACKSTOP_ID, BACKSTOP_ID);
+            if (!g) {
+                g = group_create_locked(device, BACKSTOP_ID, BACKSTOP_ID);
+                if (g)
                     msh_info("device %d: an allocation on a capturing stream came with no capture pool begun; "
                              "it goes to a capture-only pool whose memory is never reused outside captures",
                              device);
             }
         }
     }
-    if (!c && !backstop) c = cap_create_locked(device, id0, id1); /* a pool used without begin */
+    struct cap *c = g ? cap_get_locked(g, (uint64_t)(uintptr_t)stream) : NULL;
     void *p = c ? cap_alloc_locked(c, size, stream) : NULL;
     pthread_mutex_unlock(&caps_lock);
     if (p) note_alloc(device, size);
@@ -606,7 +639,7 @@ static bool cap_free(void *ptr, void *stream)
                            msh_pool_block_size(c->pool, (uint64_t)(uintptr_t)ptr));
         if (msh_pool_free(c->pool, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream) == 0) {
             c->live--;
-            cap_maybe_destroy_locked(c);
+            group_maybe_destroy_locked(&groups[c->g]);
         }
         done = true;
     }

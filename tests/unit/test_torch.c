@@ -15,6 +15,7 @@
 #include "torch.h"
 
 #include "cudadouble/cudbl.h"
+#include <dlfcn.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -87,6 +88,28 @@ TEST(capture_pool_memory_stays_in_its_pool)
     CHECKF(handles() < before_release, "handles %ld, before the release %ld", handles(), before_release);
 }
 
+/* Inside a capture pool a freed block is reused only on its own stream: reuse on another one
+ * would need an event recorded outside the capture and waited on inside it, which the driver
+ * refuses while capturing (PyTorch's private pools match streams the same way). */
+TEST(capture_pool_reuse_stays_on_its_stream)
+{
+    memshim_torch_begin_allocate_to_pool(0, 12, 0, NULL);
+    void *a = memshim_torch_alloc_in_pool(2 * MiB, 0, S_CAPTURING, 12, 0);
+    REQUIRE(a);
+    memshim_torch_free(a, 2 * MiB, 0, S_CAPTURING);
+    void *b = memshim_torch_alloc_in_pool(2 * MiB, 0, S_OTHER, 12, 0);
+    REQUIRE(b);
+    CHECK(!overlaps((uintptr_t)a, 2 * MiB, (uintptr_t)b, 2 * MiB));
+    void *a2 = memshim_torch_alloc_in_pool(2 * MiB, 0, S_CAPTURING, 12, 0);
+    CHECK(a2 == a);
+    memshim_torch_end_allocate_to_pool(0, 12, 0);
+    memshim_torch_free(b, 2 * MiB, 0, S_OTHER);
+    memshim_torch_free(a2, 2 * MiB, 0, S_CAPTURING);
+    long h = handles();
+    memshim_torch_release_pool(0, 12, 0); /* both streams' pools go */
+    CHECK(handles() <= h - 2);
+}
+
 TEST(capture_pool_pages_are_never_remapped_or_released)
 {
     memshim_torch_begin_allocate_to_pool(0, 8, 0, NULL);
@@ -125,6 +148,50 @@ TEST(backstop_takes_allocations_on_a_capturing_stream)
     memshim_torch_release_pool(0, 9, 1);
     memshim_torch_free(m, 2 * MiB, 0, S_OTHER);
     msh_torch_set_capture_query(NULL);
+}
+
+/* With a driver (double) that captures streams: the default query (cuStreamIsCapturing) sends an
+ * allocation on a capturing stream to a capture pool, and nothing memshim does during the capture
+ * invalidates it. Skipped where the double has no stream capture yet. */
+TEST(real_capture_goes_to_a_capture_pool)
+{
+    CUresult (*begin)(CUstream, CUstreamCaptureMode);
+    CUresult (*end)(CUstream, CUgraph *);
+    CUresult (*create)(CUstream *, unsigned int);
+    CUresult (*destroy)(CUstream);
+    CUresult (*graph_destroy)(CUgraph);
+    *(void **)&begin = dlsym(RTLD_DEFAULT, "cuStreamBeginCapture_v2");
+    *(void **)&end = dlsym(RTLD_DEFAULT, "cuStreamEndCapture");
+    *(void **)&create = dlsym(RTLD_DEFAULT, "cuStreamCreate");
+    *(void **)&destroy = dlsym(RTLD_DEFAULT, "cuStreamDestroy_v2");
+    *(void **)&graph_destroy = dlsym(RTLD_DEFAULT, "cuGraphDestroy");
+    if (!begin || !end || !create || !destroy || !dlsym(RTLD_DEFAULT, "cuStreamIsCapturing"))
+        SKIP("the driver double has no stream capture yet");
+    msh_torch_set_capture_query(NULL);
+    CUdevice dev;
+    CUcontext ctx;
+    REQUIRE(cuInit(0) == CUDA_SUCCESS && cuDeviceGet(&dev, 0) == CUDA_SUCCESS);
+    REQUIRE(cuDevicePrimaryCtxRetain(&ctx, dev) == CUDA_SUCCESS && cuCtxSetCurrent(ctx) == CUDA_SUCCESS);
+    CUstream s;
+    REQUIRE(create(&s, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+    void *m = memshim_torch_alloc(2 * MiB, 0, s); /* not capturing: the main pool */
+    REQUIRE(m);
+    memshim_torch_free(m, 2 * MiB, 0, s);
+    REQUIRE(begin(s, CU_STREAM_CAPTURE_MODE_GLOBAL) == CUDA_SUCCESS);
+    void *c = memshim_torch_alloc(2 * MiB, 0, s);
+    CUgraph g = NULL;
+    CUresult er = end(s, &g);
+    CHECKF(er == CUDA_SUCCESS && g, "the capture was invalidated (%d)", (int)er);
+    REQUIRE(c);
+    CHECK(!overlaps((uintptr_t)c, 2 * MiB, (uintptr_t)m, 2 * MiB)); /* not the main pool's freed block */
+    memshim_torch_free(c, 2 * MiB, 0, s);
+    void *m2 = memshim_torch_alloc(2 * MiB, 0, s);
+    CHECK(m2 && !overlaps((uintptr_t)m2, 2 * MiB, (uintptr_t)c, 2 * MiB));
+    memshim_torch_free(m2, 2 * MiB, 0, s);
+    if (g && graph_destroy) graph_destroy(g);
+    /* s stays: freed blocks still name it, and this test calls the double directly, not through
+     * memshim's cuStreamDestroy hook that would tell the pools. */
+    (void)destroy;
 }
 
 TEST(torch_named_stats_peaks_and_resets)

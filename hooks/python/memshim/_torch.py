@@ -83,6 +83,11 @@ def on_torch(torch):
     if state.orig_change is not None and hasattr(state.orig_change, "__wrapped__"):
         state.orig_change = state.orig_change.__wrapped__
     _epochs.install(torch)
+    if cuda.is_initialized():  # `import memshim` after the program's first CUDA use
+        state.decided = True
+        state.why = "CUDA was initialized before memshim's hook could switch the allocator"
+        if setting("mode") not in (MODE_SEGMENT, MODE_OFF):
+            log(LOG_INFO, f"memshim stays in segment mode: {state.why}")
     import atexit
     atexit.register(_at_exit)
 
