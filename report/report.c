@@ -40,6 +40,7 @@
 #include "memshim.h"
 #include "msh.h"
 #include "sites.h"
+#include "torch.h"
 
 static struct {
     void *h;
@@ -175,17 +176,9 @@ static void set_sn(json_t *o, const char *k, const char *v) { J.object_set_new(o
 /* ---- versions ---------------------------------------------------------------------------------- */
 
 static pthread_mutex_t ver_lock = PTHREAD_MUTEX_INITIALIZER;
-static char torch_version[64];
 static char driver_version[16], runtime_version[16];
 static bool versions_read;
 static char device_names[MSH_MAX_DEVICES][128];
-
-MSH_EXPORT void memshim_set_torch_version(const char *v)
-{
-    pthread_mutex_lock(&ver_lock);
-    snprintf(torch_version, sizeof torch_version, "%s", v ? v : "");
-    pthread_mutex_unlock(&ver_lock);
-}
 
 static void cuda_version_text(int v, char *out, size_t len)
 {
@@ -246,7 +239,7 @@ static json_t *versions_json(int device)
     set_sn(v, "cuda_runtime", runtime_version[0] ? runtime_version : NULL);
     set_sn(v, "device_name", device >= 0 && device < MSH_MAX_DEVICES && device_names[device][0] ? device_names[device] : NULL);
     set_s(v, "memshim", MEMSHIM_VERSION);
-    set_sn(v, "torch", torch_version[0] ? torch_version : NULL);
+    set_sn(v, "torch", msh_torch_version()); /* handed over by the Python side (shim/torch.c) */
     pthread_mutex_unlock(&ver_lock);
     return v;
 }
@@ -507,6 +500,16 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     else snprintf(verdict, sizeof verdict, "flat");
     set_s(tr, "verdict", verdict);
     J.object_set_new(root, "trend", tr);
+
+    /* Segment mode: PyTorch's own memory_stats() for the epoch, handed over by the Python side
+     * (shim/torch.c); absent when it handed none (tensor mode, or CUDA not initialized). */
+    const char *tkey;
+    int64_t tval;
+    if (msh_torch_report_stat(d->device, 0, &tkey, &tval)) {
+        json_t *ts = J.object();
+        for (int i = 0; msh_torch_report_stat(d->device, i, &tkey, &tval); i++) set_i(ts, tkey, tval);
+        J.object_set_new(root, "torch_memory_stats", ts);
+    }
 
     json_t *cfg = J.object();
     char val[512];

@@ -43,8 +43,9 @@ def _declare(lib):
     lib.memshim_snapshot_dump.restype = c.c_int
     lib.memshim_sites_library_path.argtypes = [c.c_char_p]
     lib.memshim_sites_library_path.restype = c.c_int
-    lib.memshim_set_torch_version.argtypes = [c.c_char_p]
-    lib.memshim_set_torch_version.restype = None
+    if hasattr(lib, "memshim_torch_set_version"):
+        lib.memshim_torch_set_version.argtypes = [c.c_char_p]
+        lib.memshim_torch_set_version.restype = None
     return lib
 
 
@@ -77,8 +78,8 @@ def install(torch_module, lib):
     lib = _declare(lib)
     mem = torch_module.cuda.memory
     version = getattr(torch_module, "__version__", "")
-    if version:
-        lib.memshim_set_torch_version(str(version).encode())
+    if version and hasattr(lib, "memshim_torch_set_version"):  # the start-up hook hands it over too
+        lib.memshim_torch_set_version(str(version).encode())
     # Frames in torch's own files and in this package are library frames, never a site.
     for path in (os.path.dirname(os.path.abspath(torch_module.__file__)),
                  os.path.dirname(os.path.abspath(__file__))):
