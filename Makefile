@@ -19,6 +19,10 @@ SANFLAGS := $(if $(SAN),-fsanitize=$(SAN) -fno-omit-frame-pointer -fno-sanitize-
 CFLAGS  ?= $(OPT) -g
 CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -fPIC -pthread \
            -fvisibility=hidden -Ishim -Ipolicy -Ipolicy/models -Ireport -Ireport/trace -I$(CUDA_INC) $(SANFLAGS)
+# TLS descriptors (x86-64 GCC; arm64 has them by default): a thread-local in the preloaded
+# library then costs a load, not a call to __tls_get_addr; the allocation path reads several.
+TLS_DIALECT := $(shell $(CC) -mtls-dialect=gnu2 -fPIC -x c -c /dev/null -o /dev/null 2>/dev/null && echo -mtls-dialect=gnu2)
+CFLAGS  += $(TLS_DIALECT)
 LDFLAGS += -pthread $(SANFLAGS)
 LIBS    := -ldl -lm
 

@@ -79,6 +79,7 @@ struct msh_config {
     int epoch_signal;          /* signal number, e.g. SIGUSR2 */
     char report_dir[4096];     /* empty = no reports */
     int report_format;         /* enum msh_report_fmt */
+    uint64_t latency_sample;   /* with reports: time one pool call in this many (1: all) */
     char trace_file[4096];     /* empty = no trace */
     int sites;                 /* enum msh_sites_mode */
     uint64_t sites_sample;     /* allocations below this many bytes are sampled; 0 = none */
