@@ -23,6 +23,7 @@
 #include <sys/mman.h>
 #include <time.h>
 
+#include "hotclock.h" /* msh_lat_sampled: which calls are timed */
 #include "msh.h"
 
 #define BLOCK_ALIGN 512 /* what PyTorch promises its callers */
@@ -49,6 +50,7 @@ struct blk {
     uint32_t prio;
     uint32_t sync_epoch; /* pool->sync_count when it was freed */
     uint8_t free, nstreams, sync_needed;
+    uint32_t tag;        /* live: msh_pool_tags.next when it was placed (the caller's mark) */
 };
 
 struct page {
@@ -772,6 +774,7 @@ static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64
     }
     b->free = 0;
     b->req = req;
+    b->tag = msh_pool_tags.next;
     b->streams[0] = stream;
     b->nstreams = stream == MSH_STREAM_COMPLETED ? 0 : 1;
     b->sync_needed = 0;
@@ -866,8 +869,8 @@ static inline uint64_t now_ns(void)
 /* One timed call: the total, the histogram behind the reports' latency percentiles, the max. */
 static inline void lat_note(uint64_t *hist, uint64_t *total, uint64_t *max, uint64_t ns)
 {
-    *total += ns;
-    hist[msh_lat_bucket(ns)]++;
+    *total += ns * msh_lat_weight;           /* a timed call stands for msh_lat_weight calls */
+    hist[msh_lat_bucket(ns)] += msh_lat_weight;
     if (ns > *max) *max = ns;
 }
 
@@ -895,7 +898,7 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
 {
     if (size > MAX_SIZE) return EINVAL;
     uint64_t rsize = round_up(size ? size : 1, BLOCK_ALIGN);
-    uint64_t t0 = pool->timing ? now_ns() : 0;
+    uint64_t t0 = pool->timing && msh_lat_sampled() ? now_ns() : 0;
     pthread_mutex_lock(&pool->lock);
     bool reclaimed = false;
     int rc = try_alloc(pool, rsize, size, stream, addr, &reclaimed);
@@ -918,7 +921,7 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
     }
     if (rc == 0) {
         note_alloc(pool, size, false, reclaimed);
-        if (pool->timing) lat_note(pool->st.alloc_lat, &pool->st.alloc_ns_total, &pool->st.alloc_ns_max, now_ns() - t0);
+        if (t0) lat_note(pool->st.alloc_lat, &pool->st.alloc_ns_total, &pool->st.alloc_ns_max, now_ns() - t0);
         pthread_mutex_unlock(&pool->lock);
         return 0;
     }
@@ -938,13 +941,14 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
 
 int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream)
 {
-    uint64_t t0 = pool->timing ? now_ns() : 0;
+    uint64_t t0 = pool->timing && msh_lat_sampled() ? now_ns() : 0;
     pthread_mutex_lock(&pool->lock);
     struct blk *b = hash_remove(pool, addr);
     if (!b) {
         pthread_mutex_unlock(&pool->lock);
         return EINVAL;
     }
+    msh_pool_tags = (struct msh_pool_tags){msh_pool_tags.next, b->tag, b->req};
     pool->st.frees++;
     pool->st.live_bytes -= b->req;
     pool->st.live_blocks--;
@@ -974,9 +978,21 @@ int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream)
     blk_make_free(pool, b, b->reg->area);
     if (pool->prm.release_threshold && pool->cached * pool->gran > pool->prm.release_threshold)
         release_cached(pool, pool->prm.release_threshold);
-    if (pool->timing) lat_note(pool->st.free_lat, &pool->st.free_ns_total, &pool->st.free_ns_max, now_ns() - t0);
+    if (t0) lat_note(pool->st.free_lat, &pool->st.free_ns_total, &pool->st.free_ns_max, now_ns() - t0);
     pthread_mutex_unlock(&pool->lock);
     return 0;
+}
+
+__thread struct msh_pool_tags msh_pool_tags;
+
+void msh_pool_block_tags(struct msh_pool *pool, const uint64_t *addrs, uint32_t *tags, size_t n)
+{
+    pthread_mutex_lock(&pool->lock);
+    for (size_t i = 0; i < n; i++) {
+        struct blk *b = hash_find(pool, addrs[i]);
+        tags[i] = b ? b->tag : 0;
+    }
+    pthread_mutex_unlock(&pool->lock);
 }
 
 size_t msh_pool_block_size(struct msh_pool *pool, uint64_t addr)

@@ -112,6 +112,16 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
 /* Free a block. `stream` is where its last use was enqueued (MSH_STREAM_COMPLETED when known
  * done). Returns EINVAL for an address the pool did not hand out (nothing changes). */
 int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream);
+/* Marks on live blocks (memshim_malloc's allocation sites, shim/sites.c): a block placed while
+ * this thread's msh_pool_tags.next is set keeps that value; a successful msh_pool_free leaves the
+ * freed block's mark and requested size in .freed and .freed_req. */
+struct msh_pool_tags {
+    uint32_t next, freed;
+    uint64_t freed_req;
+};
+extern __thread struct msh_pool_tags msh_pool_tags;
+/* The marks of the live blocks at addrs[0..n) (0 where none), in one lock hold. */
+void msh_pool_block_tags(struct msh_pool *pool, const uint64_t *addrs, uint32_t *tags, size_t n);
 /* Requested size of the live block at addr, or 0 when addr is not a live block of this pool. */
 size_t msh_pool_block_size(struct msh_pool *pool, uint64_t addr);
 bool msh_pool_owns(struct msh_pool *pool, uint64_t addr);

@@ -23,6 +23,7 @@
 #include "cuda_real.h"
 #include "device.h"
 #include "history.h"
+#include "hotclock.h"
 #include "memshim.h"
 #include "msh.h"
 #include "report.h"
@@ -205,6 +206,7 @@ static void do_init(void)
     msh_in_hook++;
     msh_config_load();
     if (msh_cfg.log_file[0]) msh_log_open(msh_cfg.log_file);
+    msh_hotclock_init();
     t0_ns = msh_now_ns();
     epoch_start_ns = t0_ns;
     if (msh_cfg.mode == MSH_MODE_OFF) {
@@ -368,7 +370,7 @@ struct msh_pool *msh_core_pool(int device)
         }
         if (rc == 0) {
             msh_pool_set_gc(p, gc_bridge, NULL);
-            msh_pool_set_timing(p, true);
+            msh_pool_set_timing(p, msh_report_init()); /* latency figures serve the reports only */
             atomic_store_explicit(&pools[device], p, memory_order_release);
             msh_info("device %d: pool ready", device);
         } else {
@@ -523,9 +525,11 @@ static void close_epoch(const char *reason, bool may_gc)
     msh_in_hook--;
 }
 
+/* Every allocation passes here: the coarse clock (a few ns, one scheduler tick of resolution)
+ * does for idle detection, the seconds epoch and the once-a-second GC check. */
 void msh_core_tick(void)
 {
-    uint64_t now = msh_now_ns();
+    uint64_t now = msh_coarse_ns();
     atomic_store_explicit(&last_activity_ns, now, memory_order_relaxed);
     if (MSH_UNLIKELY(atomic_load_explicit(&epoch_signalled, memory_order_relaxed)) &&
         atomic_exchange(&epoch_signalled, 0)) {
@@ -691,12 +695,17 @@ MSH_EXPORT void *memshim_malloc(ssize_t size, int device, memshim_stream_t strea
         msh_error("memshim_malloc: no pool for device %d (is memshim off, or the driver unusable?)", device);
     } else {
         uint64_t a = 0;
+        /* The site is read before the pool is entered; the pool keeps it on the block. A GC
+         * callback inside the pool may allocate: the outer mark is put back after. */
+        uint32_t tag = msh_sites_tag((size_t)size), outer = msh_pool_tags.next;
+        msh_pool_tags.next = tag;
         in_tensor_alloc = 1;
         int arc = msh_pool_alloc(p, (size_t)size, (uint64_t)(uintptr_t)stream, &a);
         in_tensor_alloc = 0;
+        msh_pool_tags.next = outer;
         if (arc == 0) {
             out = (void *)(uintptr_t)a;
-            msh_sites_alloc(device, a, (size_t)size);
+            msh_sites_alloc(device, tag, (size_t)size);
             msh_core_trace('a', device, (uint64_t)(uintptr_t)stream, a, (uint64_t)size);
         } else {
             msh_core_note_oom(device);
@@ -713,7 +722,6 @@ MSH_EXPORT void memshim_free(void *ptr, ssize_t size, int device, memshim_stream
 {
     if (!ptr) return;
     msh_in_hook++;
-    msh_sites_free(device, (uint64_t)(uintptr_t)ptr, size > 0 ? (size_t)size : 0);
     struct msh_pool *p = device >= 0 && device < MSH_MAX_DEVICES ? atomic_load(&pools[device]) : NULL;
     /* The trace line goes out before the block can be reused by another thread, so a trace
      * never shows the reuse before the free. */
@@ -727,12 +735,15 @@ MSH_EXPORT void memshim_free(void *ptr, ssize_t size, int device, memshim_stream
             msh_core_trace('f', device, (uint64_t)(uintptr_t)stream, (uint64_t)(uintptr_t)ptr,
                            msh_pool_block_size(p, (uint64_t)(uintptr_t)ptr));
     }
+    int d = device;
+    msh_pool_tags.freed = 0; /* the pool leaves the block's mark and size here */
+    msh_pool_tags.freed_req = 0;
     if (!owned || msh_pool_free(p, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream)) {
-        int d = -1;
         struct msh_pool *q = msh_core_pool_owning((uint64_t)(uintptr_t)ptr, &d);
         if (q) msh_pool_free(q, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream);
         else msh_warn("memshim_free: %p was not allocated by memshim (device %d); ignored", ptr, device);
     }
+    msh_sites_free(d, msh_pool_tags.freed, msh_pool_tags.freed_req);
     msh_in_hook--;
 }
 

@@ -27,6 +27,7 @@
 #include "device.h"
 #include "memshim.h"
 #include "msh.h"
+#include "report.h"
 
 /* ---- the Python start-up hook ---------------------------------------------------------------
  * glibc passes (argc, argv, envp) to constructors. Before CPython reads its environment, the
@@ -418,7 +419,7 @@ static struct cap *cap_get_locked(struct capgroup *g, uint64_t stream)
             msh_warn("device %d: cannot create a CUDA-graph capture pool (error %d)", g->device, rc);
             return NULL;
         }
-        msh_pool_set_timing(p, true);
+        msh_pool_set_timing(p, msh_report_init()); /* latency figures serve the reports only */
         caps[i] = (struct cap){.used = true, .g = gi, .device = g->device, .stream = stream, .pool = p};
         return &caps[i];
     }
