@@ -37,7 +37,9 @@
 #include <sys/mman.h>
 #include <time.h>
 
+#include "hotclock.h"
 #include "msh.h"
+#include "pool.h" /* msh_pool_block_tags: the marks memshim_malloc left on its blocks */
 
 __thread uint32_t msh_sites_last_stack;
 
@@ -113,14 +115,8 @@ static _Atomic int capture_all; /* the history ring records: no sampling */
 #define GIL_SLOW_NS 20000ull           /* an acquisition this slow means another thread runs Python */
 #define GIL_BACKOFF_NS 1000000000ull   /* then do not re-take the GIL for a second */
 static _Atomic uint64_t gil_backoff_until;
-static _Atomic uint64_t cost_acquires, cost_wait_ns;
-
-static uint64_t mono_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
+static _Atomic uint64_t cost_acquires, cost_wait_ticks;
+static uint64_t gil_slow_ticks = GIL_SLOW_NS; /* GIL_SLOW_NS in msh_ticks() units (do_init) */
 
 /* Anonymous memory, committed only where touched; never from malloc. */
 static void *vm(size_t bytes)
@@ -405,6 +401,19 @@ static uint32_t stack_get(const uint32_t *f, int n, int site_at)
     return id;
 }
 
+/* The last walk of this thread: the (code object, position) seen at each depth and its interned
+ * frame, and the stack it made. The same positions at every depth are the same stack, so a
+ * repeated walk (an operator allocating from the same line again) skips every table lookup.
+ * Interned code objects are kept alive, so a code address here is never another code object. */
+static __thread int tl_walking;
+static __thread struct {
+    uint64_t codep[WALK_MAX];
+    int32_t pos[WALK_MAX];
+    uint32_t id[WALK_MAX];
+    int looked, callers;
+    uint32_t stack;
+} tl_memo;
+
 /* Walk this thread's Python stack (GIL held). */
 static uint32_t walk(void)
 {
@@ -414,13 +423,30 @@ static uint32_t walk(void)
     int n = 0, site_at = -1, looked = 0;
     /* Callers above the site only serve the snapshot's frames: walk them while history records. */
     int callers = atomic_load_explicit(&capture_all, memory_order_relaxed) ? SITE_CALLERS : 0;
+    /* A walk inside a walk (Python's GC, run while a frame object is made, may free and allocate)
+     * leaves the memo to the outer one. */
+    bool memo = !tl_walking++;
+    bool same = memo && tl_memo.stack != MSH_STACK_NONE && tl_memo.callers == callers;
     pyobj *owned = NULL; /* the frame we hold a reference to */
     while (f && looked < WALK_MAX) {
         pyobj *code = py.frame_code(f);
         if (!code) break;
         int32_t pos = py.frame_lasti ? py.frame_lasti(f) : py.frame_line(f);
-        uint32_t id = frame_find((uint64_t)(uintptr_t)code, pos);
-        if (id == UINT32_MAX) id = frame_insert(f, code, pos);
+        uint64_t codep = (uint64_t)(uintptr_t)code;
+        uint32_t id;
+        if (memo && looked < tl_memo.looked && tl_memo.codep[looked] == codep && tl_memo.pos[looked] == pos) {
+            id = tl_memo.id[looked];
+        } else {
+            same = false;
+            id = frame_find(codep, pos);
+            if (id == UINT32_MAX) id = frame_insert(f, code, pos);
+            if (memo && id != UINT32_MAX) {
+                tl_memo.codep[looked] = codep;
+                tl_memo.pos[looked] = pos;
+                tl_memo.id[looked] = id;
+                tl_memo.looked = looked + 1; /* deeper entries belong to another stack */
+            }
+        }
         py.decref(code); /* the interned code object keeps its own reference */
         if (id == UINT32_MAX) break; /* a table is full */
         bool internal = frames[id].internal;
@@ -435,7 +461,16 @@ static uint32_t walk(void)
         f = back;
     }
     if (owned) py.decref(owned);
-    return n > 0 ? stack_get(ids, n, site_at >= 0 ? site_at : 0) : MSH_STACK_UNATTRIBUTED;
+    tl_walking--;
+    if (n == 0) return MSH_STACK_UNATTRIBUTED;
+    if (same && looked == tl_memo.looked) return tl_memo.stack;
+    uint32_t st = stack_get(ids, n, site_at >= 0 ? site_at : 0);
+    if (memo) {
+        bool keep = st != MSH_STACK_UNATTRIBUTED && looked == tl_memo.looked;
+        tl_memo.callers = callers;
+        tl_memo.stack = keep ? st : MSH_STACK_NONE;
+    }
+    return st;
 }
 
 static bool py_finalizing(void)
@@ -449,44 +484,41 @@ static uint32_t capture(void)
     if (py.gil_check()) return walk();
     if (!py.this_thread_state()) return MSH_STACK_BACKWARD;
     if (sites_mode != MSH_SITES_ACQUIRE) return MSH_STACK_UNATTRIBUTED;
-    uint64_t t0 = mono_ns();
-    if (t0 < atomic_load_explicit(&gil_backoff_until, memory_order_relaxed)) return MSH_STACK_UNATTRIBUTED;
+    /* the back-off window (a second) needs no precision; the wait is timed in CPU ticks */
+    if (msh_coarse_ns() < atomic_load_explicit(&gil_backoff_until, memory_order_relaxed)) return MSH_STACK_UNATTRIBUTED;
+    uint64_t t0 = msh_ticks();
     int g = py.ensure();
-    uint64_t t1 = mono_ns();
-    if (t1 - t0 > GIL_SLOW_NS) atomic_store_explicit(&gil_backoff_until, t1 + GIL_BACKOFF_NS, memory_order_relaxed);
+    uint64_t waited = msh_ticks() - t0;
+    if (waited > gil_slow_ticks)
+        atomic_store_explicit(&gil_backoff_until, msh_coarse_ns() + GIL_BACKOFF_NS, memory_order_relaxed);
     uint32_t st = walk();
     py.release(g);
     atomic_fetch_add_explicit(&cost_acquires, 1, memory_order_relaxed);
-    atomic_fetch_add_explicit(&cost_wait_ns, t1 - t0, memory_order_relaxed);
+    atomic_fetch_add_explicit(&cost_wait_ticks, waited, memory_order_relaxed);
     return st;
 }
 
 /* ---- accounting per device --------------------------------------------------------------------- */
 
 #define TREND 8
-#define FILTER (1u << 16)
 struct site_acc {
     int64_t live, live_cnt; /* bytes; blocks x 1024 */
     int64_t peak, peak_cnt;
     int64_t end[TREND];
     uint8_t nend, seen;
 };
-struct blk_ent {
-    uint64_t addr; /* 0: empty, 1: deleted (block addresses are 512-aligned) */
-    uint64_t w, wc;
-    uint32_t stack, site;
-};
+/* A tracked block's mark in the pool (msh_pool_tags): its stack id, and whether its site was
+ * sampled (its weight is then its size over the chance it had of being sampled). */
+#define TAG_SAMPLED 0x80000000u
 struct dev_acc {
     pthread_mutex_t lock;
     struct site_acc *site;
-    uint32_t site_hi; /* one past the highest site id accounted */
-    struct blk_ent *tab;
-    size_t cap, used, live;
-    _Atomic int64_t total;     /* tensor bytes live on the device (every allocation) */
-    _Atomic int64_t max_total; /* the epoch's peak of total */
-    _Atomic int64_t next_copy; /* take the next peak copy when total passes this */
-    int64_t copy_total;        /* total when the peak copy was taken (lock) */
-    uint16_t filter[FILTER];   /* tracked blocks per address hash: a free skips the lock at 0 */
+    uint32_t site_hi;          /* one past the highest site id accounted */
+    /* under lock: */
+    int64_t total;      /* tensor bytes live on the device (every allocation) */
+    int64_t max_total;  /* the epoch's peak of total */
+    int64_t next_copy;  /* take the next peak copy when total passes this */
+    int64_t copy_total; /* total when the peak copy was taken */
 };
 static struct dev_acc *_Atomic accs[MSH_MAX_DEVICES];
 static pthread_mutex_t acc_create_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -501,53 +533,17 @@ static struct dev_acc *acc_get(int device, bool create)
     if (!a) {
         a = vm(sizeof *a);
         struct site_acc *s = a ? vm((size_t)SITE_CAP * sizeof *s) : NULL;
-        struct blk_ent *t = s ? vm((size_t)4096 * sizeof *t) : NULL;
-        if (t) {
+        if (s) {
             pthread_mutex_init(&a->lock, NULL);
             a->site = s;
-            a->tab = t;
-            a->cap = 4096;
             atomic_store(&accs[device], a);
         } else {
-            if (s) munmap(s, (size_t)SITE_CAP * sizeof *s);
             if (a) munmap(a, sizeof *a);
             a = NULL;
         }
     }
     pthread_mutex_unlock(&acc_create_lock);
     return a;
-}
-
-static inline uint32_t filt(uint64_t addr)
-{
-    return (uint32_t)(mix64(addr) >> 40) & (FILTER - 1);
-}
-
-/* Rehash into a table twice as large when live + deleted entries pass 1/2 (lock held). */
-static bool tab_grow(struct dev_acc *a)
-{
-    size_t cap = a->live * 4 > a->cap ? a->cap * 2 : a->cap; /* mostly deletions: same size */
-    struct blk_ent *t = vm(cap * sizeof *t);
-    if (!t) return false;
-    for (size_t i = 0; i < a->cap; i++) {
-        if (a->tab[i].addr <= 1) continue;
-        size_t j = mix64(a->tab[i].addr) & (cap - 1);
-        while (t[j].addr) j = (j + 1) & (cap - 1);
-        t[j] = a->tab[i];
-    }
-    munmap(a->tab, a->cap * sizeof *a->tab);
-    a->tab = t;
-    a->cap = cap;
-    a->used = a->live;
-    return true;
-}
-
-static struct blk_ent *tab_find(struct dev_acc *a, uint64_t addr)
-{
-    for (size_t j = mix64(addr) & (a->cap - 1);; j = (j + 1) & (a->cap - 1)) {
-        if (a->tab[j].addr == addr) return &a->tab[j];
-        if (!a->tab[j].addr) return NULL;
-    }
 }
 
 static void peak_copy(struct dev_acc *a)
@@ -560,26 +556,89 @@ static void peak_copy(struct dev_acc *a)
 
 static void set_next_copy(struct dev_acc *a, int64_t total)
 {
-    atomic_store_explicit(&a->next_copy, total + total / 64 + 1, memory_order_relaxed);
+    a->next_copy = total + total / 64 + 1;
 }
 
 /* Copies are taken every 1/64 of growth; when the device sits at its epoch peak right now (the
  * peak came last, as when memory only grows), bring the copy up to it exactly (lock held). */
 static void refresh_peak(struct dev_acc *a)
 {
-    int64_t max = atomic_load(&a->max_total);
-    if (max > a->copy_total && atomic_load(&a->total) == max) {
+    int64_t max = a->max_total;
+    if (max > a->copy_total && a->total == max) {
         peak_copy(a);
         a->copy_total = max;
     }
+}
+
+/* One update of a device's accounts, in one lock hold: a tracked block's site (site 0: none) and
+ * the device's total, with the peak copy when the total passes the last by 1/64. */
+static void account(struct dev_acc *a, uint32_t site, int64_t w, int64_t wc, int64_t dtotal)
+{
+    pthread_mutex_lock(&a->lock);
+    if (site) {
+        struct site_acc *s = &a->site[site];
+        s->live += w;
+        s->live_cnt += wc;
+        s->seen = 1;
+        if (site >= a->site_hi) a->site_hi = site + 1;
+    }
+    a->total += dtotal;
+    if (dtotal > 0) {
+        if (a->total > a->max_total) a->max_total = a->total;
+        if (a->total > a->next_copy) {
+            peak_copy(a);
+            a->copy_total = a->total;
+            set_next_copy(a, a->total);
+        }
+    }
+    pthread_mutex_unlock(&a->lock);
+}
+
+/* This thread's device (cached) and the bytes it allocated minus freed there that the device's
+ * total has not seen yet. Exact sites move the total at every call (in the lock hold that
+ * accounts the block); with sampling an untracked block only moves this balance, which reaches
+ * the total at the next tracked block or when it passes the sampling interval: the peak copy
+ * then lags the true peak by at most that interval per thread (besides its own 1/64). */
+static __thread struct dev_acc *tl_acc;
+static __thread int tl_acc_dev = -1;
+static __thread int64_t tl_pend;
+static uint64_t flush_at; /* sample_T */
+
+static struct dev_acc *acc_for(int device)
+{
+    if (MSH_LIKELY(device == tl_acc_dev)) return tl_acc;
+    struct dev_acc *a = acc_get(device, true);
+    if (!a) return NULL;
+    if (tl_pend && tl_acc) account(tl_acc, 0, 0, 0, tl_pend);
+    tl_pend = 0;
+    tl_acc = a;
+    tl_acc_dev = device;
+    return a;
+}
+
+/* What a tracked block stands for: its bytes and blocks x 1024 (estimates when sampled). */
+static void block_weight(uint32_t tag, uint64_t size, int64_t *w, int64_t *wc)
+{
+    if (!(tag & TAG_SAMPLED)) {
+        *w = (int64_t)size;
+        *wc = 1024;
+        return;
+    }
+    double p = -expm1(-(double)size / (double)sample_T); /* P(this allocation was sampled) */
+    if (p < 1e-12) p = 1e-12;
+    *w = (int64_t)((double)(size ? size : 1) / p + 0.5);
+    *wc = (int64_t)(1024.0 / p + 0.5);
 }
 
 /* ---- the entry points -------------------------------------------------------------------------- */
 
 static void do_init(void)
 {
+    msh_hotclock_init();
+    gil_slow_ticks = msh_ticks_from_ns(GIL_SLOW_NS);
     sites_mode = msh_cfg.sites;
     sample_T = msh_cfg.sites_sample;
+    flush_at = sample_T;
     if (sites_mode == MSH_SITES_OFF) return;
     py_resolve();
     if (!py_ok) return;
@@ -612,7 +671,7 @@ static __thread uint64_t tl_rng;
 /* Bytes until the next sample: exponential with mean T. */
 static int64_t next_gap(void)
 {
-    if (!tl_rng) tl_rng = mix64((uint64_t)(uintptr_t)&tl_rng ^ mono_ns()) | 1;
+    if (!tl_rng) tl_rng = mix64((uint64_t)(uintptr_t)&tl_rng ^ msh_ticks()) | 1;
     tl_rng ^= tl_rng << 13;
     tl_rng ^= tl_rng >> 7;
     tl_rng ^= tl_rng << 17;
@@ -620,90 +679,48 @@ static int64_t next_gap(void)
     return (int64_t)(-log(u) * (double)sample_T) + 1;
 }
 
-void msh_sites_alloc(int device, uint64_t addr, size_t size)
+uint32_t msh_sites_tag(size_t size)
 {
-    if (!sites_on) return; /* msh_sites_last_stack stays 0: the history ring clears it on use */
+    if (!sites_on) return 0; /* msh_sites_last_stack stays 0: the history ring clears it on use */
     msh_sites_last_stack = MSH_STACK_NONE;
-    struct dev_acc *a = acc_get(device, true);
-    if (!a) return;
-    int64_t total = atomic_fetch_add_explicit(&a->total, (int64_t)size, memory_order_relaxed) + (int64_t)size;
-    uint64_t w = size, wc = 1024;
-    bool sampled = sample_T == 0 || size >= sample_T || atomic_load_explicit(&capture_all, memory_order_relaxed);
-    if (!sampled) {
+    bool sampled = sample_T && size < sample_T && !atomic_load_explicit(&capture_all, memory_order_relaxed);
+    if (sampled) {
         if (tl_until <= 0) tl_until = next_gap();
         tl_until -= (int64_t)size;
-        if (tl_until > 0) goto peak;
+        if (tl_until > 0) return 0;
         tl_until = next_gap();
-        double p = -expm1(-(double)size / (double)sample_T); /* P(this allocation was sampled) */
-        if (p < 1e-12) p = 1e-12;
-        w = (uint64_t)((double)(size ? size : 1) / p + 0.5);
-        wc = (uint64_t)(1024.0 / p + 0.5);
     }
     uint32_t stack = capture();
     msh_sites_last_stack = stack;
-    uint32_t site = stacks[stack].site;
-    pthread_mutex_lock(&a->lock);
-    if ((a->used + 1) * 2 > a->cap && !tab_grow(a)) {
-        pthread_mutex_unlock(&a->lock);
-        goto peak;
-    }
-    size_t j = mix64(addr) & (a->cap - 1);
-    while (a->tab[j].addr > 1 && a->tab[j].addr != addr) j = (j + 1) & (a->cap - 1);
-    if (a->tab[j].addr == addr) { /* a stale entry (a free we never saw): replace it */
-        struct site_acc *o = &a->site[a->tab[j].site];
-        o->live -= (int64_t)a->tab[j].w;
-        o->live_cnt -= (int64_t)a->tab[j].wc;
-    } else {
-        if (!a->tab[j].addr) a->used++;
-        a->live++;
-        __atomic_fetch_add(&a->filter[filt(addr)], 1, __ATOMIC_RELAXED);
-    }
-    a->tab[j] = (struct blk_ent){addr, w, wc, stack, site};
-    struct site_acc *s = &a->site[site];
-    s->live += (int64_t)w;
-    s->live_cnt += (int64_t)wc;
-    s->seen = 1;
-    if (site >= a->site_hi) a->site_hi = site + 1;
-    pthread_mutex_unlock(&a->lock);
-peak:;
-    int64_t max = atomic_load_explicit(&a->max_total, memory_order_relaxed);
-    while (total > max && !atomic_compare_exchange_weak(&a->max_total, &max, total)) {
-    }
-    if (total > atomic_load_explicit(&a->next_copy, memory_order_relaxed)) {
-        pthread_mutex_lock(&a->lock);
-        if (total > atomic_load_explicit(&a->next_copy, memory_order_relaxed)) {
-            peak_copy(a);
-            a->copy_total = total;
-            set_next_copy(a, total);
-        }
-        pthread_mutex_unlock(&a->lock);
-    }
+    return stack | (sampled ? TAG_SAMPLED : 0);
 }
 
-void msh_sites_free(int device, uint64_t addr, size_t size)
+/* A block of `bytes` (negative: freed) with mark `tag` on `device`. */
+static void note(int device, uint32_t tag, int64_t bytes)
 {
-    if (!sites_on) return;
-    struct dev_acc *a = acc_get(device, false);
+    struct dev_acc *a = acc_for(device);
     if (!a) return;
-    /* The filter counts tracked blocks by address hash; this block's own insertion happened
-     * before its free, so a 0 here means it was never tracked. */
-    if (__atomic_load_n(&a->filter[filt(addr)], __ATOMIC_RELAXED) == 0) {
-        atomic_fetch_sub_explicit(&a->total, (int64_t)size, memory_order_relaxed);
+    if (!tag) {
+        tl_pend += bytes;
+        if (tl_pend < (int64_t)flush_at && tl_pend > -(int64_t)flush_at) return;
+        account(a, 0, 0, 0, tl_pend);
+        tl_pend = 0;
         return;
     }
-    pthread_mutex_lock(&a->lock);
-    struct blk_ent *e = tab_find(a, addr);
-    if (e) {
-        struct site_acc *s = &a->site[e->site];
-        s->live -= (int64_t)e->w;
-        s->live_cnt -= (int64_t)e->wc;
-        e->addr = 1;
-        a->live--;
-        __atomic_fetch_sub(&a->filter[filt(addr)], 1, __ATOMIC_RELAXED);
-        if (e->wc == 1024) size = e->w; /* an exact block: its own size, not the caller's */
-    }
-    pthread_mutex_unlock(&a->lock);
-    atomic_fetch_sub_explicit(&a->total, (int64_t)size, memory_order_relaxed);
+    int64_t w, wc, d = tl_pend + bytes;
+    block_weight(tag, (uint64_t)(bytes < 0 ? -bytes : bytes), &w, &wc);
+    tl_pend = 0;
+    account(a, stacks[tag & ~TAG_SAMPLED].site, bytes < 0 ? -w : w, bytes < 0 ? -wc : wc, d);
+}
+
+void msh_sites_alloc(int device, uint32_t tag, size_t size)
+{
+    if (sites_on) note(device, tag, (int64_t)size);
+}
+
+void msh_sites_free(int device, uint32_t tag, size_t size)
+{
+    if (sites_on && (tag || size)) note(device, tag, -(int64_t)size);
 }
 
 void msh_sites_epoch_end(void)
@@ -733,10 +750,9 @@ void msh_sites_epoch_reset(void)
         if (!a) continue;
         pthread_mutex_lock(&a->lock);
         peak_copy(a);
-        int64_t total = atomic_load(&a->total);
-        a->copy_total = total;
-        atomic_store(&a->max_total, total);
-        set_next_copy(a, total);
+        a->copy_total = a->total;
+        a->max_total = a->total;
+        set_next_copy(a, a->total);
         pthread_mutex_unlock(&a->lock);
     }
 }
@@ -837,23 +853,18 @@ int msh_sites_stack_frames(uint32_t stack, struct msh_site_frame *out, int max)
     return n;
 }
 
-void msh_sites_block_stacks(int device, const uint64_t *addrs, uint32_t *out, size_t n)
+void msh_sites_block_stacks(struct msh_pool *pool, const uint64_t *addrs, uint32_t *out, size_t n)
 {
-    struct dev_acc *a = sites_on ? acc_get(device, false) : NULL;
-    if (!a) {
+    if (!sites_on || !pool) {
         memset(out, 0, n * sizeof *out);
         return;
     }
-    pthread_mutex_lock(&a->lock);
-    for (size_t i = 0; i < n; i++) {
-        struct blk_ent *e = addrs[i] > 1 ? tab_find(a, addrs[i]) : NULL;
-        out[i] = e ? e->stack : MSH_STACK_NONE;
-    }
-    pthread_mutex_unlock(&a->lock);
+    msh_pool_block_tags(pool, addrs, out, n);
+    for (size_t i = 0; i < n; i++) out[i] &= ~TAG_SAMPLED;
 }
 
 void msh_sites_gil_stats(uint64_t *acquires, uint64_t *wait_ns)
 {
     if (acquires) *acquires = atomic_load(&cost_acquires);
-    if (wait_ns) *wait_ns = atomic_load(&cost_wait_ns);
+    if (wait_ns) *wait_ns = (uint64_t)((double)atomic_load(&cost_wait_ticks) * msh_ticks_ns_per_tick());
 }

@@ -20,19 +20,26 @@
 #define MSH_STACK_BACKWARD 1u     /* a thread with no Python state: autograd's backward workers */
 #define MSH_STACK_UNATTRIBUTED 2u /* a Python thread whose stack was not read (GIL busy, tables full) */
 
-/* The stack captured by the last msh_sites_alloc() on this thread; the history ring takes it
+/* The stack captured by the last msh_sites_tag() on this thread; the history ring takes it
  * (and clears it) when it records the allocation. */
 extern __thread uint32_t msh_sites_last_stack;
+
+struct msh_pool;
 
 /* Reads MEMSHIM_SITES / MEMSHIM_SITES_SAMPLE; `wanted`: reports or history are on. Idempotent. */
 void msh_sites_init(bool wanted);
 /* Capture every allocation's stack (no sampling) while the history ring records. */
 void msh_sites_set_capture_all(bool on);
 
-/* memshim_malloc placed `size` bytes at `addr` on `device` / memshim_free is about to free it
- * (`size`: what the caller says; the tracked size wins for sampled blocks). Cheap when off. */
-void msh_sites_alloc(int device, uint64_t addr, size_t size);
-void msh_sites_free(int device, uint64_t addr, size_t size);
+/* memshim_malloc is about to place `size` bytes: the mark the pool keeps on the block
+ * (msh_pool_tags.next), 0 for a block whose site is not read (sampled out, or sites off). The
+ * stack is read here, before any pool lock is taken. */
+uint32_t msh_sites_tag(size_t size);
+/* memshim_malloc placed `size` bytes with mark `tag` on `device` / memshim_free freed a block of
+ * `size` requested bytes with mark `tag` (what msh_pool_free left in msh_pool_tags). Cheap when
+ * off; a few ns for an untracked block. */
+void msh_sites_alloc(int device, uint32_t tag, size_t size);
+void msh_sites_free(int device, uint32_t tag, size_t size);
 
 /* Epoch boundary: record each site's live bytes as the epoch's end (before the report is
  * built), then restart the peak tracking (after it). */
@@ -74,8 +81,9 @@ struct msh_site_frame {
 /* Frames of an interned stack, innermost first. Returns how many were written (0 for none). */
 int msh_sites_stack_frames(uint32_t stack, struct msh_site_frame *out, int max);
 #define MSH_SITE_MAX_FRAMES 16
-/* The stacks of the live blocks at addrs[0..n) of `device` (0 where unknown), in one lock hold. */
-void msh_sites_block_stacks(int device, const uint64_t *addrs, uint32_t *stacks, size_t n);
+/* The stacks of the live blocks at addrs[0..n) of `pool` (0 where unknown), in one lock hold
+ * (the pool's: never call it with that lock held). */
+void msh_sites_block_stacks(struct msh_pool *pool, const uint64_t *addrs, uint32_t *stacks, size_t n);
 
 /* How often memshim re-took the GIL to read a stack, and the ns it waited for it in all. */
 void msh_sites_gil_stats(uint64_t *acquires, uint64_t *wait_ns);

@@ -1,14 +1,23 @@
 /*
- * history.c: the allocation history behind memshim's PyTorch memory snapshots: a bounded ring of
- * the last N events, the pages each pool has mapped (always, through a wrapper around the device
- * backend, so `segments` are exact whenever a snapshot is taken), MEMSHIM_SNAPSHOT's files at
- * exit and at each OOM, and the C entry points hooks/python/memshim/_history.py calls to serve
- * torch.cuda.memory._record_memory_history(), _snapshot() and _dump_snapshot().
+ * history.c: the allocation history behind memshim's PyTorch memory snapshots: the last N events
+ * in one ring per recording thread, the pages each pool has mapped (always, through a wrapper
+ * around the device backend, so `segments` are exact whenever a snapshot is taken),
+ * MEMSHIM_SNAPSHOT's files at exit and at each OOM, and the C entry points
+ * hooks/python/memshim/_history.py calls to serve torch.cuda.memory._record_memory_history(),
+ * _snapshot() and _dump_snapshot().
  *
- * The ring lives in mmap'd memory (MAP_NORESERVE: committed as it fills), so recording never
- * calls malloc; map/unmap are recorded under the pool lock that covers them, alloc/free with no
- * lock held. The history lock is a leaf: nothing is called while it is held, and no snapshot is
- * built or written while any memshim lock is held. Must never call a CUDA hook.
+ * Recording an event takes no lock and reads no system clock: each thread appends to its own
+ * ring (a few stores and a release of the ring's head) with a msh_ticks() stamp, the time source
+ * PyTorch's own recorder uses; a snapshot merges the rings by stamp (the stamps of different
+ * CPUs compare: hotclock.h) and turns the stamps into wall-clock microseconds. A reader copies a
+ * ring while its owner writes, seqlock-style: an entry counts only if the head, read after it,
+ * shows that the owner has not started to overwrite its slot. Rings live in mmap'd memory
+ * (MAP_NORESERVE: committed as they fill), so recording never calls malloc; a thread's ring
+ * outlives the thread (its events stay) and goes to the next thread that needs one.
+ *
+ * The history lock covers the mapped-page tables, ring ownership and every reader; it is a
+ * leaf: nothing is called while it is held, and no snapshot is built or written while any
+ * memshim lock is held. Must never call a CUDA hook.
  */
 #include "history.h"
 
@@ -22,6 +31,7 @@
 #include <unistd.h>
 
 #include "core.h"
+#include "hotclock.h"
 #include "memshim.h"
 #include "msh.h"
 #include "report.h"
@@ -33,8 +43,6 @@
 static pthread_mutex_t hist_lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic int recording;   /* 0 off, 1 "state" (frames for blocks, no events), 2 "all" */
 static _Atomic bool record_frames = true;
-static struct msh_hist_event *ring;
-static size_t ring_cap, ring_head, ring_n;
 
 struct dev_maps {
     struct msh_hist_range *m; /* open addressing by va: va 0 empty, 1 deleted */
@@ -54,13 +62,6 @@ static void *vm(size_t bytes)
     return p == MAP_FAILED ? NULL : p;
 }
 
-static uint64_t wall_us(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (uint64_t)ts.tv_sec * 1000000ull + (uint64_t)ts.tv_nsec / 1000;
-}
-
 static inline size_t hmix(uint64_t x)
 {
     x ^= x >> 31;
@@ -73,36 +74,150 @@ bool msh_history_recording(void)
     return atomic_load_explicit(&recording, memory_order_relaxed) != 0;
 }
 
-/* ---- the ring (hist_lock held) ------------------------------------------------------------------ */
+/* ---- the rings ----------------------------------------------------------------------------------
+ * One entry per event, a free being one entry that a snapshot writes as PyTorch's two
+ * (free_requested, free_completed). Every field is written and read with relaxed atomics and
+ * ordered by fences around the head (the seqlock pattern), so a reader racing its owner never
+ * reads a torn entry as a whole one. */
 
-static void ring_put(const struct msh_hist_event *e)
+struct rent {
+    _Atomic uint64_t addr, size, stream, stamp;
+    _Atomic uint64_t meta; /* stack | action << 32 | device << 40 */
+};
+
+#define NRINGS 64 /* rings with an owner at once; ring 0 is shared (under hist_lock) by the rest */
+struct ring {
+    _Atomic uint64_t head;  /* entries ever written since the last clear (owner: release) */
+    struct rent *buf;       /* cap entries; index i lives in slot i % cap */
+    size_t cap;
+    size_t pos;             /* owner: head % cap */
+    uint64_t clear_gen;     /* the clear it was last reset for: older rings read as empty */
+    uint64_t gen;           /* ring_gen the owner last adopted (owner) */
+    bool owned;
+};
+static struct ring rings[NRINGS];
+static size_t ring_cap;            /* MEMSHIM_SNAPSHOT_EVENTS or max_entries (hist_lock) */
+static uint64_t clear_gen;         /* bumped when the events are dropped (hist_lock) */
+static _Atomic uint64_t ring_gen;  /* bumped on every change an owner must act on */
+static __thread struct ring *tl_ring;
+static pthread_key_t ring_key;
+static pthread_once_t ring_key_once = PTHREAD_ONCE_INIT;
+
+/* Thread exit: the ring and its events stay for the snapshot; the next thread may take it. */
+static void ring_release(void *arg)
 {
-    if (!ring_cap) return;
-    ring[ring_head] = *e;
-    ring_head = ring_head + 1 == ring_cap ? 0 : ring_head + 1;
-    if (ring_n < ring_cap) ring_n++;
+    struct ring *r = arg;
+    tl_ring = NULL; /* runs on the exiting thread: a later destructor's free takes a ring anew */
+    pthread_mutex_lock(&hist_lock);
+    if (r && r != &rings[0]) r->owned = false;
+    pthread_mutex_unlock(&hist_lock);
 }
 
-/* Resize to `cap` events (0: none), keeping the newest. */
-static int ring_resize(size_t cap)
+static void ring_key_create(void)
 {
-    struct msh_hist_event *n = cap ? vm(cap * sizeof *n) : NULL;
-    if (cap && !n) return ENOMEM;
-    pthread_mutex_lock(&hist_lock);
-    struct msh_hist_event *old = ring;
-    size_t oldcap = ring_cap;
-    size_t keep = ring_n < cap ? ring_n : cap;
-    for (size_t i = 0; i < keep; i++) {
-        size_t src = (ring_head + oldcap - keep + i) % oldcap;
-        n[i] = old[src];
+    if (pthread_key_create(&ring_key, ring_release)) ring_key = (pthread_key_t)-1;
+}
+
+/* Bring ring r to the current settings (hist_lock held; r's owner is this thread or none):
+ * dropped events are dropped, a new capacity keeps the newest entries. */
+static void ring_refresh(struct ring *r)
+{
+    if (r->clear_gen != clear_gen) {
+        atomic_store_explicit(&r->head, 0, memory_order_relaxed);
+        r->pos = 0;
+        r->clear_gen = clear_gen;
     }
-    ring = n;
-    ring_cap = cap;
-    ring_n = keep;
-    ring_head = cap ? keep % cap : 0;
+    if (r->cap != ring_cap && ring_cap) {
+        struct rent *nb = vm(ring_cap * sizeof *nb);
+        if (nb) {
+            uint64_t h = atomic_load_explicit(&r->head, memory_order_relaxed);
+            uint64_t keep = h < r->cap ? h : r->cap;
+            if (keep > ring_cap) keep = ring_cap;
+            for (uint64_t k = 0; k < keep; k++) {
+                uint64_t i = h - keep + k;
+                struct rent *s = &r->buf[i % r->cap], *d = &nb[k];
+                atomic_store_explicit(&d->addr, atomic_load_explicit(&s->addr, memory_order_relaxed), memory_order_relaxed);
+                atomic_store_explicit(&d->size, atomic_load_explicit(&s->size, memory_order_relaxed), memory_order_relaxed);
+                atomic_store_explicit(&d->stream, atomic_load_explicit(&s->stream, memory_order_relaxed), memory_order_relaxed);
+                atomic_store_explicit(&d->stamp, atomic_load_explicit(&s->stamp, memory_order_relaxed), memory_order_relaxed);
+                atomic_store_explicit(&d->meta, atomic_load_explicit(&s->meta, memory_order_relaxed), memory_order_relaxed);
+            }
+            if (r->buf) munmap(r->buf, r->cap * sizeof *r->buf);
+            r->buf = nb;
+            r->cap = ring_cap;
+            atomic_store_explicit(&r->head, keep, memory_order_release);
+            r->pos = keep % ring_cap;
+        }
+    }
+    r->gen = atomic_load_explicit(&ring_gen, memory_order_relaxed);
+}
+
+/* This thread's ring, taken or refreshed (the slow path: first event, or settings changed). */
+static struct ring *ring_attach(void)
+{
+    pthread_once(&ring_key_once, ring_key_create);
+    struct ring *r = tl_ring;
+    bool fresh = false;
+    pthread_mutex_lock(&hist_lock);
+    if (!r) {
+        for (int i = 1; i < NRINGS && !r; i++)
+            if (!rings[i].owned) r = &rings[i];
+        if (r && ring_key == (pthread_key_t)-1) r = NULL; /* without a key its release would never come */
+        if (!r) r = &rings[0]; /* NRINGS threads hold rings: share ring 0, under the lock */
+        r->owned = true;
+        fresh = r != &rings[0];
+    }
+    ring_refresh(r);
     pthread_mutex_unlock(&hist_lock);
-    if (old) munmap(old, oldcap * sizeof *old);
-    return 0;
+    if (fresh) pthread_setspecific(ring_key, r); /* may allocate: never under a memshim lock */
+    tl_ring = r;
+    return r;
+}
+
+/* Stamps are taken here, once this thread owns its ring: a ring then holds its entries in stamp
+ * order even across a change of owner (the new owner's first stamp follows the old owner's last).
+ * Every caller is inside the window its event stands for (after the pool placed a block, before
+ * it frees one, under the pool lock for a map), so a stamp taken a moment later is still right. */
+static void put(uint8_t action, int device, uint64_t addr, uint64_t size, uint64_t stream, uint32_t stack)
+{
+    struct ring *r = tl_ring;
+    if (MSH_UNLIKELY(!r || r->gen != atomic_load_explicit(&ring_gen, memory_order_relaxed) || r == &rings[0])) {
+        r = ring_attach();
+        if (r == &rings[0]) { /* shared: its writers and readers all hold hist_lock */
+            pthread_mutex_lock(&hist_lock);
+            uint64_t stamp = msh_ticks(); /* in the lock: several threads' entries in stamp order */
+            if (r->cap && r->buf) {
+                uint64_t h = atomic_load_explicit(&r->head, memory_order_relaxed);
+                struct rent *e = &r->buf[h % r->cap];
+                atomic_store_explicit(&e->addr, addr, memory_order_relaxed);
+                atomic_store_explicit(&e->size, size, memory_order_relaxed);
+                atomic_store_explicit(&e->stream, stream, memory_order_relaxed);
+                atomic_store_explicit(&e->stamp, stamp, memory_order_relaxed);
+                atomic_store_explicit(&e->meta, stack | (uint64_t)action << 32 | (uint64_t)(uint8_t)device << 40,
+                                      memory_order_relaxed);
+                atomic_store_explicit(&r->head, h + 1, memory_order_release);
+            }
+            pthread_mutex_unlock(&hist_lock);
+            return;
+        }
+    }
+    if (MSH_UNLIKELY(!r->buf)) return; /* no memory for a ring: this thread's events are lost */
+    uint64_t stamp = msh_ticks();
+    struct rent *e = &r->buf[r->pos];
+    uint64_t h = atomic_load_explicit(&r->head, memory_order_relaxed);
+    /* The slot's new contents must not be seen before the head that still counts its old entry
+     * as readable has been replaced: readers check the head after reading (fence pairing). */
+    atomic_thread_fence(memory_order_release);
+    atomic_store_explicit(&e->addr, addr, memory_order_relaxed);
+    atomic_store_explicit(&e->size, size, memory_order_relaxed);
+    atomic_store_explicit(&e->stream, stream, memory_order_relaxed);
+    atomic_store_explicit(&e->stamp, stamp, memory_order_relaxed);
+    atomic_store_explicit(&e->meta, stack | (uint64_t)action << 32 | (uint64_t)(uint8_t)device << 40,
+                          memory_order_relaxed);
+    r->pos = r->pos + 1 == r->cap ? 0 : r->pos + 1;
+    atomic_store_explicit(&r->head, h + 1, memory_order_release);
+    /* a ring bigger than the caches misses on every new line: ask for lines a few events ahead */
+    if (MSH_LIKELY(r->pos + 8 < r->cap)) __builtin_prefetch(&r->buf[r->pos + 8], 1, 3);
 }
 
 /* ---- mapped pages per device (hist_lock held) ----------------------------------------------------- */
@@ -156,16 +271,9 @@ static void maps_remove(struct dev_maps *d, uint64_t va, uint64_t size)
 
 /* ---- the device wrapper ---------------------------------------------------------------------------- */
 
-static void record_at(uint64_t t, uint8_t action, int device, uint64_t addr, uint64_t size, uint64_t stream,
-                      uint32_t stack)
+static bool recording_events(void)
 {
-    struct msh_hist_event e = {addr, size, stream, t, stack, action, (uint8_t)device};
-    ring_put(&e);
-}
-
-static void record(uint8_t action, int device, uint64_t addr, uint64_t size, uint64_t stream, uint32_t stack)
-{
-    record_at(wall_us(), action, device, addr, size, stream, stack);
+    return atomic_load_explicit(&recording, memory_order_relaxed) == 2;
 }
 
 static int w_map(struct msh_device *d, uint64_t va, size_t size, uint64_t h)
@@ -175,9 +283,9 @@ static int w_map(struct msh_device *d, uint64_t va, size_t size, uint64_t h)
     if (rc == 0) {
         pthread_mutex_lock(&hist_lock);
         maps_add(&dm[dev], va, size);
-        if (atomic_load_explicit(&recording, memory_order_relaxed) == 2)
-            record(MSH_H_SEGMENT_MAP, dev, va, size, 0, 0);
         pthread_mutex_unlock(&hist_lock);
+        /* still under the pool lock that covers the map: a snapshot sees both or neither */
+        if (recording_events()) put(MSH_H_SEGMENT_MAP, dev, va, size, 0, 0);
     }
     return rc;
 }
@@ -189,9 +297,8 @@ static int w_unmap(struct msh_device *d, uint64_t va, size_t size)
     if (rc == 0) {
         pthread_mutex_lock(&hist_lock);
         maps_remove(&dm[dev], va, size);
-        if (atomic_load_explicit(&recording, memory_order_relaxed) == 2)
-            record(MSH_H_SEGMENT_UNMAP, dev, va, size, 0, 0);
         pthread_mutex_unlock(&hist_lock);
+        if (recording_events()) put(MSH_H_SEGMENT_UNMAP, dev, va, size, 0, 0);
     }
     return rc;
 }
@@ -240,21 +347,35 @@ void msh_history_wrap_device(struct msh_device *d)
 
 /* ---- recording ----------------------------------------------------------------------------------- */
 
+/* The rings' capacity becomes `cap` (0: recording stops and their memory goes back to the
+ * system); `clear` drops every event. Owners adopt the change at their next event; rings with
+ * no owner are brought up to date here. */
 static int set_recording(int mode, size_t cap, bool frames, bool clear)
 {
     if (cap > RING_MAX) cap = RING_MAX;
     if (mode < 2) cap = 0;
-    if (clear) {
-        pthread_mutex_lock(&hist_lock);
-        ring_n = ring_head = 0;
-        pthread_mutex_unlock(&hist_lock);
+    if (cap) { /* can a ring of this size be had at all (a strict overcommit policy)? */
+        struct rent *probe = vm(cap * sizeof *probe);
+        while (!probe && cap > 1024) {
+            cap /= 2;
+            probe = vm(cap * sizeof *probe);
+        }
+        if (!probe) return ENOMEM;
+        munmap(probe, cap * sizeof *probe);
     }
-    int rc = cap != ring_cap ? ring_resize(cap) : 0;
-    while (rc == ENOMEM && cap > 1024) { /* a strict overcommit policy: take what there is */
-        cap /= 2;
-        rc = ring_resize(cap);
+    pthread_mutex_lock(&hist_lock);
+    if (clear || !cap) clear_gen++;
+    ring_cap = cap;
+    for (int i = 0; i < NRINGS; i++) {
+        struct ring *r = &rings[i];
+        if (!r->buf) continue;
+        if (!cap) /* a racing owner may still store into it: give the pages back, keep the mapping */
+            madvise(r->buf, r->cap * sizeof *r->buf, MADV_DONTNEED);
+        else if (!r->owned || r == &rings[0])
+            ring_refresh(r);
     }
-    if (rc) return rc;
+    atomic_fetch_add_explicit(&ring_gen, 1, memory_order_release);
+    pthread_mutex_unlock(&hist_lock);
     record_frames = frames;
     atomic_store(&recording, mode);
     msh_sites_init(mode != 0);
@@ -275,31 +396,62 @@ void msh_history_note(char op, int device, uint64_t stream, uint64_t addr, uint6
 {
     uint32_t stack = msh_sites_last_stack;
     msh_sites_last_stack = MSH_STACK_NONE;
-    if (atomic_load_explicit(&recording, memory_order_relaxed) != 2 || device < 0 || device >= MSH_MAX_DEVICES) return;
-    if (!record_frames) stack = MSH_STACK_NONE;
-    uint64_t t = wall_us(); /* read before the lock: the clock is the slowest part here */
-    pthread_mutex_lock(&hist_lock);
-    if (op == 'a') {
-        record_at(t, MSH_H_ALLOC, device, addr, size, stream, stack);
-    } else if (op == 'f') { /* both at once: PyTorch's viewer pairs them */
-        record_at(t, MSH_H_FREE_REQUESTED, device, addr, size, stream, 0);
-        record_at(t, MSH_H_FREE_COMPLETED, device, addr, size, stream, 0);
-    }
-    pthread_mutex_unlock(&hist_lock);
+    if (!recording_events() || device < 0 || device >= MSH_MAX_DEVICES) return;
+    if (!atomic_load_explicit(&record_frames, memory_order_relaxed)) stack = MSH_STACK_NONE;
+    if (op == 'a') put(MSH_H_ALLOC, device, addr, size, stream, stack);
+    else if (op == 'f') put(MSH_H_FREE_REQUESTED, device, addr, size, stream, 0); /* and completed */
 }
 
 void msh_history_mark_snapshot(int device)
 {
-    if (atomic_load_explicit(&recording, memory_order_relaxed) != 2) return;
-    pthread_mutex_lock(&hist_lock);
-    record(MSH_H_SNAPSHOT, device, 0, 0, 0, 0);
-    pthread_mutex_unlock(&hist_lock);
+    if (recording_events()) put(MSH_H_SNAPSHOT, device, 0, 0, 0, 0);
+}
+
+/* ---- reading the rings (hist_lock held) ----------------------------------------------------------- */
+
+struct cursor {
+    struct ring *r;
+    uint64_t i, lo; /* next entry to read (going back) is i - 1; none below lo */
+    bool have;
+    struct msh_hist_event e; /* the entry at i (time_us holds its stamp until converted) */
+};
+
+/* Read the entry before c->i into c->e; false when the ring has no more (or its owner has
+ * overwritten the rest: everything older than that is gone too). */
+static bool cursor_step(struct cursor *c)
+{
+    c->have = false;
+    if (c->i <= c->lo) return false;
+    uint64_t i = c->i - 1;
+    struct rent *s = &c->r->buf[i % c->r->cap];
+    uint64_t addr = atomic_load_explicit(&s->addr, memory_order_relaxed);
+    uint64_t size = atomic_load_explicit(&s->size, memory_order_relaxed);
+    uint64_t stream = atomic_load_explicit(&s->stream, memory_order_relaxed);
+    uint64_t stamp = atomic_load_explicit(&s->stamp, memory_order_relaxed);
+    uint64_t meta = atomic_load_explicit(&s->meta, memory_order_relaxed);
+    atomic_thread_fence(memory_order_acquire);
+    uint64_t h = atomic_load_explicit(&c->r->head, memory_order_relaxed);
+    if (i + c->r->cap <= h) return false; /* the owner may be rewriting this slot */
+    c->i = i;
+    c->e = (struct msh_hist_event){addr, size, stream, stamp, (uint32_t)meta, (uint8_t)(meta >> 32),
+                                   (uint8_t)(meta >> 40)};
+    c->have = true;
+    return true;
+}
+
+static size_t ring_entries(const struct ring *r)
+{
+    if (!r->buf || r->clear_gen != clear_gen) return 0;
+    uint64_t h = atomic_load_explicit(&r->head, memory_order_acquire);
+    return h < r->cap ? (size_t)h : r->cap;
 }
 
 void msh_history_sizes(int device, size_t *nev, size_t *nmapped, size_t *nreserved)
 {
     pthread_mutex_lock(&hist_lock);
-    *nev = ring_n;
+    size_t n = 0;
+    for (int i = 0; i < NRINGS; i++) n += ring_entries(&rings[i]);
+    *nev = 2 * n < ring_cap ? 2 * n : ring_cap; /* a free entry is two events */
     *nmapped = device >= 0 && device < MSH_MAX_DEVICES ? dm[device].mlive : 0;
     *nreserved = device >= 0 && device < MSH_MAX_DEVICES ? (size_t)dm[device].nres : 0;
     pthread_mutex_unlock(&hist_lock);
@@ -321,19 +473,44 @@ int msh_history_copy(int device, struct msh_hist_copy *c, size_t evcap, size_t m
     memcpy(c->reserved, d->res, (size_t)d->nres * sizeof d->res[0]);
     c->nreserved = (size_t)d->nres;
     c->gran = d->gran;
-    /* this device's events, the newest evcap of them, oldest first */
-    size_t take = 0;
-    for (size_t k = 0; k < ring_n && take < evcap; k++) {
-        size_t i = (ring_head + ring_cap - 1 - k) % ring_cap;
-        if (ring[i].device == device) take++;
+    /* The newest events of every ring, merged by stamp from the newest back: the last ring_cap
+     * events of the process (a free counting as its two), of which this device's, at most evcap,
+     * are written from the end of c->ev and moved to its front. */
+    struct cursor cur[NRINGS];
+    int nc = 0;
+    for (int i = 0; i < NRINGS; i++) {
+        struct ring *r = &rings[i];
+        size_t n = ring_entries(r);
+        if (!n) continue;
+        uint64_t h = atomic_load_explicit(&r->head, memory_order_acquire);
+        cur[nc] = (struct cursor){.r = r, .i = h, .lo = h - n};
+        if (cursor_step(&cur[nc])) nc++;
     }
-    size_t w = take;
-    for (size_t k = 0; k < ring_n && w > 0; k++) {
-        size_t i = (ring_head + ring_cap - 1 - k) % ring_cap;
-        if (ring[i].device == device) c->ev[--w] = ring[i];
+    size_t total = 0, w = evcap;
+    while (nc > 0 && w > 0) {
+        int best = 0;
+        for (int k = 1; k < nc; k++)
+            if (cur[k].e.time_us > cur[best].e.time_us) best = k;
+        struct msh_hist_event e = cur[best].e;
+        size_t n = e.action == MSH_H_FREE_REQUESTED ? 2 : 1;
+        /* a free's two halves go together or not at all: the window never starts between them */
+        if (total + n > ring_cap || (e.device == device && w < n)) break;
+        total += n;
+        if (e.device == device) {
+            if (n == 2) {
+                c->ev[--w] = e;
+                c->ev[w].action = MSH_H_FREE_COMPLETED;
+            }
+            c->ev[--w] = e;
+        }
+        if (!cursor_step(&cur[best])) cur[best] = cur[--nc];
     }
-    c->nev = take;
+    c->nev = evcap - w;
+    memmove(c->ev, c->ev + w, c->nev * sizeof *c->ev);
     pthread_mutex_unlock(&hist_lock);
+    struct msh_ticks_wall wall;
+    msh_ticks_wall_init(&wall);
+    for (size_t i = 0; i < c->nev; i++) c->ev[i].time_us = msh_ticks_wall_us(&wall, c->ev[i].time_us);
     return 0;
 }
 
@@ -399,9 +576,7 @@ void msh_history_oom(int device)
     if (atomic_load_explicit(&recording, memory_order_relaxed) == 2) {
         struct msh_pool_oom o;
         msh_pool_last_oom(p, &o);
-        pthread_mutex_lock(&hist_lock);
-        record(MSH_H_OOM, device, o.device_free, o.requested, 0, 0);
-        pthread_mutex_unlock(&hist_lock);
+        put(MSH_H_OOM, device, o.device_free, o.requested, 0, 0);
     }
     static _Atomic int written;
     if (!msh_cfg.snapshot[0] || atomic_fetch_add(&written, 1) >= OOM_SNAPSHOTS_MAX) return;

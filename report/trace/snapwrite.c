@@ -356,7 +356,7 @@ static int device_state(int device, struct msh_pool *p, struct devsnap *ds)
     uint32_t *stacks = malloc((nkept + 1) * sizeof *stacks);
     if (addrs && stacks) {
         for (size_t i = 0; i < nkept; i++) addrs[i] = kept[i].addr;
-        msh_sites_block_stacks(device, addrs, stacks, nkept);
+        msh_sites_block_stacks(p, addrs, stacks, nkept);
         size_t i = 0;
         for (size_t j = 0; j < nsb; j++)
             if (sb[j].active) sb[j].stack = stacks[i++];
