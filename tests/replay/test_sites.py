@@ -163,6 +163,39 @@ lib.memshim_epoch()
          via and via["line"] == line_of(LIBFRAMES, "SITE-VIA") and via["bytes"] == 7 * MiB
          and not any("torch" in s["file"] or "mylib" in s["file"] for s in e), e)
 
+    # A walk reuses what the thread's previous walk read wherever the frames are the same: the same
+    # library frames reached from another user line, one call after the other, are another site.
+    ALTERNATE = PRELUDE + f"""
+sys.path[:0] = [{os.path.dirname(pkg)!r}]
+import torch
+torch.nn.LIB = lib
+def user_a():
+    return torch.nn.call(torch.nn.linear, 1 * MiB)  # SITE-A
+def user_b():
+    return torch.nn.call(torch.nn.linear, 2 * MiB)  # SITE-B
+def two_lines(i):
+    if i % 2:
+        return torch.nn.linear(3 * MiB)  # SITE-C1
+    return torch.nn.linear(4 * MiB)  # SITE-C2
+def deeper():
+    return user_a()  # not the site: user_a is
+keep = []
+for i in range(40):
+    keep += [user_a(), user_b(), two_lines(i), two_lines(i + 1), user_a(), deeper()]
+lib.memshim_epoch()
+"""
+    for gil in ("held", "released"):
+        p = run(ALTERNATE, tmp, "alternate-" + gil, gil)
+        all_reports += p.reports
+        e = p.epochs[0]["sites"] if p.epochs else []
+        got = {(s["function"], s["line"]): (s["bytes"], s["count"]) for s in e}
+        want = {("user_a", line_of(ALTERNATE, "SITE-A")): (120 * MiB, 120),
+                ("user_b", line_of(ALTERNATE, "SITE-B")): (80 * MiB, 40),
+                ("two_lines", line_of(ALTERNATE, "SITE-C1")): (120 * MiB, 40),
+                ("two_lines", line_of(ALTERNATE, "SITE-C2")): (160 * MiB, 40)}
+        case(f"GIL {gil}: the same library frames from alternating user lines: each line keeps its own bytes",
+             p.returncode == 0 and got == want, (got, (p.stdout + p.stderr)[-300:]))
+
     # a thread without Python state (autograd's backward workers): the pseudo site <backward>
     helper = os.path.join(tmp, "bwthread.so")
     csrc = os.path.join(tmp, "bwthread.c")
