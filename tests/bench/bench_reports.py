@@ -4,21 +4,37 @@ path (memshim_malloc + memshim_free), side by side in one run. Not a test: scrip
 it and docs/benchmarks.md quotes the table.
 
 The path is driven as PyTorch drives it: a C loop (compiled here) calls memshim_malloc and
-memshim_free through function pointers (the operator), called from four frames in a package under
-site-packages/torch/ (as nn.Module's __call__, forward and F.linear are), called from the user's
-code DEPTH frames deep: the site is the fifth frame from the top. With ctypes.CDLL the loop runs with the GIL released, as PyTorch's
-operators do before they allocate, so memshim re-takes the GIL to read the stack; with
-ctypes.PyDLL the GIL stays held. Sizes: 200 per step, 1 KiB to 1 MiB (a small-tensor mix: the
-case where per-call costs weigh most). The double serves the memory (pages stay mapped after the
-warm-up, so no driver call is timed).
+memshim_free through function pointers (the operator); the loop is a C function called straight
+from a function in a package under site-packages/torch/ (as F.linear calls torch._C._nn.linear),
+under three more such frames (as nn.Module's __call__ and _call_impl, and forward), called from
+the user's code DEPTH frames deep: the site is the fifth frame from the top. With ctypes.CDLL the
+loop runs with the GIL released, as PyTorch's operators do before they allocate, so memshim
+re-takes the GIL to read the stack; with ctypes.PyDLL the GIL stays held. Sizes: 200 per step,
+1 KiB to 1 MiB (a small-tensor mix: the case where per-call costs weigh most). The library is
+preloaded (LD_PRELOAD, as in production: its thread-locals are then static TLS); the double
+serves the memory (pages stay mapped after the warm-up, so no driver call is timed).
 
 memshim reads its settings once per process, so each configuration is its own process; the
 configurations alternate over ROUNDS rounds. A process times REPS runs of STEPS steps and keeps
 the fastest, timed in thread CPU time (clock_gettime(CLOCK_THREAD_CPUTIME_ID): preemption by other
-processes on a shared machine is not counted; cache pollution still is); the table gives the median
-and the range of the rounds' ns per alloc+free pair, and the fastest round (the least disturbed
-estimate of the CPU cost when the machine is loaded). Usage: bench_reports.py [BUILD] (default: build, or $BUILD).
+processes on a shared machine is not counted; cache pollution still is). The table gives the
+median and the range of the rounds' ns per alloc+free pair, the cost against "everything off"
+(medians), and that cost as a share of two denominators: memshim's own path per pair (the
+strictest) and a PyTorch operator called from Python (measured here on the CPU, the smallest
+operators; a CUDA operator adds its launch, so the real share is smaller). For the allocation-site
+configurations it also gives how much of the peak the sites left '<python> unattributed' (memshim
+stops re-taking a GIL that was slow to get for a second; on a loaded machine a preempted
+acquisition looks slow, which makes those rounds cheaper than they should be).
+
+Usage: bench_reports.py [BUILD [BUILD_BEFORE]] (default: build, or $BUILD). With BUILD_BEFORE
+(another build of memshim, e.g. of main) each round runs every configuration on both builds, and
+the table gets a column with the other build's median. BENCH_INSTRUCTIONS=1 adds a second table
+that does not depend on the machine's load: the instructions executed inside memshim_malloc and
+memshim_free (callees included) per pair, counted by valgrind's callgrind (the difference of a
+run of 120 and one of 20 steps, so start-up and warm-up cancel out). Instructions are not time:
+a clock read or a cache miss costs far more than its few instructions.
 """
+import glob
 import json
 import os
 import statistics
@@ -28,7 +44,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD = os.path.join(ROOT, sys.argv[1] if len(sys.argv) > 1 else os.environ.get("BUILD", "build"))
-LIB = os.path.join(BUILD, "libmemshim.so")
+BEFORE = os.path.join(ROOT, sys.argv[2]) if len(sys.argv) > 2 else None
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "11"))
 STEPS, BLOCKS, DEPTH, REPS = 100, 200, 6, 5
 
@@ -65,9 +81,10 @@ sizes = (ctypes.c_long * n)(*[(512 << (i % 12)) + 512 * (i % 7) for i in range(n
 m = ctypes.cast(lib.memshim_malloc, ctypes.c_void_p).value
 f = ctypes.cast(lib.memshim_free, ctypes.c_void_p).value
 sys.path.insert(0, os.environ["FAKE_SITE_PACKAGES"])
+import functools
 import torch_like  # 4 frames in a package under .../site-packages/torch/, as nn.Module and F.linear are
-def op(steps):
-    return L.loop(m, f, sizes, n, steps)
+# the operator: a C function called straight from torch_like.linear, as F.linear calls torch._C._nn.linear
+op = functools.partial(L.loop, m, f, sizes, n)
 def forward(d, steps):  # the user's code: the site
     if d:
         return forward(d - 1, steps)
@@ -76,14 +93,16 @@ forward(depth, 20)  # warm-up: pages mapped, frames and stacks interned, the rin
 print(json.dumps({"ns": min(forward(depth, steps) for _ in range(int(os.environ["REPS"])))}))
 """
 
-# (name, GIL mode, settings); None: the variable is unset
+# (name, GIL mode, settings); None: the variable is unset. Reports on = MEMSHIM_REPORT_DIR set.
+OFF = {"MEMSHIM_REPORT_DIR": None, "MEMSHIM_SITES": "off"}
 CONFIGS = [
-    ("everything off", "released", {"MEMSHIM_REPORT_DIR": None, "MEMSHIM_SITES": "off"}),
+    ("everything off", "released", OFF),
     ("reports on, sites off", "released", {"MEMSHIM_SITES": "off"}),
-    ("reports + snapshot ring, sites off", "released", {"MEMSHIM_SITES": "off", "MEMSHIM_SNAPSHOT": "SNAP"}),
-    ("reports + sites (GIL re-taken)", "released", {}),
+    ("reports + sites (GIL re-taken; the default)", "released", {}),
     ("reports + sites (GIL held)", "held", {}),
-    ("reports + sites (GIL re-taken), sampled below 1 MiB", "released", {"MEMSHIM_SITES_SAMPLE": "1M"}),
+    ("reports + sites sampled below 1 MiB (GIL re-taken)", "released", {"MEMSHIM_SITES_SAMPLE": "1M"}),
+    ("reports + sites sampled below 16 MiB (GIL re-taken)", "released", {"MEMSHIM_SITES_SAMPLE": "16M"}),
+    ("snapshot ring alone (no reports, no sites)", "released", dict(OFF, MEMSHIM_SNAPSHOT="SNAP")),
     ("reports + sites + snapshot ring (GIL re-taken)", "released", {"MEMSHIM_SNAPSHOT": "SNAP"}),
 ]
 
@@ -100,10 +119,22 @@ def call_module(op, steps):
 """
 
 
-def run(tmp, loop, gil, settings):
+def unattributed_share(rep):
+    """Share of the summary's top-site bytes that the sites left '<python> unattributed', or None."""
+    for path in glob.glob(os.path.join(rep, "*summary*.json")):
+        with open(path) as fh:
+            sites = json.load(fh).get("sites") or []
+        total = sum(s["bytes"] for s in sites)
+        if total:
+            return sum(s["bytes"] for s in sites if s["function"] == "unattributed") / total
+    return None
+
+
+def child_env(tmp, loop, build, gil, settings, rep):
+    lib = os.path.join(build, "libmemshim.so")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSHIM_")}
-    env.update({"LD_LIBRARY_PATH": os.path.join(BUILD, "double"), "CUDBL_CAPACITY": "8G", "MEMSHIM_LOG": "error",
-                "MEMSHIM_REPORT_DIR": os.path.join(tmp, "rep"), "LIB": LIB, "LOOP": loop, "GIL": gil,
+    env.update({"LD_LIBRARY_PATH": os.path.join(build, "double"), "LD_PRELOAD": lib, "CUDBL_CAPACITY": "8G",
+                "MEMSHIM_LOG": "error", "MEMSHIM_REPORT_DIR": rep, "LIB": lib, "LOOP": loop, "GIL": gil,
                 "BLOCKS": str(BLOCKS), "STEPS": str(STEPS), "DEPTH": str(DEPTH), "REPS": str(REPS),
                 "FAKE_SITE_PACKAGES": os.path.join(tmp, "site-packages")})
     for k, v in settings.items():
@@ -111,10 +142,39 @@ def run(tmp, loop, gil, settings):
             env.pop(k, None)
         else:
             env[k] = os.path.join(tmp, "snap.pickle") if v == "SNAP" else v
+    return env
+
+
+def instructions(tmp, loop, build, gil, settings):
+    """Instructions inside memshim_malloc + memshim_free per pair (callgrind), or None."""
+    counts = []
+    for steps in (20, 120):
+        out = os.path.join(tmp, "callgrind.out")
+        env = child_env(tmp, loop, build, gil, settings, os.path.join(tmp, "rep-cg"))
+        env.update({"STEPS": str(steps), "REPS": "1"})
+        p = subprocess.run(["valgrind", "--tool=callgrind", "--toggle-collect=memshim_malloc",
+                            "--toggle-collect=memshim_free", f"--callgrind-out-file={out}", sys.executable, "-c",
+                            CHILD], env=env, capture_output=True, text=True, timeout=1200)
+        if p.returncode or not os.path.exists(out):
+            return None
+        with open(out) as fh:
+            total = next((int(l.split()[1]) for l in fh if l.startswith("totals:")), None)
+        os.unlink(out)
+        if total is None:
+            return None
+        counts.append(total)
+    return (counts[1] - counts[0]) / (100 * BLOCKS)
+
+
+def run(tmp, loop, build, gil, settings, tag):
+    rep = os.path.join(tmp, "rep-" + tag)
+    env = child_env(tmp, loop, build, gil, settings, rep)
     p = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
     if p.returncode:
         raise SystemExit(f"bench_reports: child failed: {p.stderr[-400:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])["ns"]
+    share = unattributed_share(rep)
+    subprocess.run(["rm", "-rf", rep], check=False)
+    return json.loads(p.stdout.strip().splitlines()[-1])["ns"], share
 
 
 TORCH_OPS = r"""
@@ -140,13 +200,16 @@ print(json.dumps(out))
 
 def torch_op_costs():
     """What small PyTorch operators cost on the CPU (thread CPU ns per call), or None without torch."""
-    p = subprocess.run([sys.executable, "-c", TORCH_OPS], capture_output=True, text=True, timeout=600)
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    p = subprocess.run([sys.executable, "-c", TORCH_OPS], capture_output=True, text=True, timeout=600, env=env)
     return json.loads(p.stdout) if p.returncode == 0 and p.stdout.strip() else None
 
 
 def main():
-    if not os.path.exists(LIB):
-        raise SystemExit(f"bench_reports: {LIB} not built (make)")
+    builds = [BUILD] + ([BEFORE] if BEFORE else [])
+    for b in builds:
+        if not os.path.exists(os.path.join(b, "libmemshim.so")):
+            raise SystemExit(f"bench_reports: {b}/libmemshim.so not built (make)")
     with tempfile.TemporaryDirectory(prefix="memshim-bench-reports-") as tmp:
         src, loop = os.path.join(tmp, "loop.c"), os.path.join(tmp, "loop.so")
         with open(src, "w") as f:
@@ -160,31 +223,78 @@ def main():
             f.write("")
         with open(os.path.join(pkg, "fns.py"), "w") as f:
             f.write(TORCH_LIKE)
-        res = {name: [] for name, _, _ in CONFIGS}
-        for _ in range(ROUNDS):
+        res = {(b, name): [] for b in builds for name, _, _ in CONFIGS}
+        unattr = {(b, name): [] for b in builds for name, _, _ in CONFIGS}
+        for r in range(ROUNDS):
             for name, gil, settings in CONFIGS:
-                res[name].append(run(tmp, loop, gil, settings))
-    base, base_min = statistics.median(res[CONFIGS[0][0]]), min(res[CONFIGS[0][0]])
-    print(f"{ROUNDS} rounds, configurations alternating; per process the fastest of {REPS} runs of {STEPS} steps x "
-          f"{BLOCKS} memshim_malloc (1 KiB - 1 MiB) then {BLOCKS} memshim_free, from a C loop under 4 torch-like "
-          f"frames and {DEPTH + 1} user frames; thread CPU ns per alloc+free pair (median of the rounds, and their range)")
-    print()
-    print("| configuration | ns per pair, median | range | cost vs. everything off (medians) | fastest round | "
-          "cost vs. everything off (fastest) |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, _, _ in CONFIGS:
-        v = res[name]
-        m, lo = statistics.median(v), min(v)
-        print(f"| {name} | {m:.0f} | {lo:.0f}-{max(v):.0f} | {m - base:+.0f} ns ({100 * (m / base - 1):+.1f}%) | "
-              f"{lo:.0f} | {lo - base_min:+.0f} ns ({100 * (lo / base_min - 1):+.1f}%) |")
+                for i, b in enumerate(builds):
+                    ns, share = run(tmp, loop, b, gil, settings, f"{r}-{i}")
+                    res[(b, name)].append(ns)
+                    if share is not None:
+                        unattr[(b, name)].append(share)
+        ir = {}
+        if os.environ.get("BENCH_INSTRUCTIONS") == "1":
+            for name, gil, settings in CONFIGS:
+                for b in builds:
+                    ir[(b, name)] = instructions(tmp, loop, b, gil, settings)
     scale = torch_op_costs()
+    empty = dict(scale).get("torch.empty(256)") if scale else None
+    base = statistics.median(res[(BUILD, CONFIGS[0][0])])
+    print(f"{ROUNDS} rounds, configurations alternating; per process the fastest of {REPS} runs of {STEPS} steps x "
+          f"{BLOCKS} memshim_malloc (1 KiB - 1 MiB) then {BLOCKS} memshim_free, from a C loop called from 4 "
+          f"torch-like frames under {DEPTH + 1} user frames, libmemshim.so preloaded; thread CPU ns per alloc+free "
+          f"pair (median of the rounds, and their range)")
+    print()
+    head = "| configuration | ns per pair, median | range | cost vs. everything off | share of memshim's path | "
+    head += f"share of torch.empty(256) ({empty:.0f} ns) |" if empty else "share of a PyTorch op |"
+    head += " 2% of memshim's path / of the op | unattributed at the peak |"
+    if BEFORE:
+        head += " before: median (cost) |"
+    print(head)
+    print("|---|---:|---:|---:|---:|---:|:---:|---:|" + ("---:|" if BEFORE else ""))
+    before_base = statistics.median(res[(BEFORE, CONFIGS[0][0])]) if BEFORE else None
+    for name, _, _ in CONFIGS:
+        v = res[(BUILD, name)]
+        m = statistics.median(v)
+        cost = m - base
+        share = cost / base
+        op_share = cost / empty if empty else None
+        ok = lambda s: "n/a" if s is None else ("yes" if s <= 0.02 else "no")  # noqa: E731
+        u = unattr[(BUILD, name)]
+        row = (f"| {name} | {m:.0f} | {min(v):.0f}-{max(v):.0f} | {cost:+.0f} ns | {100 * share:+.1f}% | "
+               + (f"{100 * op_share:+.1f}% | " if op_share is not None else "n/a | ")
+               + f"{ok(share)} / {ok(op_share)} | "
+               + (f"{100 * max(u):.0f}% |" if u else "- |"))
+        if BEFORE:
+            bm = statistics.median(res[(BEFORE, name)])
+            row += f" {bm:.0f} ({bm - before_base:+.0f} ns) |"
+        print(row)
+    if ir:
+        print()
+        print("Instructions inside memshim_malloc + memshim_free per pair (callgrind; 120 minus 20 steps; "
+              "independent of the machine's load, blind to what a clock read or a cache miss costs):")
+        print()
+        print("| configuration | instructions per pair | vs. everything off |" + (" before |" if BEFORE else ""))
+        print("|---|---:|---:|" + ("---:|" if BEFORE else ""))
+        ib = ir.get((BUILD, CONFIGS[0][0]))
+        for name, _, _ in CONFIGS:
+            v = ir.get((BUILD, name))
+            if v is None or ib is None:
+                print(f"| {name} | n/a | n/a |" + (" n/a |" if BEFORE else ""))
+                continue
+            row = f"| {name} | {v:.0f} | {v - ib:+.0f} ({100 * (v / ib - 1):+.1f}%) |"
+            if BEFORE:
+                bv = ir.get((BEFORE, name))
+                row += f" {bv:.0f} |" if bv is not None else " n/a |"
+            print(row)
     if scale:
         print()
-        print("For scale, PyTorch CPU operators called from Python on this machine (thread CPU ns per call, fastest "
-              "of 5 x 20000; a CUDA operator adds its launch): " + ", ".join(f"{k} {v:.0f}" for k, v in scale))
+        print("PyTorch CPU operators called from Python on this machine (thread CPU ns per call, fastest of 5 x 20000; "
+              "each allocates and frees about one tensor; a CUDA operator adds its launch): "
+              + ", ".join(f"{k} {v:.0f}" for k, v in scale))
     print()
-    print("bench_reports: " + " ".join(f"{n.replace(' ', '_')}={statistics.median(v):.0f}" for n, v in
-                                       ((c[0], res[c[0]]) for c in CONFIGS)))
+    print("bench_reports: " + " ".join(f"{n.split(' (')[0].replace(' ', '_').replace(',', '')}="
+                                       f"{statistics.median(res[(BUILD, n)]):.0f}" for n, _, _ in CONFIGS))
 
 
 if __name__ == "__main__":
