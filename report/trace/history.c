@@ -153,7 +153,7 @@ static void ring_refresh(struct ring *r)
 }
 
 /* This thread's ring, taken or refreshed (the slow path: first event, or settings changed). */
-static struct ring *ring_attach(void)
+static __attribute__((noinline)) struct ring *ring_attach(void)
 {
     pthread_once(&ring_key_once, ring_key_create);
     struct ring *r = tl_ring;
@@ -174,30 +174,38 @@ static struct ring *ring_attach(void)
     return r;
 }
 
+/* More than NRINGS - 1 threads hold rings: this one shares ring 0, whose writers and readers all
+ * hold hist_lock. Stamped in the lock, so several threads' entries go in stamp order. */
+static __attribute__((noinline)) void put_shared(struct ring *r, uint8_t action, int device, uint64_t addr,
+                                                 uint64_t size, uint64_t stream, uint32_t stack)
+{
+    pthread_mutex_lock(&hist_lock);
+    uint64_t stamp = msh_ticks();
+    if (r->cap && r->buf) {
+        uint64_t h = atomic_load_explicit(&r->head, memory_order_relaxed);
+        struct rent *e = &r->buf[h % r->cap];
+        atomic_store_explicit(&e->addr, addr, memory_order_relaxed);
+        atomic_store_explicit(&e->size, size, memory_order_relaxed);
+        atomic_store_explicit(&e->stream, stream, memory_order_relaxed);
+        atomic_store_explicit(&e->stamp, stamp, memory_order_relaxed);
+        atomic_store_explicit(&e->meta, stack | (uint64_t)action << 32 | (uint64_t)(uint8_t)device << 40,
+                              memory_order_relaxed);
+        atomic_store_explicit(&r->head, h + 1, memory_order_release);
+    }
+    pthread_mutex_unlock(&hist_lock);
+}
+
 /* Stamps are taken here, once this thread owns its ring: a ring then holds its entries in stamp
  * order even across a change of owner (the new owner's first stamp follows the old owner's last).
  * Every caller is inside the window its event stands for (after the pool placed a block, before
  * it frees one, under the pool lock for a map), so a stamp taken a moment later is still right. */
-static void put(uint8_t action, int device, uint64_t addr, uint64_t size, uint64_t stream, uint32_t stack)
+static inline void put(uint8_t action, int device, uint64_t addr, uint64_t size, uint64_t stream, uint32_t stack)
 {
     struct ring *r = tl_ring;
     if (MSH_UNLIKELY(!r || r->gen != atomic_load_explicit(&ring_gen, memory_order_relaxed) || r == &rings[0])) {
         r = ring_attach();
-        if (r == &rings[0]) { /* shared: its writers and readers all hold hist_lock */
-            pthread_mutex_lock(&hist_lock);
-            uint64_t stamp = msh_ticks(); /* in the lock: several threads' entries in stamp order */
-            if (r->cap && r->buf) {
-                uint64_t h = atomic_load_explicit(&r->head, memory_order_relaxed);
-                struct rent *e = &r->buf[h % r->cap];
-                atomic_store_explicit(&e->addr, addr, memory_order_relaxed);
-                atomic_store_explicit(&e->size, size, memory_order_relaxed);
-                atomic_store_explicit(&e->stream, stream, memory_order_relaxed);
-                atomic_store_explicit(&e->stamp, stamp, memory_order_relaxed);
-                atomic_store_explicit(&e->meta, stack | (uint64_t)action << 32 | (uint64_t)(uint8_t)device << 40,
-                                      memory_order_relaxed);
-                atomic_store_explicit(&r->head, h + 1, memory_order_release);
-            }
-            pthread_mutex_unlock(&hist_lock);
+        if (r == &rings[0]) {
+            put_shared(r, action, device, addr, size, stream, stack);
             return;
         }
     }
