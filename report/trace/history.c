@@ -202,7 +202,8 @@ static __attribute__((noinline)) void put_shared(struct ring *r, uint8_t action,
 static inline void put(uint8_t action, int device, uint64_t addr, uint64_t size, uint64_t stream, uint32_t stack)
 {
     struct ring *r = tl_ring;
-    if (MSH_UNLIKELY(!r || r->gen != atomic_load_explicit(&ring_gen, memory_order_relaxed) || r == &rings[0])) {
+    /* ring 0 first: its fields belong to hist_lock (its gen is rewritten by every sharer) */
+    if (MSH_UNLIKELY(!r || r == &rings[0] || r->gen != atomic_load_explicit(&ring_gen, memory_order_relaxed))) {
         r = ring_attach();
         if (r == &rings[0]) {
             put_shared(r, action, device, addr, size, stream, stack);
