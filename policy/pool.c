@@ -1111,6 +1111,41 @@ void msh_pool_for_each_live(struct msh_pool *pool,
     pthread_mutex_unlock(&pool->lock);
 }
 
+/* ---- issue 8: streams that go away, blocks by interior address, pages released with a block -- */
+
+/* Drop `stream` from the first *n entries of list; true when it was there. */
+static bool streams_drop(uint64_t *list, uint8_t *n, uint64_t stream)
+{
+    int k = 0;
+    bool found = false;
+    for (int i = 0; i < *n; i++) {
+        if (list[i] == stream) found = true;
+        else list[k++] = list[i];
+    }
+    *n = (uint8_t)k;
+    return found;
+}
+
+/* A destroyed stream's handle is undefined from then on (the driver may give the value to a new
+ * stream), so no tag may name it afterwards. Tagged blocks, live or free, trade the tag for
+ * sync_needed: whoever reuses them elsewhere first waits for the whole device, which covers the
+ * stream's last work whether or not it has finished. No device call here. */
+int msh_pool_forget_stream(struct msh_pool *pool, uint64_t stream)
+{
+    if (stream == MSH_STREAM_COMPLETED) return 0;
+    pthread_mutex_lock(&pool->lock);
+    for (size_t i = 0; i < pool->hcap; i++)
+        for (struct blk *b = pool->htab[i]; b; b = b->hnext)
+            if (streams_drop(b->streams, &b->nstreams, stream)) b->sync_needed = 1;
+    for (int a = 0; a < NAREAS; a++)
+        for (struct region *r = pool->areas[a]; r; r = r->next)
+            for (struct blk *b = r->first; b; b = b->next)
+                if (b->free && !blk_clean(pool, b) && streams_drop(b->streams, &b->nstreams, stream))
+                    b->sync_needed = 1;
+    pthread_mutex_unlock(&pool->lock);
+    return 0;
+}
+
 /* ---- invariant checker (msh_pool_check, pool.h) ------------------------------------------------ */
 
 #define CHECK_FAIL(...)                                                                            \

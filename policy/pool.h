@@ -103,6 +103,11 @@ void msh_pool_for_each_live(struct msh_pool *pool,
 /* Turn on per-call latency accounting (two clock reads per call). */
 void msh_pool_set_timing(struct msh_pool *pool, bool on);
 
+/* The caller is about to destroy `stream`: afterwards the pool names it nowhere (blocks that
+ * were tagged with it are reused elsewhere only after a device synchronize). O(blocks), no
+ * device call. Returns 0. */
+int msh_pool_forget_stream(struct msh_pool *pool, uint64_t stream);
+
 /* Verify every structural invariant of the pool under its lock (tests, memshim-replay --check):
  * each region is tiled by its blocks in address order with no two free neighbours; free blocks
  * are exactly the treap's (ordered by (size, addr), heap-ordered by priority), live blocks exactly
