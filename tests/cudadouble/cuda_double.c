@@ -1221,9 +1221,10 @@ static int is_device_memory_locked(CUdeviceptr p)
 
 /* May device `dev` touch [p, p + n) (for writing when `write`)? This is how the double decides
  * what a device may do (docs/test-double.md): VMM memory needs a mapping of every page with
- * access granted to `dev` (cuMemSetAccess, per device); cuMemAlloc memory must contain the whole
- * range, and a kernel (not a copy, which the driver may stage) running in context c on another
- * device needs peer access enabled from c. Returns 0, or 1 with the reason in why. */
+ * access granted to `dev` (cuMemSetAccess, per device), except that a copy (not a kernel) of
+ * memory owned by a device that is not peer capable with `dev` is staged, so the owner's access
+ * counts; cuMemAlloc memory must contain the whole range, and a kernel running in context c on
+ * another device needs peer access enabled from c. Returns 0, or 1 with the reason in why. */
 static int device_access_locked(int dev, CUdeviceptr p, size_t n, int write, int kernel,
                                 struct ctx *c, char *why, size_t whylen)
 {
@@ -1242,11 +1243,15 @@ static int device_access_locked(int dev, CUdeviceptr p, size_t n, int write, int
                          (unsigned long long)at);
                 return 1;
             }
-            unsigned f = m->access[dev];
+            /* a copy between devices that cannot reach each other is staged by the driver: the
+             * owner touches its own memory; between peers the copying device does */
+            int who = dev, owner = m->p->device;
+            if (!kernel && owner != dev && !g_peer[dev][owner]) who = owner;
+            unsigned f = m->access[who];
             if (f == CU_MEM_ACCESS_FLAGS_PROT_NONE || (write && f != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)) {
                 snprintf(why, whylen, "device %d %s %#llx (memory of device %d) without %s access "
-                         "(cuMemSetAccess grants it per device)", dev, write ? "wrote" : "read",
-                         (unsigned long long)at, m->p->device, write ? "read-write" : "read");
+                         "(cuMemSetAccess grants it per device)", who, write ? "wrote" : "read",
+                         (unsigned long long)at, owner, write ? "read-write" : "read");
                 return 1;
             }
         }

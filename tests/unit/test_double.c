@@ -1093,6 +1093,15 @@ TEST(peer_capability)
     two[1].location.id = 1;
     CU_OK(cuMemSetAccess(va, g, two, 2));
     CHECK(cudbl_check_access(1, va, g, 1) == CUDA_SUCCESS);
+    /* from device 2 (no P2P with 0) a copy is staged through the owner; a kernel cannot be */
+    unsigned char tmp[16];
+    CU_OK(cuCtxPushCurrent(ctx_of(2)));
+    CU_OK(cuMemcpyDtoH(tmp, va, sizeof tmp));
+    volatile int k2 = 0;
+    CU_MISUSE((cudbl_launch(NULL, va, 16, 0, note_kernel, (void *)&k2), cuCtxSynchronize()), CUDA_SUCCESS);
+    CHECK(k2 == 0);
+    CU_OK(cuCtxPopCurrent(NULL));
+    CU_OK(cuDevicePrimaryCtxRelease(2));
     /* cuCtxEnablePeerAccess: for cuMemAlloc memory only (kernels); VMM needs cuMemSetAccess */
     CUcontext c0 = ctx_of(0), c1 = ctx_of(1), c2 = ctx_of(2);
     CUdeviceptr d1 = 0;
