@@ -1238,6 +1238,7 @@ int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream,
     if (rc) return rc;
     /* another thread may have placed a block on these pages meanwhile: those stay (live) */
     pthread_mutex_lock(&pool->lock);
+    if (pool->norphans) orphans_retry(pool);
     size_t n = release_range_locked(pool, r, p0, p1);
     pthread_mutex_unlock(&pool->lock);
     if (released) *released = n;
