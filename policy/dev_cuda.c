@@ -160,8 +160,17 @@ static int cu_event_release(struct msh_device *d, uint64_t ev)
     return WITH_CTX(d, msh_cu.cuEventDestroy((CUevent)(uintptr_t)ev), "cuEventDestroy");
 }
 
+/* A capturing stream (CUDA graph capture) cannot wait on an event recorded outside its capture:
+ * the driver invalidates the capture (CUDA_ERROR_STREAM_CAPTURE_ISOLATION). The pool's events
+ * mark other streams' last use of a block, so there the host waits for the event instead; the
+ * graph then needs no dependency on work outside it, and the block is idle when it is handed over. */
 static int cu_stream_wait(struct msh_device *d, uint64_t stream, uint64_t ev)
 {
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (msh_cu.cuStreamIsCapturing && msh_cu.cuEventSynchronize &&
+        WITH_CTX(d, msh_cu.cuStreamIsCapturing((CUstream)(uintptr_t)stream, &st), "cuStreamIsCapturing") == 0 &&
+        st != CU_STREAM_CAPTURE_STATUS_NONE)
+        return WITH_CTX(d, msh_cu.cuEventSynchronize((CUevent)(uintptr_t)ev), "cuEventSynchronize");
     return WITH_CTX(d, msh_cu.cuStreamWaitEvent((CUstream)(uintptr_t)stream, (CUevent)(uintptr_t)ev, 0),
                     "cuStreamWaitEvent");
 }

@@ -72,6 +72,7 @@ static void load_driver(void)
     RESOLVE(cuPointerGetAttribute, "cuPointerGetAttribute");
     RESOLVE(cuPointerGetAttributes, "cuPointerGetAttributes");
     RESOLVE(cuIpcGetMemHandle, "cuIpcGetMemHandle");
+    RESOLVE(cuStreamIsCapturing, "cuStreamIsCapturing");
 
     if (!msh_cu.cuInit || !msh_cu.cuCtxGetCurrent || !msh_cu.cuMemGetInfo) {
         msh_warn("libcuda.so.1 lacks cuInit/cuCtxGetCurrent/cuMemGetInfo_v2; passing through");

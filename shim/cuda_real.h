@@ -64,6 +64,7 @@ struct msh_cuda_driver {
     CUresult (*cuPointerGetAttribute)(void *, CUpointer_attribute, CUdeviceptr);
     CUresult (*cuPointerGetAttributes)(unsigned int, CUpointer_attribute *, void **, CUdeviceptr);
     CUresult (*cuIpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
+    CUresult (*cuStreamIsCapturing)(CUstream, CUstreamCaptureStatus *);
 };
 
 extern struct msh_cuda_driver msh_cu;

@@ -154,6 +154,8 @@ ENV_EXTRA=(MEMSHIM_EMPTY_CACHE=never EXPECT_KEEP=1)
 run_prog free_release_never free_release
 ENV_EXTRA=(MEMSHIM_GC=threshold)
 run_prog gc_threshold_cost gc_threshold_cost
+ENV_EXTRA=()
+run_prog capture_reuse capture_reuse
 mkdir -p "$TMP/epoch-reports"
 ENV_EXTRA=(MEMSHIM_EPOCH=seconds MEMSHIM_EPOCH_SECONDS=0.5 MEMSHIM_REPORT_DIR="$TMP/epoch-reports"
            REPORTS="$TMP/epoch-reports")
