@@ -112,12 +112,12 @@ demo: all
 
 install: all
 	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/memshim/docs \
-	    $(DESTDIR)$(PREFIX)/share/memshim/scripts $(DESTDIR)$(PREFIX)/include
+	    $(DESTDIR)$(PREFIX)/include
 	install -m 0755 $(BUILD)/libmemshim.so $(DESTDIR)$(PREFIX)/lib/
 	install -m 0755 $(BUILD)/memshim-replay $(BUILD)/memshim-options $(DESTDIR)$(PREFIX)/bin/
 	install -m 0644 shim/memshim.h $(DESTDIR)$(PREFIX)/include/
 	install -m 0644 docs/*.md README.md $(DESTDIR)$(PREFIX)/share/memshim/docs/
-	install -m 0755 scripts/*.py $(DESTDIR)$(PREFIX)/share/memshim/scripts/ 2>/dev/null || true
+	install -m 0755 scripts/memshim-report $(DESTDIR)$(PREFIX)/bin/
 
 clean:
 	rm -rf build build-asan build-tsan

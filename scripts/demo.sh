@@ -32,7 +32,7 @@ echo
 echo "demo: reports written to $report_dir/:"
 ls -1 "$report_dir"
 echo
-python3 scripts/memshim_report.py "$report_dir"
+python3 scripts/memshim-report "$report_dir"
 
 echo
 echo "demo: the same allocation stream (from $trace) under PyTorch's own allocator, modelled:"
