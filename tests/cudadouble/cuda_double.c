@@ -306,13 +306,14 @@ struct vmap {
     size_t size;
     struct phys *p;
     unsigned char access[MAX_DEVICES];   /* CUmemAccess_flags per device, granted by cuMemSetAccess */
-    struct vmap *next;          /* sorted by va */
 };
 
+/* The mappings inside a reservation are found through g_page_tab, never a list: a pool maps
+ * tens of thousands of pages, and each VMM call then costs O(pages it names), not O(mappings). */
 struct resv {
     CUdeviceptr base;
     size_t size;
-    struct vmap *maps;
+    long nmaps;
     struct resv *next;
 };
 
@@ -1276,17 +1277,34 @@ static int device_access_locked(int dev, CUdeviceptr p, size_t n, int write, int
     return 0;
 }
 
-/* Bytes of [va, va+size) covered by mappings of r; *partial set when a mapping sticks out. */
-static size_t covered_locked(struct resv *r, CUdeviceptr va, size_t size, int *partial)
+/* The next mapping at or after address *a within [*a, end), or NULL; *a moves past it. */
+static struct vmap *next_map_locked(CUdeviceptr *a, CUdeviceptr end)
+{
+    size_t g = g_cfg.granularity;
+    for (CUdeviceptr x = *a & ~(CUdeviceptr)(g - 1); x < end; x += g) {
+        struct vmap *m = ht_get(&g_page_tab, (uint64_t)x);
+        if (m) {
+            *a = m->va + m->size;
+            return m;
+        }
+    }
+    *a = end;
+    return NULL;
+}
+
+/* Bytes of [va, va+size) covered by mappings; *partial set when a mapping sticks out. */
+static size_t covered_locked(CUdeviceptr va, size_t size, int *partial)
 {
     size_t covered = 0;
+    CUdeviceptr end = va + size;
     *partial = 0;
-    for (struct vmap *m = r->maps; m; m = m->next) {
+    for (CUdeviceptr a = va; a < end;) {
+        struct vmap *m = next_map_locked(&a, end);
+        if (!m) break;
         CUdeviceptr lo = m->va > va ? m->va : va;
-        CUdeviceptr hi = m->va + m->size < va + size ? m->va + m->size : va + size;
-        if (lo >= hi) continue;
+        CUdeviceptr hi = m->va + m->size < end ? m->va + m->size : end;
         covered += hi - lo;
-        if (m->va < va || m->va + m->size > va + size) *partial = 1;
+        if (m->va < va || m->va + m->size > end) *partial = 1;
     }
     return covered;
 }
@@ -2250,7 +2268,7 @@ CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size)
     while (*pp && !((*pp)->base == ptr && (*pp)->size == size)) pp = &(*pp)->next;
     struct resv *r = *pp;
     /* the whole reservation, and nothing may still be mapped in it */
-    CUresult rc = !r || r->maps ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+    CUresult rc = !r || r->nmaps ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
     if (rc == CUDA_SUCCESS) {
         *pp = r->next;
         g_counts.reservations--;
@@ -2275,7 +2293,7 @@ CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
     struct vmap *m = NULL;
     int partial;
     if (!p || p->size != size || !r) rc = CUDA_ERROR_INVALID_VALUE;
-    else if (covered_locked(r, ptr, size, &partial)) rc = CUDA_ERROR_INVALID_VALUE; /* already mapped */
+    else if (covered_locked(ptr, size, &partial)) rc = CUDA_ERROR_INVALID_VALUE; /* already mapped */
     else if (!(m = calloc(1, sizeof *m))) rc = CUDA_ERROR_OUT_OF_MEMORY;
     if (rc == CUDA_SUCCESS) {
         m->va = ptr;
@@ -2290,10 +2308,7 @@ CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
         rc = CUDA_ERROR_OUT_OF_MEMORY;
     }
     if (rc == CUDA_SUCCESS) {
-        struct vmap **pp = &r->maps;
-        while (*pp && (*pp)->va < ptr) pp = &(*pp)->next;
-        m->next = *pp;
-        *pp = m;
+        r->nmaps++;
         p->maps++;
         g_counts.mappings++;
     } else {
@@ -2312,14 +2327,14 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)
     struct resv *r = resv_containing_locked(ptr, size);
     int partial = 0;
     CUresult rc = CUDA_SUCCESS;
-    if (!r || covered_locked(r, ptr, size, &partial) != size || partial) rc = CUDA_ERROR_INVALID_VALUE;
-    for (struct vmap **pp = r && rc == CUDA_SUCCESS ? &r->maps : NULL; pp && *pp;) {
-        struct vmap *m = *pp;
-        if (m->va < ptr || m->va >= ptr + size) { pp = &m->next; continue; }
+    if (!r || covered_locked(ptr, size, &partial) != size || partial) rc = CUDA_ERROR_INVALID_VALUE;
+    for (CUdeviceptr a = ptr; rc == CUDA_SUCCESS && a < ptr + size;) {
+        struct vmap *m = next_map_locked(&a, ptr + size);
+        if (!m) break;
         /* back to an inaccessible reservation; the memfd keeps the data */
         mmap((void *)(uintptr_t)m->va, m->size, PROT_NONE,
              MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
-        *pp = m->next;
+        r->nmaps--;
         pages_unindex_locked(m);
         m->p->maps--;
         g_counts.mappings--;
@@ -2350,10 +2365,11 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
     struct resv *r = resv_containing_locked(ptr, size);
     int partial;
     CUresult rc = CUDA_SUCCESS;
-    if (!r || covered_locked(r, ptr, size, &partial) != size) rc = CUDA_ERROR_INVALID_VALUE;
+    if (!r || covered_locked(ptr, size, &partial) != size) rc = CUDA_ERROR_INVALID_VALUE;
     /* every device named must be able to reach every mapping's memory: checked before any change */
-    for (struct vmap *m = rc == CUDA_SUCCESS ? r->maps : NULL; m; m = m->next) {
-        if (m->va >= ptr + size || m->va + m->size <= ptr) continue;
+    for (CUdeviceptr a = ptr; rc == CUDA_SUCCESS && a < ptr + size;) {
+        struct vmap *m = next_map_locked(&a, ptr + size);
+        if (!m) break;
         for (size_t i = 0; i < count && rc == CUDA_SUCCESS; i++) {
             int d = desc[i].location.id;
             if (d != m->p->device && !g_peer[d][m->p->device] &&
@@ -2361,8 +2377,9 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
                 rc = CUDA_ERROR_INVALID_DEVICE;
         }
     }
-    for (struct vmap *m = rc == CUDA_SUCCESS ? r->maps : NULL; m && rc == CUDA_SUCCESS; m = m->next) {
-        if (m->va >= ptr + size || m->va + m->size <= ptr) continue;
+    for (CUdeviceptr a = ptr; rc == CUDA_SUCCESS && a < ptr + size;) {
+        struct vmap *m = next_map_locked(&a, ptr + size);
+        if (!m) break;
         unsigned char access[MAX_DEVICES];
         memcpy(access, m->access, sizeof access);
         for (size_t i = 0; i < count; i++) access[desc[i].location.id] = (unsigned char)desc[i].flags;

@@ -1390,6 +1390,8 @@ TEST(stream_capture_records_and_replays)
     CHECK(counts_zero());
 }
 
+static int capture_sink; /* host functions run later: their argument must outlive the call */
+
 TEST(stream_capture_refuses_unsafe_calls)
 {
     REQUIRE(setup() == 0);
@@ -1404,7 +1406,7 @@ TEST(stream_capture_refuses_unsafe_calls)
     CU_IS(cuStreamSynchronize(s), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
     CU_OK(cuStreamIsCapturing(s, &st));
     CHECK(st == CU_STREAM_CAPTURE_STATUS_INVALIDATED);
-    CU_IS(cuLaunchHostFunc(s, count_up, &(int){0}), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    CU_IS(cuLaunchHostFunc(s, count_up, &capture_sink), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
     CU_IS(cuStreamEndCapture(s, &gr), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
     CU_OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
     CU_IS(cuCtxSynchronize(), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
@@ -1414,7 +1416,7 @@ TEST(stream_capture_refuses_unsafe_calls)
     CU_IS(cuStreamIsCapturing(NULL, &st), CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);  /* not invalidating */
     CU_OK(cuStreamIsCapturing(s, &st));
     CHECK(st == CU_STREAM_CAPTURE_STATUS_ACTIVE);
-    CU_IS(cuLaunchHostFunc(NULL, count_up, &(int){0}), CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+    CU_IS(cuLaunchHostFunc(NULL, count_up, &capture_sink), CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
     CU_IS(cuStreamEndCapture(s, &gr), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
     /* potentially unsafe calls, by capture mode */
     CU_OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
@@ -1437,7 +1439,7 @@ TEST(stream_capture_refuses_unsafe_calls)
     CUevent e;
     CU_OK(cuEventCreate(&e, CU_EVENT_DISABLE_TIMING));
     CU_IS(cuStreamWaitEvent(other, e, CU_EVENT_WAIT_EXTERNAL), CUDA_ERROR_INVALID_VALUE);  /* not capturing */
-    CU_OK(cuLaunchHostFunc(other, count_up, &(int){0}));
+    CU_OK(cuLaunchHostFunc(other, count_up, &capture_sink));
     CU_OK(cuEventRecord(e, other));
     CU_OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
     CU_OK(cuStreamWaitEvent(s, e, CU_EVENT_WAIT_EXTERNAL));
