@@ -260,11 +260,15 @@ void msh_hooks_forget_stream(uint64_t stream)
     }
 }
 
-/* cudaFree / cuMemFree of a pool block (DESIGN.md 3): the block's pages that no live block still
- * touches go back to the driver at once, unless MEMSHIM_EMPTY_CACHE=never keeps them cached. */
+/* cudaFree / cuMemFree of a pool block in segment mode is PyTorch giving a segment back
+ * (empty_cache, its OOM retry, its GC threshold; DESIGN.md 3): the block's pages that no live
+ * block still touches go back to the driver at once, unless MEMSHIM_EMPTY_CACHE=never keeps them
+ * cached. In tensor mode PyTorch frees through memshim_free; a cudaFree there comes from another
+ * library, and the pool's page cache serves memshim's own reuse. */
 int msh_hooks_pool_free_host(struct msh_pool *pool, uint64_t addr)
 {
-    if (msh_cfg.empty_cache == MSH_EC_NEVER) return msh_pool_free(pool, addr, MSH_STREAM_COMPLETED);
+    if (msh_cfg.empty_cache == MSH_EC_NEVER || msh_core_mode() != MSH_MODE_SEGMENT)
+        return msh_pool_free(pool, addr, MSH_STREAM_COMPLETED);
     return msh_pool_free_release(pool, addr, MSH_STREAM_COMPLETED, NULL);
 }
 

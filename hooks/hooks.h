@@ -56,8 +56,8 @@ MSH_HIDDEN int msh_hooks_pool_range(uint64_t addr, uint64_t *base, size_t *size,
 MSH_HIDDEN int msh_hooks_ipc_refused(const char *fn, uint64_t addr, int device);
 /* A stream is about to be destroyed: no pool may name it afterwards. */
 MSH_HIDDEN void msh_hooks_forget_stream(uint64_t stream);
-/* Free a pool block whose last use is complete (cudaFree, cuMemFree) and give its pages back
- * unless MEMSHIM_EMPTY_CACHE=never. 0 or EINVAL. */
+/* Free a pool block whose last use is complete (cudaFree, cuMemFree); in segment mode give its
+ * pages back unless MEMSHIM_EMPTY_CACHE=never. 0 or EINVAL. */
 struct msh_pool;
 MSH_HIDDEN int msh_hooks_pool_free_host(struct msh_pool *pool, uint64_t addr);
 

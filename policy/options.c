@@ -151,9 +151,9 @@ static const struct opt opts[O_COUNT] = {
                        "When unused physical memory goes back to the driver.", F(empty_cache), 0,
                        0, 0, empty_cache_vals,
                        "When memshim returns wholly free physical pages to the driver (what "
-                       "`torch.cuda.empty_cache()` does by hand). Except under `never`, a "
-                       "`cudaFree` of a pool block (in segment mode, PyTorch releasing a segment) "
-                       "also gives that block's pages that no live block touches back at once."},
+                       "`torch.cuda.empty_cache()` does by hand). Except under `never`, in segment "
+                       "mode a `cudaFree` of a pool block (PyTorch releasing a segment) also gives "
+                       "that block's pages that no live block touches back at once."},
     [O_EMPTY_CACHE_THRESHOLD] = {"MEMSHIM_EMPTY_CACHE_THRESHOLD", T_SIZE, "0", NULL,
                                  "a size, 0 or more", "bytes",
                                  "With `MEMSHIM_EMPTY_CACHE=threshold`: reserved-but-free bytes "

@@ -650,7 +650,8 @@ MSH_EXPORT void *memshim_malloc(ssize_t size, int device, memshim_stream_t strea
     if (size < 0) return NULL;
     msh_in_hook++;
     /* Being called here means PyTorch's pluggable allocator is memshim: that is tensor mode. */
-    if (MSH_UNLIKELY(mode_eff == MSH_MODE_SEGMENT) && msh_cfg.mode == MSH_MODE_AUTO && msh_core_init())
+    /* init first: when this is memshim's first call, mode_eff is only set by it */
+    if (msh_core_init() && MSH_UNLIKELY(mode_eff == MSH_MODE_SEGMENT) && msh_cfg.mode == MSH_MODE_AUTO)
         mode_eff = MSH_MODE_TENSOR;
     struct msh_pool *p = msh_core_pool(device);
     void *out = NULL;

@@ -2,8 +2,10 @@
  * free_release.c: in segment mode a cudaFree of a pool block is PyTorch giving memory back
  * (empty_cache, its OOM retry), so the block's pages that no live block still touches go back to
  * the driver at once, where other processes, NCCL and other allocators can use them (issue 8,
- * item 5; DESIGN.md 3). Pages a live neighbour shares stay. With EXPECT_KEEP=1 the program runs
- * under MEMSHIM_EMPTY_CACHE=never, which keeps them cached. Run under LD_PRELOAD=libmemshim.so.
+ * item 5; DESIGN.md 3). Pages a live neighbour shares stay. With EXPECT_KEEP=1 they stay cached:
+ * run_preload.sh sets it with MEMSHIM_EMPTY_CACHE=never, and with TENSOR_MODE=1 (a cudaFree in
+ * tensor mode comes from another library; the cache serves memshim's own reuse). Run under
+ * LD_PRELOAD=libmemshim.so.
  */
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -11,6 +13,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/types.h>
 
 #include "cudbl.h"
 #include "harness.h"
@@ -26,6 +29,12 @@ static size_t reserved(void)
     return stats && stats(0, &st) == 0 ? st.reserved_bytes : (size_t)-1;
 }
 
+static void memshim_empty_cache_fn(void)
+{
+    void (*empty)(void) = (void (*)(void))dlsym(RTLD_DEFAULT, "memshim_empty_cache");
+    if (empty) empty();
+}
+
 static size_t driver_used(void)
 {
     struct cudbl_counts c;
@@ -36,6 +45,15 @@ static size_t driver_used(void)
 TEST(cudafree_returns_the_pages)
 {
     int keep = getenv("EXPECT_KEEP") != NULL;
+    if (getenv("TENSOR_MODE")) { /* PyTorch calling memshim_malloc is what tensor mode is */
+        void *(*ms_malloc)(ssize_t, int, void *) = (void *(*)(ssize_t, int, void *))dlsym(RTLD_DEFAULT, "memshim_malloc");
+        void (*ms_free)(void *, ssize_t, int, void *) = (void (*)(void *, ssize_t, int, void *))dlsym(RTLD_DEFAULT, "memshim_free");
+        REQUIRE(ms_malloc && ms_free);
+        void *t = ms_malloc(4096, 0, NULL);
+        REQUIRE(t);
+        ms_free(t, 4096, 0, NULL);
+        memshim_empty_cache_fn();
+    }
     void *a = NULL, *b = NULL, *c = NULL;
     REQUIRE(cudaMalloc(&a, 64 * MiB) == cudaSuccess);
     size_t used0 = driver_used(), res0 = reserved();

@@ -152,6 +152,8 @@ ENV_EXTRA=()
 run_prog free_release free_release
 ENV_EXTRA=(MEMSHIM_EMPTY_CACHE=never EXPECT_KEEP=1)
 run_prog free_release_never free_release
+ENV_EXTRA=(TENSOR_MODE=1 EXPECT_KEEP=1)
+run_prog free_release_tensor_mode free_release
 ENV_EXTRA=(MEMSHIM_GC=threshold)
 run_prog gc_threshold_cost gc_threshold_cost
 ENV_EXTRA=()
