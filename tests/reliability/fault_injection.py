@@ -137,10 +137,7 @@ def run(workload, fail, tmp, counts=False):
         if m:
             held = summary["memory"]["physical_mapped_bytes"] // GRAN if summary else 0
             h, mp, _, allocs, ev = out["exit"]
-            # A handle whose cuMemRelease failed stays held, unmapped, until the pool's next retry
-            # (its orphan list): only that failure may leave handles the pages do not map.
-            orphans_ok = (fail or "").split(":")[0] == "cuMemRelease" and mp < h
-            if h != held or (mp != held and not orphans_ok) or ev:
+            if h != held or mp != held or ev:
                 out["why"].append(f"{m.group(0)} but memshim's summary holds {held} pages")
             if allocs and p.returncode == 0 and "finished" in p.stdout:
                 # pass-through cudaMallocs are freed by the demo before it ends
