@@ -3412,7 +3412,7 @@ int cudbl_check_access(int device, CUdeviceptr p, size_t n, int write)
     if (!dev_valid(device)) return CUDA_ERROR_INVALID_DEVICE;
     char why[200];
     pthread_mutex_lock(&g_lock);
-    int bad = device_access_locked(device, p, n, write, 0, NULL, why, sizeof why);
+    int bad = device_access_locked(device, p, n, write, 1, NULL, why, sizeof why); /* directly, as a kernel */
     pthread_mutex_unlock(&g_lock);
     return bad ? CUDA_ERROR_ILLEGAL_ADDRESS : CUDA_SUCCESS;
 }

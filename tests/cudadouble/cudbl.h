@@ -42,8 +42,9 @@ void cudbl_set_misuse_abort(int on);
  * non-zero) from the device of stream s, whose context must be current (as for a launch). When
  * it runs, the double checks that the device may: a violation is misuse and fn does not run. */
 int cudbl_launch(CUstream s, CUdeviceptr p, size_t n, int write, void (*fn)(void *), void *arg);
-/* Whether `device` may touch [p, p + n) now (CUDA_SUCCESS or CUDA_ERROR_ILLEGAL_ADDRESS), by the
- * rules in docs/test-double.md; counts nothing. */
+/* Whether `device` may touch [p, p + n) directly now, as a kernel would (no staged copy, no
+ * peer access enabled): CUDA_SUCCESS or CUDA_ERROR_ILLEGAL_ADDRESS, by the rules in
+ * docs/test-double.md; counts nothing. */
 int cudbl_check_access(int device, CUdeviceptr p, size_t n, int write);
 /* Peer capability between devices a and b (both ways), as cuDeviceCanAccessPeer reports it;
  * overrides CUDBL_PEER. */
