@@ -197,8 +197,8 @@ void msh_hooks_adjust_meminfo(int device, size_t *free_b, size_t *total_b)
     if (!limit && msh_cfg.limit_fraction > 0)
         limit = (uint64_t)(msh_cfg.limit_fraction * (double)*total_b);
     if (!limit || device < 0) return;
-    /* the limit is only enforced where a pool serves (peek never creates one) */
-    struct msh_pool *pool = msh_core_pool_peek(device);
+    /* the limit is only enforced where a pool serves (msh_core_pool_get never creates one) */
+    struct msh_pool *pool = msh_core_pool_get(device);
     if (!pool) return;
     struct msh_pool_counters c;
     msh_pool_counters(pool, &c);
@@ -223,7 +223,7 @@ void msh_hooks_adjust_meminfo(int device, size_t *free_b, size_t *total_b)
 static int pool_range(uint64_t addr, uint64_t *base, size_t *size, int *device)
 {
     for (int d = 0; d < MSH_MAX_DEVICES; d++) {
-        struct msh_pool *p = msh_core_pool_peek(d);
+        struct msh_pool *p = msh_core_pool_get(d);
         if (!p) continue;
         if (msh_pool_block_containing(p, addr, base, size) == 0) {
             if (device) *device = d;
@@ -255,7 +255,7 @@ int msh_hooks_ipc_refused(const char *fn, uint64_t addr, int device)
 void msh_hooks_forget_stream(uint64_t stream)
 {
     for (int d = 0; d < MSH_MAX_DEVICES; d++) {
-        struct msh_pool *p = msh_core_pool_peek(d);
+        struct msh_pool *p = msh_core_pool_get(d);
         if (p) msh_pool_forget_stream(p, stream);
     }
 }
