@@ -7,9 +7,11 @@
  * holds the GIL, (2) after re-taking the GIL when this thread is a Python thread that released it
  * (PyGILState_GetThisThreadState() != NULL), and (3) never on a thread with no Python state
  * (autograd's backward workers, other C++ threads): those allocations are the pseudo site
- * "backward". Re-taking the GIL costs about 150 ns when it is free but waits for the holder when
- * another Python thread runs (130 us measured): an acquisition slower than GIL_SLOW_NS turns case
- * (2) off for GIL_BACKOFF_NS, so a busy GIL costs at most one wait per second.
+ * "backward". Re-taking the GIL costs tens of ns when it is free but waits for the holder when
+ * another Python thread runs (130 us measured): two acquisitions in a row slower than GIL_SLOW_NS
+ * turn case (2) off for GIL_BACKOFF_NS, so a busy GIL costs at most two waits per second. (One
+ * slow acquisition is not enough: on a loaded machine a thread preempted while it takes a free
+ * GIL looks just as slow, and would turn the sites off for a second.)
  *
  * A stack is a list of interned frames keyed by (code object, instruction offset) on CPython
  * 3.11+ (PyFrame_GetLasti) or (code object, line) before; file, function and line are resolved
@@ -115,8 +117,8 @@ static _Atomic int capture_all; /* the history ring records: no sampling */
 #define GIL_SLOW_NS 20000ull           /* an acquisition this slow means another thread runs Python */
 #define GIL_BACKOFF_NS 1000000000ull   /* then do not re-take the GIL for a second */
 static _Atomic uint64_t gil_backoff_until;
-static _Atomic uint64_t cost_acquires, cost_wait_ticks;
 static uint64_t gil_slow_ticks = GIL_SLOW_NS; /* GIL_SLOW_NS in msh_ticks() units (do_init) */
+static __thread int tl_gil_slow;              /* slow acquisitions in a row on this thread */
 
 /* Anonymous memory, committed only where touched; never from malloc. */
 static void *vm(size_t bytes)
@@ -488,13 +490,14 @@ static uint32_t capture(void)
     if (msh_coarse_ns() < atomic_load_explicit(&gil_backoff_until, memory_order_relaxed)) return MSH_STACK_UNATTRIBUTED;
     uint64_t t0 = msh_ticks();
     int g = py.ensure();
-    uint64_t waited = msh_ticks() - t0;
-    if (waited > gil_slow_ticks)
+    if (msh_ticks() - t0 <= gil_slow_ticks) {
+        tl_gil_slow = 0;
+    } else if (++tl_gil_slow >= 2) {
+        tl_gil_slow = 0;
         atomic_store_explicit(&gil_backoff_until, msh_coarse_ns() + GIL_BACKOFF_NS, memory_order_relaxed);
+    }
     uint32_t st = walk();
     py.release(g);
-    atomic_fetch_add_explicit(&cost_acquires, 1, memory_order_relaxed);
-    atomic_fetch_add_explicit(&cost_wait_ticks, waited, memory_order_relaxed);
     return st;
 }
 
@@ -861,10 +864,4 @@ void msh_sites_block_stacks(struct msh_pool *pool, const uint64_t *addrs, uint32
     }
     msh_pool_block_tags(pool, addrs, out, n);
     for (size_t i = 0; i < n; i++) out[i] &= ~TAG_SAMPLED;
-}
-
-void msh_sites_gil_stats(uint64_t *acquires, uint64_t *wait_ns)
-{
-    if (acquires) *acquires = atomic_load(&cost_acquires);
-    if (wait_ns) *wait_ns = (uint64_t)((double)atomic_load(&cost_wait_ticks) * msh_ticks_ns_per_tick());
 }

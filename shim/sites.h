@@ -85,7 +85,5 @@ int msh_sites_stack_frames(uint32_t stack, struct msh_site_frame *out, int max);
  * (the pool's: never call it with that lock held). */
 void msh_sites_block_stacks(struct msh_pool *pool, const uint64_t *addrs, uint32_t *stacks, size_t n);
 
-/* How often memshim re-took the GIL to read a stack, and the ns it waited for it in all. */
-void msh_sites_gil_stats(uint64_t *acquires, uint64_t *wait_ns);
 
 #endif

@@ -306,6 +306,30 @@ lib.memshim_epoch()
              sum(s["bytes"] for s in e) == 300 * MiB and any(s["function"] == "unattributed" for s in e)
              and {s["function"] for s in e} <= {"forward", "unattributed"}, e)
 
+        # One slow acquisition is not a busy GIL (a preempted thread looks the same): the GIL held
+        # once for 50 ms while the loop allocates, then free again: every allocation keeps its site.
+        ONCE = PRELUDE + f"""
+import threading, time
+libc = ctypes.PyDLL(None)
+def hold_once():
+    time.sleep(0.03)
+    libc.usleep(50000)  # PyDLL: the GIL stays held for these 50 ms
+t = threading.Thread(target=hold_once)
+loop = ctypes.CDLL({loopso!r})
+out = (ctypes.c_void_p * 300)()
+def forward():
+    loop.run(ctypes.cast(lib.memshim_malloc, ctypes.c_void_p), 300, out)  # SITE-LOOP
+t.start()
+forward()
+t.join()
+lib.memshim_epoch()
+"""
+        p = run(ONCE, tmp, "once", "released", timeout=200)
+        all_reports += p.reports
+        e = p.epochs[0]["sites"] if p.epochs else []
+        case("the GIL held once for 50 ms by another thread: one slow wait, no back-off; all 300 MiB keep their site",
+             p.returncode == 0 and [(s["function"], s["bytes"]) for s in e] == [("forward", 300 * MiB)], e)
+
     bad = [(r["kind"], r["epoch"], pr) for r in all_reports for pr in [report_problems(r)] if pr]
     case(f"all {len(all_reports)} reports of these runs match docs/report.schema.json", all_reports and not bad, bad[:3])
 finish()
