@@ -251,7 +251,7 @@ def main():
     head += f"share of torch.empty(256) ({empty:.0f} ns) |" if empty else "share of a PyTorch op |"
     head += " 2% of memshim's path / of the op | unattributed at the peak |"
     if BEFORE:
-        head += " before: median (cost) |"
+        head += " before: median (cost; unattributed at the peak) |"
     print(head)
     print("|---|---:|---:|---:|---:|---:|:---:|---:|" + ("---:|" if BEFORE else ""))
     before_base = statistics.median(res[(BEFORE, CONFIGS[0][0])]) if BEFORE else None
@@ -269,7 +269,8 @@ def main():
                + (f"{100 * max(u):.0f}% |" if u else "- |"))
         if BEFORE:
             bm = statistics.median(res[(BEFORE, name)])
-            row += f" {bm:.0f} ({bm - before_base:+.0f} ns) |"
+            bu = unattr[(BEFORE, name)]
+            row += f" {bm:.0f} ({bm - before_base:+.0f} ns" + (f"; {100 * max(bu):.0f}% unattributed) |" if bu else ") |")
         print(row)
     if ir:
         print()
