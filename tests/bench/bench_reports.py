@@ -22,9 +22,10 @@ median and the range of the rounds' ns per alloc+free pair, the cost against "ev
 (medians), and that cost as a share of two denominators: memshim's own path per pair (the
 strictest) and a PyTorch operator called from Python (measured here on the CPU, the smallest
 operators; a CUDA operator adds its launch, so the real share is smaller). For the allocation-site
-configurations it also gives how much of the peak the sites left '<python> unattributed' (memshim
-stops re-taking a GIL that was slow to get for a second; on a loaded machine a preempted
-acquisition looks slow, which makes those rounds cheaper than they should be).
+configurations it also gives how much of a probe step after the timed runs the sites left
+'<python> unattributed' (memshim stops re-taking a GIL that was slow to get, for a second; on a
+loaded machine a preempted acquisition can look slow, which would make those rounds cheaper than
+they should be: the worst round is shown).
 
 Usage: bench_reports.py [BUILD [BUILD_BEFORE]] (default: build, or $BUILD). With BUILD_BEFORE
 (another build of memshim, e.g. of main) each round runs every configuration on both builds, and
@@ -67,6 +68,9 @@ double loop(void *m_, void *f_, const long *sizes, int n, int steps)
     }
     return (double)(now() - t0) / ((double)n * steps);
 }
+/* the probe after the timed runs: n blocks left live for an epoch report, then freed */
+void hold(void *m_, const long *sizes, int n, void **out) { for (int i = 0; i < n; i++) out[i] = ((mf)m_)(sizes[i], 0, 0); }
+void drop(void *f_, const long *sizes, int n, void **out) { for (int i = 0; i < n; i++) ((ff)f_)(out[i], sizes[i], 0, 0); }
 """
 
 CHILD = r"""
@@ -76,6 +80,7 @@ held = os.environ["GIL"] == "held"
 L = (ctypes.PyDLL if held else ctypes.CDLL)(os.environ["LOOP"])
 L.loop.restype = ctypes.c_double
 L.loop.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_long), ctypes.c_int, ctypes.c_int]
+L.hold.argtypes = L.drop.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_long), ctypes.c_int, ctypes.c_void_p]
 n, steps, depth = int(os.environ["BLOCKS"]), int(os.environ["STEPS"]), int(os.environ["DEPTH"])
 sizes = (ctypes.c_long * n)(*[(512 << (i % 12)) + 512 * (i % 7) for i in range(n)])
 m = ctypes.cast(lib.memshim_malloc, ctypes.c_void_p).value
@@ -90,7 +95,16 @@ def forward(d, steps):  # the user's code: the site
         return forward(d - 1, steps)
     return torch_like.call_module(op, steps)
 forward(depth, 20)  # warm-up: pages mapped, frames and stacks interned, the ring's pages touched
-print(json.dumps({"ns": min(forward(depth, steps) for _ in range(int(os.environ["REPS"])))}))
+best = min(forward(depth, steps) for _ in range(int(os.environ["REPS"])))
+# Probe: were the sites still read at the end (memshim stops re-taking a GIL that was slow to get,
+# for a second)? One step's blocks held live through an epoch whose report names their sites.
+lib.memshim_epoch()
+held_blocks = (ctypes.c_void_p * n)()
+op = functools.partial(L.hold, m, sizes, n, held_blocks)
+forward(depth, 0)
+lib.memshim_epoch()
+L.drop(f, sizes, n, held_blocks)
+print(json.dumps({"ns": best}))
 """
 
 # (name, GIL mode, settings); None: the variable is unset. Reports on = MEMSHIM_REPORT_DIR set.
@@ -120,10 +134,14 @@ def call_module(op, steps):
 
 
 def unattributed_share(rep):
-    """Share of the summary's top-site bytes that the sites left '<python> unattributed', or None."""
-    for path in glob.glob(os.path.join(rep, "*summary*.json")):
+    """Share of the probe's bytes (the epoch report after the timed runs) that the sites left
+    '<python> unattributed', or None without sites."""
+    for path in sorted(glob.glob(os.path.join(rep, "*.json"))):
         with open(path) as fh:
-            sites = json.load(fh).get("sites") or []
+            r = json.load(fh)
+        if r.get("kind") != "epoch" or r.get("epoch") != 1:
+            continue
+        sites = r.get("sites") or []
         total = sum(s["bytes"] for s in sites)
         if total:
             return sum(s["bytes"] for s in sites if s["function"] == "unattributed") / total
@@ -249,9 +267,9 @@ def main():
     print()
     head = "| configuration | ns per pair, median | range | cost vs. everything off | share of memshim's path | "
     head += f"share of torch.empty(256) ({empty:.0f} ns) |" if empty else "share of a PyTorch op |"
-    head += " 2% of memshim's path / of the op | unattributed at the peak |"
+    head += " 2% of memshim's path / of the op | unattributed (probe) |"
     if BEFORE:
-        head += " before: median (cost; unattributed at the peak) |"
+        head += " before: median (cost; unattributed) |"
     print(head)
     print("|---|---:|---:|---:|---:|---:|:---:|---:|" + ("---:|" if BEFORE else ""))
     before_base = statistics.median(res[(BEFORE, CONFIGS[0][0])]) if BEFORE else None
