@@ -19,7 +19,9 @@ configurations alternate over ROUNDS rounds. A process times REPS runs of STEPS 
 the fastest, timed in thread CPU time (clock_gettime(CLOCK_THREAD_CPUTIME_ID): preemption by other
 processes on a shared machine is not counted; cache pollution still is). The table gives the
 median and the range of the rounds' ns per alloc+free pair, the cost against "everything off"
-(medians), and that cost as a share of two denominators: memshim's own path per pair (the
+(taken within each round, where the configurations ran back to back, then the median over the
+rounds: the machine's slower and faster spells cancel out), and that cost as a share of two
+denominators: memshim's own path per pair (the
 strictest) and a PyTorch operator called from Python (measured here on the CPU, the smallest
 operators; a CUDA operator adds its launch, so the real share is smaller). For the allocation-site
 configurations it also gives how much of a probe step after the timed runs the sites left
@@ -259,36 +261,49 @@ def main():
                     ir[(b, name)] = instructions(tmp, loop, b, gil, settings)
     scale = torch_op_costs()
     empty = dict(scale).get("torch.empty(256)") if scale else None
-    base = statistics.median(res[(BUILD, CONFIGS[0][0])])
+    off = CONFIGS[0][0]
+    base = statistics.median(res[(BUILD, off)])
+
+    def paired(build, name):
+        """Each round runs every configuration back to back: the cost is taken within a round
+        (config minus everything off, and that over everything off), so the machine's slower and
+        faster spells between rounds cancel out. Median over the rounds, and the middle half."""
+        d = [c - o for c, o in zip(res[(build, name)], res[(build, off)])]
+        r = [c / o - 1 for c, o in zip(res[(build, name)], res[(build, off)])]
+        q = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0], r[0], r[0]]
+        return statistics.median(d), statistics.median(r), q[0], q[2]
+
     print(f"{ROUNDS} rounds, configurations alternating; per process the fastest of {REPS} runs of {STEPS} steps x "
           f"{BLOCKS} memshim_malloc (1 KiB - 1 MiB) then {BLOCKS} memshim_free, from a C loop called from 4 "
           f"torch-like frames under {DEPTH + 1} user frames, libmemshim.so preloaded; thread CPU ns per alloc+free "
-          f"pair (median of the rounds, and their range)")
+          f"pair (median of the rounds, and their range); cost against everything off taken within each round "
+          f"(median over the rounds, and the middle half of the rounds' shares)")
     print()
-    head = "| configuration | ns per pair, median | range | cost vs. everything off | share of memshim's path | "
+    head = "| configuration | ns per pair, median | range | cost vs. everything off | share of memshim's path (middle half) | "
     head += f"share of torch.empty(256) ({empty:.0f} ns) |" if empty else "share of a PyTorch op |"
-    head += " 2% of memshim's path / of the op | unattributed (probe) |"
+    head += " within 2% of memshim's path / of the op | unattributed (probe) |"
     if BEFORE:
-        head += " before: median (cost; unattributed) |"
+        head += " before: median (cost, share; unattributed) |"
     print(head)
     print("|---|---:|---:|---:|---:|---:|:---:|---:|" + ("---:|" if BEFORE else ""))
-    before_base = statistics.median(res[(BEFORE, CONFIGS[0][0])]) if BEFORE else None
     for name, _, _ in CONFIGS:
         v = res[(BUILD, name)]
         m = statistics.median(v)
-        cost = m - base
-        share = cost / base
+        cost, share, lo, hi = paired(BUILD, name)
         op_share = cost / empty if empty else None
         ok = lambda s: "n/a" if s is None else ("yes" if s <= 0.02 else "no")  # noqa: E731
         u = unattr[(BUILD, name)]
-        row = (f"| {name} | {m:.0f} | {min(v):.0f}-{max(v):.0f} | {cost:+.0f} ns | {100 * share:+.1f}% | "
+        row = (f"| {name} | {m:.0f} | {min(v):.0f}-{max(v):.0f} | {cost:+.0f} ns | "
+               f"{100 * share:+.1f}% ({100 * lo:+.0f}..{100 * hi:+.0f}%) | "
                + (f"{100 * op_share:+.1f}% | " if op_share is not None else "n/a | ")
                + f"{ok(share)} / {ok(op_share)} | "
                + (f"{100 * max(u):.0f}% |" if u else "- |"))
         if BEFORE:
             bm = statistics.median(res[(BEFORE, name)])
+            bcost, bshare, _, _ = paired(BEFORE, name)
             bu = unattr[(BEFORE, name)]
-            row += f" {bm:.0f} ({bm - before_base:+.0f} ns" + (f"; {100 * max(bu):.0f}% unattributed) |" if bu else ") |")
+            row += (f" {bm:.0f} ({bcost:+.0f} ns, {100 * bshare:+.0f}%"
+                    + (f"; {100 * max(bu):.0f}% unattributed) |" if bu else ") |"))
         print(row)
     if ir:
         print()
