@@ -271,8 +271,10 @@ static const struct opt opts[O_COUNT] = {
     [O_SNAPSHOT_EVENTS] = {"MEMSHIM_SNAPSHOT_EVENTS", T_COUNT, "100000", NULL,
                            "a whole number from 1 to 16777216", "events",
                            "Events (alloc, free, map, unmap, oom) the history ring keeps for the "
-                           "snapshot's `device_traces`; older ones are dropped. About 40 bytes of "
-                           "host memory each, committed as the ring fills. PyTorch's own default "
+                           "snapshot's `device_traces`; older ones are dropped. Each thread that "
+                           "allocates records into a ring of its own of this many entries (48 bytes "
+                           "of host memory each, a free being one entry), committed as it fills. "
+                           "PyTorch's own default "
                            "(`max_entries=sys.maxsize`) keeps everything; a bounded ring needs "
                            "a bound.",
                            F(snapshot_events), 0, 1, 16777216, NULL, NULL},

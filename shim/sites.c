@@ -490,7 +490,8 @@ static uint32_t capture(void)
     if (msh_coarse_ns() < atomic_load_explicit(&gil_backoff_until, memory_order_relaxed)) return MSH_STACK_UNATTRIBUTED;
     uint64_t t0 = msh_ticks();
     int g = py.ensure();
-    if (msh_ticks() - t0 <= gil_slow_ticks) {
+    /* signed: a thread moved to another CPU mid-way can read a counter tens of ns behind */
+    if ((int64_t)(msh_ticks() - t0) <= (int64_t)gil_slow_ticks) {
         tl_gil_slow = 0;
     } else if (++tl_gil_slow >= 2) {
         tl_gil_slow = 0;

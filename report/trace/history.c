@@ -7,9 +7,12 @@
  * _snapshot() and _dump_snapshot().
  *
  * Recording an event takes no lock and reads no system clock: each thread appends to its own
- * ring (a few stores and a release of the ring's head) with a msh_ticks() stamp, the time source
- * PyTorch's own recorder uses; a snapshot merges the rings by stamp (the stamps of different
- * CPUs compare: hotclock.h) and turns the stamps into wall-clock microseconds. A reader copies a
+ * ring (a few stores and a release of the ring's head) with a number from one shared counter
+ * (one atomic add) and a msh_ticks() stamp, the time source PyTorch's own recorder uses. A
+ * snapshot merges the rings by number and turns the stamps into wall-clock microseconds. The
+ * numbers, not the stamps, give the order: the counter's adds are ordered like the pool calls
+ * around them, while the time-stamp counters of two CPUs may disagree by tens of ns (measured on
+ * a 2-vCPU VM whose kernel trusts its TSC), enough to put a reuse before its free. A reader copies a
  * ring while its owner writes, seqlock-style: an entry counts only if the head, read after it,
  * shows that the owner has not started to overwrite its slot. Rings live in mmap'd memory
  * (MAP_NORESERVE: committed as they fill), so recording never calls malloc; a thread's ring
@@ -82,8 +85,14 @@ bool msh_history_recording(void)
 
 struct rent {
     _Atomic uint64_t addr, size, stream, stamp;
+    _Atomic uint64_t seq;  /* from hist_seq: the order across threads */
     _Atomic uint64_t meta; /* stack | action << 32 | device << 40 */
 };
+/* One add per event. Its own cache line: the rings' owners write it, nothing else shares it. */
+static struct {
+    _Alignas(64) _Atomic uint64_t n;
+    char pad[64 - sizeof(uint64_t)];
+} hist_seq;
 
 #define NRINGS 64 /* rings with an owner at once; ring 0 is shared (under hist_lock) by the rest */
 struct ring {
@@ -140,6 +149,7 @@ static void ring_refresh(struct ring *r)
                 atomic_store_explicit(&d->size, atomic_load_explicit(&s->size, memory_order_relaxed), memory_order_relaxed);
                 atomic_store_explicit(&d->stream, atomic_load_explicit(&s->stream, memory_order_relaxed), memory_order_relaxed);
                 atomic_store_explicit(&d->stamp, atomic_load_explicit(&s->stamp, memory_order_relaxed), memory_order_relaxed);
+                atomic_store_explicit(&d->seq, atomic_load_explicit(&s->seq, memory_order_relaxed), memory_order_relaxed);
                 atomic_store_explicit(&d->meta, atomic_load_explicit(&s->meta, memory_order_relaxed), memory_order_relaxed);
             }
             if (r->buf) munmap(r->buf, r->cap * sizeof *r->buf);
@@ -175,12 +185,12 @@ static __attribute__((noinline)) struct ring *ring_attach(void)
 }
 
 /* More than NRINGS - 1 threads hold rings: this one shares ring 0, whose writers and readers all
- * hold hist_lock. Stamped in the lock, so several threads' entries go in stamp order. */
+ * hold hist_lock. Numbered in the lock, so several threads' entries go in order. */
 static __attribute__((noinline)) void put_shared(struct ring *r, uint8_t action, int device, uint64_t addr,
                                                  uint64_t size, uint64_t stream, uint32_t stack)
 {
     pthread_mutex_lock(&hist_lock);
-    uint64_t stamp = msh_ticks();
+    uint64_t stamp = msh_ticks(), seq = atomic_fetch_add_explicit(&hist_seq.n, 1, memory_order_relaxed);
     if (r->cap && r->buf) {
         uint64_t h = atomic_load_explicit(&r->head, memory_order_relaxed);
         struct rent *e = &r->buf[h % r->cap];
@@ -188,6 +198,7 @@ static __attribute__((noinline)) void put_shared(struct ring *r, uint8_t action,
         atomic_store_explicit(&e->size, size, memory_order_relaxed);
         atomic_store_explicit(&e->stream, stream, memory_order_relaxed);
         atomic_store_explicit(&e->stamp, stamp, memory_order_relaxed);
+        atomic_store_explicit(&e->seq, seq, memory_order_relaxed);
         atomic_store_explicit(&e->meta, stack | (uint64_t)action << 32 | (uint64_t)(uint8_t)device << 40,
                               memory_order_relaxed);
         atomic_store_explicit(&r->head, h + 1, memory_order_release);
@@ -195,10 +206,11 @@ static __attribute__((noinline)) void put_shared(struct ring *r, uint8_t action,
     pthread_mutex_unlock(&hist_lock);
 }
 
-/* Stamps are taken here, once this thread owns its ring: a ring then holds its entries in stamp
- * order even across a change of owner (the new owner's first stamp follows the old owner's last).
- * Every caller is inside the window its event stands for (after the pool placed a block, before
- * it frees one, under the pool lock for a map), so a stamp taken a moment later is still right. */
+/* Numbers are taken here, once this thread owns its ring: a ring then holds its entries in order
+ * even across a change of owner (the new owner's first add follows the old owner's last). Every
+ * caller is inside the window its event stands for (after the pool placed a block, before it
+ * frees one, under the pool lock for a map): an event that depends on another through a pool
+ * lock (a reuse after a free) gets a larger number, as the adds are ordered like the lock. */
 static inline void put(uint8_t action, int device, uint64_t addr, uint64_t size, uint64_t stream, uint32_t stack)
 {
     struct ring *r = tl_ring;
@@ -211,7 +223,7 @@ static inline void put(uint8_t action, int device, uint64_t addr, uint64_t size,
         }
     }
     if (MSH_UNLIKELY(!r->buf)) return; /* no memory for a ring: this thread's events are lost */
-    uint64_t stamp = msh_ticks();
+    uint64_t stamp = msh_ticks(), seq = atomic_fetch_add_explicit(&hist_seq.n, 1, memory_order_relaxed);
     struct rent *e = &r->buf[r->pos];
     uint64_t h = atomic_load_explicit(&r->head, memory_order_relaxed);
     /* The slot's new contents must not be seen before the head that still counts its old entry
@@ -221,6 +233,7 @@ static inline void put(uint8_t action, int device, uint64_t addr, uint64_t size,
     atomic_store_explicit(&e->size, size, memory_order_relaxed);
     atomic_store_explicit(&e->stream, stream, memory_order_relaxed);
     atomic_store_explicit(&e->stamp, stamp, memory_order_relaxed);
+    atomic_store_explicit(&e->seq, seq, memory_order_relaxed);
     atomic_store_explicit(&e->meta, stack | (uint64_t)action << 32 | (uint64_t)(uint8_t)device << 40,
                           memory_order_relaxed);
     r->pos = r->pos + 1 == r->cap ? 0 : r->pos + 1;
@@ -422,6 +435,7 @@ struct cursor {
     struct ring *r;
     uint64_t i, lo; /* next entry to read (going back) is i - 1; none below lo */
     bool have;
+    uint64_t seq;            /* the entry's number: the merge order */
     struct msh_hist_event e; /* the entry at i (time_us holds its stamp until converted) */
 };
 
@@ -437,11 +451,13 @@ static bool cursor_step(struct cursor *c)
     uint64_t size = atomic_load_explicit(&s->size, memory_order_relaxed);
     uint64_t stream = atomic_load_explicit(&s->stream, memory_order_relaxed);
     uint64_t stamp = atomic_load_explicit(&s->stamp, memory_order_relaxed);
+    uint64_t seq = atomic_load_explicit(&s->seq, memory_order_relaxed);
     uint64_t meta = atomic_load_explicit(&s->meta, memory_order_relaxed);
     atomic_thread_fence(memory_order_acquire);
     uint64_t h = atomic_load_explicit(&c->r->head, memory_order_relaxed);
     if (i + c->r->cap <= h) return false; /* the owner may be rewriting this slot */
     c->i = i;
+    c->seq = seq;
     c->e = (struct msh_hist_event){addr, size, stream, stamp, (uint32_t)meta, (uint8_t)(meta >> 32),
                                    (uint8_t)(meta >> 40)};
     c->have = true;
@@ -482,7 +498,7 @@ int msh_history_copy(int device, struct msh_hist_copy *c, size_t evcap, size_t m
     memcpy(c->reserved, d->res, (size_t)d->nres * sizeof d->res[0]);
     c->nreserved = (size_t)d->nres;
     c->gran = d->gran;
-    /* The newest events of every ring, merged by stamp from the newest back: the last ring_cap
+    /* The newest events of every ring, merged by number from the newest back: the last ring_cap
      * events of the process (a free counting as its two), of which this device's, at most evcap,
      * are written from the end of c->ev and moved to its front. */
     struct cursor cur[NRINGS];
@@ -499,7 +515,7 @@ int msh_history_copy(int device, struct msh_hist_copy *c, size_t evcap, size_t m
     while (nc > 0 && w > 0) {
         int best = 0;
         for (int k = 1; k < nc; k++)
-            if (cur[k].e.time_us > cur[best].e.time_us) best = k;
+            if (cur[k].seq > cur[best].seq) best = k;
         struct msh_hist_event e = cur[best].e;
         size_t n = e.action == MSH_H_FREE_REQUESTED ? 2 : 1;
         /* a free's two halves go together or not at all: the window never starts between them */
@@ -519,7 +535,11 @@ int msh_history_copy(int device, struct msh_hist_copy *c, size_t evcap, size_t m
     pthread_mutex_unlock(&hist_lock);
     struct msh_ticks_wall wall;
     msh_ticks_wall_init(&wall);
-    for (size_t i = 0; i < c->nev; i++) c->ev[i].time_us = msh_ticks_wall_us(&wall, c->ev[i].time_us);
+    /* Two CPUs' counters may disagree by tens of ns: times are kept from going back along the order */
+    for (size_t i = 0; i < c->nev; i++) {
+        c->ev[i].time_us = msh_ticks_wall_us(&wall, c->ev[i].time_us);
+        if (i && c->ev[i].time_us < c->ev[i - 1].time_us) c->ev[i].time_us = c->ev[i - 1].time_us;
+    }
     return 0;
 }
 

@@ -1,7 +1,7 @@
 /*
  * test_hotpath.c: the cheap allocation path behind reports, allocation sites and the snapshot
- * ring (docs/benchmarks.md, issue 11's cost): msh_ticks() stamps that order events across
- * threads and convert to wall-clock time; sampled latency timing (exact with
+ * ring (docs/benchmarks.md, issue 11's cost): msh_ticks() stamps that convert to wall-clock
+ * time; sampled latency timing (exact with
  * MEMSHIM_LATENCY_SAMPLE=1, unbiased and not aliased with a periodic pattern otherwise); the marks
  * the pool keeps on memshim_malloc's blocks; and the per-thread history rings: one history in
  * causal order across threads, events kept when their thread exits, more threads than rings,
@@ -47,41 +47,12 @@ static struct msh_pool *pool0(void)
 
 /* ---- ticks ------------------------------------------------------------------------------------ */
 
-#define HANDOFFS 4000
-static pthread_mutex_t ho_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t ho_cond = PTHREAD_COND_INITIALIZER;
-static int ho_turn, ho_n;
-static uint64_t ho_stamp[HANDOFFS];
-
-static void *handoff(void *arg)
-{
-    int me = (int)(intptr_t)arg;
-    pthread_mutex_lock(&ho_lock);
-    while (ho_n < HANDOFFS) {
-        while (ho_turn != me && ho_n < HANDOFFS) pthread_cond_wait(&ho_cond, &ho_lock);
-        if (ho_n >= HANDOFFS) break;
-        ho_stamp[ho_n++] = msh_ticks();
-        ho_turn = 1 - me;
-        pthread_cond_broadcast(&ho_cond);
-    }
-    pthread_mutex_unlock(&ho_lock);
-    return NULL;
-}
-
-/* The ring merges threads by stamp: a stamp taken after another thread's (ordered by a lock
- * hand-off) must be larger, on whichever CPUs the two threads run. */
-TEST(ticks_order_threads_and_convert_to_wall_clock)
+/* Stamps become PyTorch's time_us: the conversion lands where the wall clock was. (They do not
+ * order events across threads: two CPUs' counters can disagree by tens of ns; the ring numbers
+ * its events from a shared counter for that, checked below.) */
+TEST(ticks_convert_to_wall_clock)
 {
     msh_hotclock_init();
-    pthread_t a, b;
-    REQUIRE(pthread_create(&a, NULL, handoff, (void *)0) == 0);
-    REQUIRE(pthread_create(&b, NULL, handoff, (void *)1) == 0);
-    pthread_join(a, NULL);
-    pthread_join(b, NULL);
-    int bad = 0;
-    for (int i = 1; i < HANDOFFS; i++) bad += ho_stamp[i] <= ho_stamp[i - 1];
-    CHECKF(bad == 0, "%d of %d hand-offs went back in time (ticks from the %s)", bad, HANDOFFS,
-           msh_ticks_hw ? "CPU counter" : "monotonic clock");
     uint64_t before = wall_us(), t = msh_ticks(), after = wall_us();
     struct msh_ticks_wall w;
     msh_ticks_wall_init(&w);
@@ -90,6 +61,13 @@ TEST(ticks_order_threads_and_convert_to_wall_clock)
            (unsigned long long)us, (unsigned long long)before, (unsigned long long)after);
     double npt = msh_ticks_ns_per_tick();
     CHECKF(npt > 0.01 && npt < 100.0, "%.4f ns per tick", npt);
+    uint64_t prev = msh_ticks(), back = 0;
+    for (int i = 0; i < 100000; i++) {
+        uint64_t now = msh_ticks();
+        back += now < prev;
+        prev = now;
+    }
+    CHECKF(back == 0, "%llu of 100000 stamps on one thread went back", (unsigned long long)back);
 }
 
 /* ---- sampled latency timing ------------------------------------------------------------------- */
