@@ -362,6 +362,11 @@ struct msh_pool *msh_core_pool(int device)
     return p;
 }
 
+struct msh_pool *msh_core_pool_peek(int device)
+{
+    return device >= 0 && device < MSH_MAX_DEVICES ? atomic_load(&pools[device]) : NULL;
+}
+
 struct msh_pool *msh_core_pool_owning(uint64_t addr, int *device)
 {
     for (int d = 0; d < MSH_MAX_DEVICES; d++) {

@@ -268,6 +268,7 @@ static uint64_t g_next_handle = 0x1000;
 static int g_memfd = -1;
 static off_t g_memfd_size, g_memfd_next;
 static struct cudbl_counts g_counts;
+static struct cudbl_bytes g_bytes; /* cudbl_get_bytes (issue 12), under g_lock */
 
 static atomic_long g_calls[FN_COUNT];
 
@@ -856,6 +857,17 @@ static void uncharge_locked(int dev, size_t bytes)
     g_counts.bytes_in_use -= bytes;
 }
 
+/* cudbl_get_bytes: a current figure changed by delta; its two peaks follow it up. */
+static void bytes_move_locked(size_t *cur, size_t *peak, size_t *mark_peak, size_t delta, int up)
+{
+    if (up) *cur += delta;
+    else *cur -= delta;
+    if (*cur > *peak) *peak = *cur;
+    if (*cur > *mark_peak) *mark_peak = *cur;
+}
+#define HANDLE_BYTES(d, up) bytes_move_locked(&g_bytes.handle_bytes, &g_bytes.handle_peak, &g_bytes.handle_mark_peak, d, up)
+#define MAPPED_BYTES(d, up) bytes_move_locked(&g_bytes.mapped_bytes, &g_bytes.mapped_peak, &g_bytes.mapped_mark_peak, d, up)
+
 /* Physical memory: one sparse memfd for the whole process; each cuMemCreate takes a fresh range
  * (offsets are never reused) and gives its pages back with a hole punch. One fd, not one per
  * handle, so a job with thousands of handles does not run out of descriptors. */
@@ -884,6 +896,7 @@ static void phys_maybe_free_locked(struct phys *p)
     if (fallocate(g_memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, p->off, (off_t)p->size))
         warn("hole punch failed: %s%s", strerror(errno), "");
     uncharge_locked(p->device, p->size);
+    HANDLE_BYTES(p->size, 0);
     g_counts.handles--;
     free(p);
 }
@@ -1416,6 +1429,7 @@ CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
         p->size = size;
         p->refs = 1;
         g_counts.handles++;
+        HANDLE_BYTES(size, 1);
         *handle = p->id;
     }
     pthread_mutex_unlock(&g_lock);
@@ -1471,6 +1485,7 @@ CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t align
     r->next = g_resvs;
     g_resvs = r;
     g_counts.reservations++;
+    g_bytes.reserved_va_bytes += size;
     pthread_mutex_unlock(&g_lock);
     *ptr = r->base;
     return CUDA_SUCCESS;
@@ -1488,6 +1503,7 @@ CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size)
     if (rc == CUDA_SUCCESS) {
         *pp = r->next;
         g_counts.reservations--;
+        g_bytes.reserved_va_bytes -= r->size;
         munmap((void *)(uintptr_t)r->base, r->size);
         free(r);
     }
@@ -1524,6 +1540,7 @@ CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
         *pp = m;
         p->maps++;
         g_counts.mappings++;
+        MAPPED_BYTES(size, 1);
     } else {
         free(m);
     }
@@ -1550,6 +1567,7 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)
         *pp = m->next;
         m->p->maps--;
         g_counts.mappings--;
+        MAPPED_BYTES(m->size, 0);
         phys_maybe_free_locked(m->p);
         free(m);
     }
@@ -2089,6 +2107,18 @@ void cudbl_get_counts(struct cudbl_counts *out)
     if (!out) return;
     pthread_mutex_lock(&g_lock);
     *out = g_counts;
+    pthread_mutex_unlock(&g_lock);
+}
+
+void cudbl_get_bytes(struct cudbl_bytes *out, int new_window)
+{
+    if (!out) return;
+    pthread_mutex_lock(&g_lock);
+    *out = g_bytes;
+    if (new_window) {
+        g_bytes.handle_mark_peak = g_bytes.handle_bytes;
+        g_bytes.mapped_mark_peak = g_bytes.mapped_bytes;
+    }
     pthread_mutex_unlock(&g_lock);
 }
 
