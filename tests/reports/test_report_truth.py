@@ -21,6 +21,7 @@ ever showed. Ends with "N passed, N failed, N skipped"."""
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -311,8 +312,18 @@ def check_steps(c, v, idx):
     return need(0 <= v <= per_epoch * 4, f"{v} steps")
 
 
+def trend_verdict(ends):
+    """report.c's rule, restated: growth by more than 1 MiB at every boundary of at least three."""
+    if len(ends) < 3:
+        return "too few epochs"
+    grew = sum(1 for a, b in zip(ends, ends[1:]) if b > a + MiB)
+    return "possible leak: allocated memory grew at every epoch" if grew == len(ends) - 1 else "flat"
+
+
 def check_trend(c, v, idx):
     want = c.g["epoch_ends"]
+    if idx[0] == 0 and c.r["trend"]["verdict"] != trend_verdict(want[-64:]):
+        return f"verdict '{c.r['trend']['verdict']}', the epoch ends {want[-64:]} say '{trend_verdict(want[-64:])}'"
     if idx[0] == 0 and len(c.r["trend"]["epoch_end_allocated_bytes"]) != len(want[-64:]):
         return f"{len(c.r['trend']['epoch_end_allocated_bytes'])} entries, {len(want[-64:])} epochs closed"
     return eq(v, want[-64:][idx[0]] if idx[0] < len(want[-64:]) else None, "allocated bytes at that epoch's end (trace)")
@@ -517,6 +528,54 @@ class Ctx:
     pass
 
 
+DEMO_LINE = re.compile(r"^epoch (\d+): peak live +([\d.]+) MiB, reserved +([\d.]+) MiB \(peak +([\d.]+) MiB, "
+                       r"[\d.]+x live\), maps (\d+), unmaps (\d+), reclaimed pages (\d+), OOMs (\d+)$", re.M)
+
+
+def check_demo_lines(run, rows):
+    """The demo prints memshim_get_stats() (the public C API) just before it closes each epoch;
+    where every epoch is closed by the demo (manual epochs), line k and epoch report k describe
+    the same moment."""
+    eps = [r for _, r, _, _ in rows if r["kind"] == "epoch"]
+    lines = DEMO_LINE.findall(run["stdout"])
+    if not lines or any(r["reason"] != "manual" for r in eps) or len(lines) != len(eps):
+        return None
+    bad = []
+    # MEMSHIM_EMPTY_CACHE=epoch releases pages between the print and the report: the current
+    # reserved bytes and the unmaps differ there by design, the peaks do not.
+    released_between = run["ec"] == "epoch"
+    for (k, pl, res, pres, maps, unmaps, recl, ooms), r in zip(lines, eps):
+        m, o = r["memory"], r["operations"]
+        for what, printed, want in (("peak live", float(pl), m["allocated_peak_bytes"] / MiB),
+                                    ("reserved", float(res), None if released_between else m["reserved_bytes"] / MiB),
+                                    ("peak reserved", float(pres), m["reserved_peak_bytes"] / MiB)):
+            if want is not None and abs(printed - want) > 0.051:
+                bad.append(f"epoch {k} {what}: memshim_get_stats {printed} MiB, report {want:.2f} MiB")
+        for what, printed, want in (("maps", maps, o["map_ops"]),
+                                    ("unmaps", unmaps, None if released_between else o["unmap_ops"]),
+                                    ("reclaimed pages", recl, o["reclaimed_pages"]),
+                                    ("OOMs", ooms, r["oom"]["oom_events"])):
+            if want is not None and int(printed) != want:
+                bad.append(f"epoch {k} {what}: memshim_get_stats {printed}, report {want}")
+    return bad
+
+
+def check_policy(run, rows):
+    """What each empty-cache policy promises, on the driver's own figures at every report."""
+    ec, env, bad = run["ec"], run["cfg"].get("env", {}), []
+    for name, r, g, s in rows:
+        if s is None:
+            continue
+        cached = s["mapped"] - g["touched"]  # mapped pages no live block touches
+        if ec == "threshold" and cached > int(env["MEMSHIM_EMPTY_CACHE_THRESHOLD"].rstrip("M")) * MiB:
+            bad.append(f"{name}: {cached} cached bytes above the threshold")
+        if ec == "epoch" and r["kind"] == "epoch" and cached:
+            bad.append(f"{name}: {cached} cached bytes right after the epoch's empty-cache")
+        if ec == "never" and s["calls_cuMemRelease"]:
+            bad.append(f"{name}: {s['calls_cuMemRelease']} handles released under MEMSHIM_EMPTY_CACHE=never")
+    return bad
+
+
 def check_run(run, seen, differ):
     cfg = run["cfg"]["name"]
     ok = run["rc"] == 0 and "finished" in run["stdout"] and run["reports"] and run["events"]
@@ -528,6 +587,14 @@ def check_run(run, seen, differ):
     kinds = [r["kind"] for _, r, _, _ in rows]
     case(f"{cfg}: the last report is the summary and no trace event comes after it",
          kinds[-1] == "summary" and run["trailing_events"] == 0, (kinds, run["trailing_events"]))
+    failures = rows[-1][1]["operations"]["alloc_failures"]
+    case(f"{cfg}: one OOM report per failed request, at most {OOM_REPORTS_MAX} ({failures} failures)",
+         kinds.count("oom") == min(failures, OOM_REPORTS_MAX), f"{kinds.count('oom')} OOM reports")
+    bad = check_demo_lines(run, rows)
+    if bad is not None:
+        case(f"{cfg}: memshim_get_stats as the demo prints it matches each epoch report", not bad, "; ".join(bad[:6]))
+    bad = check_policy(run, rows)
+    case(f"{cfg}: MEMSHIM_EMPTY_CACHE={run['ec']} keeps its promise at every report", not bad, "; ".join(bad[:6]))
     prev = []
     for name, rep, g, s in rows:
         if rep["kind"] == "epoch":
