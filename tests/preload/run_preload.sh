@@ -6,7 +6,8 @@
 # and as its LAST line "N passed, N failed": a harness program adds its own counts, a program or
 # check without a harness adds one case. Exit status 1 when anything failed.
 #
-# Environment: BUILD (default build), PRELOAD_TIMEOUT seconds per program (default 120),
+# Environment: BUILD (default build), PRELOAD_TIMEOUT seconds per program (default 60, 300 with
+# MSH_SANITIZER; a harness program names a hung test itself after MSH_TEST_TIMEOUT, 50 s),
 # MSH_SANITIZER=asan|tsan for sanitizer builds (the sanitizer runtime is preloaded first).
 
 set -u
@@ -14,7 +15,7 @@ BUILD=${BUILD:-build}
 LIB=$BUILD/libmemshim.so
 DBL=$BUILD/double
 BIN=$BUILD/tests/preload
-TIMEOUT=${PRELOAD_TIMEOUT:-120}
+TIMEOUT=${PRELOAD_TIMEOUT:-$([ -n "${MSH_SANITIZER:-}" ] && echo 300 || echo 60)}
 passed=0
 failed=0
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/memshim-preload.XXXXXX")
