@@ -7,7 +7,10 @@ with no limit (the default run: first pass, then the timing passes); the small o
 SMALL_EVENTS events) also at the smallest capacity that fits (--capacity auto --passes 2: pages are
 reclaimed and remapped, then the steady second pass) and at 90% of their live peak, where requests
 fail and the rescue chain runs. A violation makes memshim-replay exit 3 and name the event; each
-run here is one case. Skips with a clear message when the traces are absent.
+run here is one case. For the small traces, the memshim column of --compare (the policy runner of
+policy/models/policy_memshim.c) must also equal what the plain replay found on its own code path:
+the minimum capacity, the unlimited peak and the maps at the minimum. Skips with a clear message
+when the traces are absent.
 Ends with "N passed, N failed, N skipped"."""
 import concurrent.futures as cf
 import json
@@ -24,9 +27,10 @@ SMALL_EVENTS = 5000
 JOBS = int(os.environ.get("CHECK_TRACES_JOBS", "2"))
 
 
-def replay(*args):
+def replay(*args, check=True):
     t0 = time.monotonic()
-    p = subprocess.run([REPLAY, "--check", "--json", *args], capture_output=True, text=True, timeout=45)
+    p = subprocess.run([REPLAY, *(["--check"] if check else []), "--json", *args], capture_output=True,
+                       text=True, timeout=45)
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     return p, rows, time.monotonic() - t0
 
@@ -74,6 +78,8 @@ def main():
             jobs[(f, row["device"], "auto")] = pool.submit(replay, "--capacity", "auto", "--passes", "2", f)
             cap = max(row["peak_live_bytes"] * 9 // 10 // 2**20, 2)
             jobs[(f, row["device"], "90%")] = pool.submit(replay, "--capacity", f"{cap}MiB", f)
+        compare = {f: pool.submit(replay, "--compare", f, check=False) for f in {f for f, _ in small}}
+        auto_rows = {}
         for (f, dev, what), fut in jobs.items():
             rows = [r for r in verdict(f"--check {rel(f)} dev {dev}: invariants hold at "
                                        f"{'the minimum capacity, 2 passes' if what == 'auto' else '90% of peak live'}",
@@ -81,6 +87,23 @@ def main():
             if what == "90%" and rows:
                 case(f"  {rel(f)} dev {dev} at 90% of peak live really failed requests (the OOM path ran)",
                      rows[0]["ooms"] > 0, rows[0])
+            if what == "auto" and rows:
+                auto_rows[(f, dev)] = rows[0]
+        step("--compare's memshim column against the plain replay (small traces)")
+        for f, fut in sorted(compare.items()):
+            p, rows, dt = fut.result()
+            for row in rows:
+                plain = auto_rows.get((f, row["device"]))
+                if plain is None:
+                    continue
+                m = row["policies"]["memshim"]
+                want = {"min_capacity_bytes": plain["min_capacity_bytes"],
+                        "unlimited_peak_reserved_bytes": plain["unlimited_peak_reserved_bytes"],
+                        "map_ops": plain["map_ops"], "unmap_ops": plain["unmap_ops"]}
+                diff = {k: (m.get(k), v) for k, v in want.items() if m.get(k) != v}
+                case(f"--compare {rel(f)} dev {row['device']}: memshim's column equals the plain replay "
+                     f"(minimum {plain['min_capacity_bytes'] >> 20} MiB)", p.returncode == 0 and not diff,
+                     diff or p.stderr[-300:])
     finish()
 
 
