@@ -132,7 +132,7 @@ ENV_EXTRA=(MEMSHIM_LIMIT=8M MEMSHIM_LOG=error)
 run_prog gc_reentry gc_reentry
 ENV_EXTRA=(CUDBL_DEVICES=2)
 run_prog multidev_free multidev_free
-run_prog cudafree_sync cudafree_sync
+run_prog free_ordering free_ordering
 mkdir -p "$TMP/epoch-reports"
 ENV_EXTRA=(MEMSHIM_EPOCH=seconds MEMSHIM_EPOCH_SECONDS=0.5 MEMSHIM_REPORT_DIR="$TMP/epoch-reports"
            REPORTS="$TMP/epoch-reports")
