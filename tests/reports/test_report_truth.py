@@ -62,6 +62,10 @@ RUNS = [
     dict(name="device of 370M, no defrag (empty-cache rescue)", cap=370 * MiB, env={"MEMSHIM_DEFRAG": "0"},
          args=["--epochs", "3", "--steps", "3"]),
     dict(name="leak 8 MiB per epoch", args=["--epochs", "4", "--steps", "2", "--leak", "8"]),
+    # an epoch per step as well: allocated memory grows at one boundary in three, which is not
+    # the "grew at every epoch" of a leak
+    dict(name="leak 8 MiB, an epoch every step", env={"MEMSHIM_EPOCH": "steps", "MEMSHIM_EPOCH_STEPS": "1"},
+         args=["--epochs", "3", "--steps", "2", "--leak", "8"]),
 ]
 
 
