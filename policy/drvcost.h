@@ -13,6 +13,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 /* One kind per driver call an allocator pays for. MALLOC/FREE are cudaMalloc/cudaFree (PyTorch's
  * native allocator); the others are the VMM and stream calls memshim's pool (and PyTorch's
@@ -35,5 +36,34 @@ enum msh_drv_call { MSH_DRV_CALLS(MSH_DRV_ENUM_) MSH_DRV_NKINDS };
 #undef MSH_DRV_ENUM_
 /* "create", "release", ...: the key names of `driver_calls` in JSON. */
 extern const char *const msh_drv_call_names[MSH_DRV_NKINDS];
+
+/* ---- the cost table (policy/drvcost.c) ---------------------------------------------------------
+ * Each kind costs a fixed time per call plus, where it applies, a time per MiB the call covers
+ * (the drv_bytes counters). Defaults and their sources: docs/benchmarks.md, "Driver cost table". */
+struct msh_drvcost {
+    double per_call_s[MSH_DRV_NKINDS]; /* seconds per call */
+    double per_mib_s[MSH_DRV_NKINDS];  /* seconds per MiB the call covers */
+};
+/* The built-in table (published per-call figures; see docs/benchmarks.md). */
+const struct msh_drvcost *msh_drvcost_default(void);
+/* Kind by name ("create", "set_access"...): 0 and *k, or EINVAL. */
+int msh_drvcost_kind(const char *name, enum msh_drv_call *k);
+/* Parse a cost file held in memory. Format, one entry per line ('#' starts a comment):
+ *     KIND  PER_CALL  [PER_MIB]
+ * KIND is a driver_calls key (create, map, set_access...); the times are non-negative numbers in
+ * seconds, or with a unit suffix s, ms, us or ns (193us, 0.5ms, 2e-6). The table starts from the
+ * defaults; a line replaces its kind's row (PER_MIB defaults to 0). Each kind at most once; at
+ * least one entry. `name` is only used in messages ("FILE:LINE: reason"). Returns 0, or EINVAL
+ * with the first problem in err (out is then unchanged). */
+int msh_drvcost_parse(const char *text, size_t len, const char *name, struct msh_drvcost *out, char *err,
+                      size_t errlen);
+/* msh_drvcost_parse() of a file (at most 1 MiB). Returns 0, EINVAL (bad content), or the errno of
+ * opening/reading it, with the reason in err. */
+int msh_drvcost_load(const char *path, struct msh_drvcost *out, char *err, size_t errlen);
+/* Modelled seconds of a set of counts: sum over kinds of calls*per_call + bytes/MiB*per_mib. */
+double msh_drvcost_seconds(const struct msh_drvcost *c, const uint64_t calls[MSH_DRV_NKINDS],
+                           const uint64_t bytes[MSH_DRV_NKINDS]);
+/* The table in the file format above, one line per kind (what --driver-costs reads back). */
+void msh_drvcost_write(FILE *f, const struct msh_drvcost *c);
 
 #endif

@@ -161,6 +161,30 @@ static int dev_unreserve(struct msh_pool *pool, uint64_t va, size_t size)
     return pool->dev->ops->unreserve(pool->dev, va, size);
 }
 
+/* Claim one page under a shared limit (struct msh_pool_share): claimed before the create, so
+ * pools racing on other threads can never go over it together. */
+static bool share_claim(struct msh_pool *pool)
+{
+    struct msh_pool_share *sh = pool->prm.share;
+    if (!sh) return !pool->limit || (pool->handles + 1) * pool->gran <= pool->limit;
+    size_t lim = __atomic_load_n(&sh->limit_bytes, __ATOMIC_RELAXED) / pool->gran * pool->gran;
+    size_t prev = __atomic_fetch_add(&sh->handle_bytes, pool->gran, __ATOMIC_RELAXED);
+    if (!lim || prev + pool->gran <= lim) return true;
+    __atomic_fetch_sub(&sh->handle_bytes, pool->gran, __ATOMIC_RELAXED);
+    return false;
+}
+
+static void share_unclaim(struct msh_pool *pool)
+{
+    if (pool->prm.share) __atomic_fetch_sub(&pool->prm.share->handle_bytes, pool->gran, __ATOMIC_RELAXED);
+}
+
+static size_t limit_now(const struct msh_pool *pool)
+{
+    if (!pool->prm.share) return pool->limit;
+    return __atomic_load_n(&pool->prm.share->limit_bytes, __ATOMIC_RELAXED) / pool->gran * pool->gran;
+}
+
 /* ---- memory for the pool's own structures (mmap, never malloc) ------------------------------ */
 
 static void *raw_alloc(size_t bytes)
@@ -369,6 +393,7 @@ static void handle_release(struct msh_pool *pool, uint64_t h)
     pool->st.release_ops++;
     if (dev_release(pool, h) == 0) {
         __atomic_fetch_sub(&pool->handles, 1, __ATOMIC_RELAXED);
+        share_unclaim(pool);
         return;
     }
     if (pool->norphans < (int)(sizeof pool->orphans / sizeof pool->orphans[0])) {
@@ -377,6 +402,7 @@ static void handle_release(struct msh_pool *pool, uint64_t h)
         msh_warn("pool: the driver refused to release %d handles; one more is left to the driver",
                  pool->norphans);
         __atomic_fetch_sub(&pool->handles, 1, __ATOMIC_RELAXED);
+        share_unclaim(pool);
     }
 }
 
@@ -442,8 +468,9 @@ static struct region *region_add(struct msh_pool *pool, int area, uint64_t min_b
  * oldest cached page, unmapped from where it sits. */
 static int page_handle_get(struct msh_pool *pool, uint64_t *h, bool *reclaimed)
 {
-    if (!pool->limit || (pool->handles + 1) * pool->gran <= pool->limit) {
+    if (share_claim(pool)) {
         int rc = dev_create(pool, pool->gran, h);
+        if (rc) share_unclaim(pool);
         if (rc == 0) {
             __atomic_fetch_add(&pool->handles, 1, __ATOMIC_RELAXED);
             pool->st.create_ops++;
@@ -779,6 +806,7 @@ int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params
     }
     size_t free_b = 0, total = 0;
     if (dev->ops->mem_info(dev, &free_b, &total) == 0) pool->device_total = total;
+    if (pool->prm.share) pool->prm.limit_bytes = 0; /* the share's limit applies (limit_now) */
     pool->limit = pool->prm.limit_bytes ? round_up(pool->prm.limit_bytes, pool->gran) : 0;
     if (pool->prm.limit_bytes && pool->limit > pool->prm.limit_bytes)
         pool->limit -= pool->gran; /* a cap is a cap: round down to whole pages */
@@ -1073,10 +1101,10 @@ static void fill_oom(struct msh_pool *pool, size_t req)
     }
     o->live_bytes = pool->st.live_bytes;
     o->mapped_bytes = pool->handles * pool->gran;
-    o->limit_bytes = pool->limit;
+    o->limit_bytes = limit_now(pool);
     size_t fb = 0;
     scan_free(pool, &fb, &o->largest_free);
-    size_t cap = pool->limit ? pool->limit : (o->mapped_bytes + o->device_free);
+    size_t cap = o->limit_bytes ? o->limit_bytes : (o->mapped_bytes + o->device_free);
     o->fragmentation = o->live_bytes + req <= cap;
     for (size_t i = 0; i < pool->hcap; i++) {
         for (struct blk *b = pool->htab[i]; b; b = b->hnext) {

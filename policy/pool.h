@@ -28,6 +28,15 @@ struct msh_pool_params {
     size_t va_bytes;           /* size of each reserved VA range (0 = 4x device memory) */
     size_t release_threshold;  /* empty-cache when cached free bytes exceed this (0 = off) */
     bool no_release_on_oom;    /* MEMSHIM_EMPTY_CACHE=never: the rescue chain skips empty-cache */
+    /* Several pools of one device (PyTorch's CUDA-graph capture pools beside the main pool,
+     * shim/torch.c) under one limit: when set, limit_bytes is ignored and share->limit_bytes
+     * (0 = none, changeable at any time) caps the handle bytes all sharing pools hold together. */
+    struct msh_pool_share *share;
+};
+/* Read and written with __atomic builtins by every pool that shares it. */
+struct msh_pool_share {
+    size_t handle_bytes; /* handles held by all sharing pools */
+    size_t limit_bytes;  /* 0 = no limit */
 };
 void msh_pool_params_default(struct msh_pool_params *p);
 

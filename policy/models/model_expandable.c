@@ -73,6 +73,7 @@ static struct tm_block *find_expandable_block(struct tm_model *m, struct tm_pool
     m->next_va = base + space;
     *es = (struct tm_xseg){.base = base, .size = space, .page = page, .stream = stream, .small = p->small};
     m->xs[m->nxs++] = es;
+    tm_drv(m, MSH_DRV_RESERVE, 1, space); /* the ExpandableSegment constructor */
     c->addr = base;
     c->size = space;
     c->stream = stream;
@@ -90,7 +91,14 @@ static bool map_block(struct tm_model *m, struct tm_block *to_map, uint64_t size
     uint64_t bytes = (size + page - 1) / page * page; /* to_map starts on a page */
     if (bytes > to_map->size) bytes = to_map->size;
     if (!bytes) return false;
-    if (m->capacity && m->st.reserved + bytes > m->capacity) return false; /* cuMemCreate fails */
+    if (m->capacity && m->st.reserved + bytes > m->capacity) {
+        /* ExpandableSegment::map(): cuMemCreate page by page until one fails, then the pages it
+         * created are released */
+        uint64_t room = m->capacity > m->st.reserved ? (m->capacity - m->st.reserved) / page : 0;
+        tm_drv(m, MSH_DRV_CREATE, room + 1, room * page);
+        tm_drv(m, MSH_DRV_RELEASE, room, room * page);
+        return false;
+    }
     tm_set_erase(&p->unmapped, to_map);
     to_map->mapped = 1;
     if (bytes < to_map->size) {
@@ -110,6 +118,11 @@ static bool map_block(struct tm_model *m, struct tm_block *to_map, uint64_t size
     tm_try_merge(m, to_map, to_map->next, p);
     tm_pool_insert(m, p, to_map);
     tm_reserve_add(m, bytes);
+    /* mapAndSetAccess(): one cuMemCreate and one cuMemMap per page, then one cuMemSetAccess over
+     * the whole range (no peers in the model) */
+    tm_drv(m, MSH_DRV_CREATE, bytes / page, bytes);
+    tm_drv(m, MSH_DRV_MAP, bytes / page, bytes);
+    tm_drv(m, MSH_DRV_SET_ACCESS, 1, bytes);
     m->st.map_ops++;
     m->st.bytes_created += bytes;
     tm_log(m, MSH_SEG_MAP, at, bytes, to_map->stream);
@@ -170,6 +183,10 @@ static void unmap_block(struct tm_model *m, struct tm_block *b)
     tm_try_merge(m, b, b->next, p);
     tm_set_insert(&p->unmapped, b, (uint32_t)(b->addr >> 21) * 2654435761u + 3);
     m->st.reserved -= end - begin;
+    /* unmapHandles(): a stream synchronize, then cuMemUnmap and cuMemRelease per page */
+    tm_drv(m, MSH_DRV_SYNCHRONIZE, 1, 0);
+    tm_drv(m, MSH_DRV_UNMAP, (end - begin) / page, end - begin);
+    tm_drv(m, MSH_DRV_RELEASE, (end - begin) / page, end - begin);
     m->st.unmap_ops++;
     m->st.bytes_freed += end - begin;
     tm_log(m, MSH_SEG_UNMAP, begin, end - begin, b->stream);
@@ -183,6 +200,7 @@ void tm_release_expandable_blocks(struct tm_model *m, struct tm_block **blocks, 
         if (!b->prev && !b->next && !b->mapped) { /* release_expandable_segment() */
             struct tm_pool *p = tm_pool_of(m, b);
             tm_set_erase(&p->unmapped, b);
+            tm_drv(m, MSH_DRV_UNRESERVE, 1, b->es->size); /* ~ExpandableSegment: cuMemAddressFree */
             for (size_t j = 0; j < m->nxs; j++)
                 if (m->xs[j] == b->es) {
                     free(m->xs[j]);

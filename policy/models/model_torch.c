@@ -588,7 +588,10 @@ static struct tm_block *alloc_block(struct tm_model *m, struct tm_pool *p, uint6
     /* a memory fraction (modelled as the capacity when GC is configured) caps reserved bytes */
     if (m->capacity && m->conf.gc_threshold > 0 && m->st.reserved + alloc_size > m->capacity) return NULL;
     if (m->conf.expandable) return tm_try_allocate_expandable(m, p, size, stream);
-    if (m->capacity && m->st.reserved + alloc_size > m->capacity) return NULL; /* cudaMalloc OOM */
+    if (m->capacity && m->st.reserved + alloc_size > m->capacity) { /* cudaMalloc OOM: a call all the same */
+        tm_drv(m, MSH_DRV_MALLOC, 1, 0);
+        return NULL;
+    }
     struct tm_block *b = tm_block_new(m);
     uint64_t a = pick_address(m, alloc_size);
     if (!b || seg_add(m, a, alloc_size, p->small)) {
@@ -600,6 +603,7 @@ static struct tm_block *alloc_block(struct tm_model *m, struct tm_pool *p, uint6
     b->stream = stream;
     b->small = p->small;
     tm_reserve_add(m, alloc_size);
+    tm_drv(m, MSH_DRV_MALLOC, 1, alloc_size);
     m->st.segs_created++;
     m->st.bytes_created += alloc_size;
     tm_log(m, MSH_SEG_ALLOC, a, alloc_size, stream);
@@ -612,6 +616,9 @@ static void release_block(struct tm_model *m, struct tm_block *b)
     struct tm_pool *p = tm_pool_of(m, b);
     tm_log(m, MSH_SEG_FREE, b->addr, b->size, b->stream);
     m->st.reserved -= b->size;
+    /* cudaFree synchronizes the device before it returns the memory */
+    tm_drv(m, MSH_DRV_FREE, 1, b->size);
+    tm_drv(m, MSH_DRV_SYNCHRONIZE, 1, 0);
     m->st.segs_freed++;
     m->st.bytes_freed += b->size;
     tm_set_erase(&p->blocks, b);
@@ -836,6 +843,9 @@ int msh_torch_seed_segment(struct msh_policy *pp, uint64_t addr, uint64_t size, 
     b->stream = stream;
     b->small = small;
     tm_reserve_add(m, size);
+    /* the job paid a cudaMalloc for it before the recording began; memshim's replay pays for the
+     * same memory when it allocates the prefix blocks, so the comparison charges both */
+    tm_drv(m, MSH_DRV_MALLOC, 1, size);
     m->st.seeded_bytes += size;
     tm_pool_insert(m, tm_pool_of(m, b), b);
     return 0;

@@ -20,6 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "drvcost.h"
 #include "trace.h"
 
 enum msh_policy_kind { MSH_POLICY_MEMSHIM = 0, MSH_POLICY_TORCH = 1, MSH_POLICY_TORCH_EXPANDABLE = 2 };
@@ -57,6 +58,9 @@ struct msh_policy_stats {
     uint64_t map_ops, unmap_ops;            /* memshim: page maps; expandable: segment_map/unmap */
     uint64_t allocs, frees, ooms;
     uint64_t seeded_bytes;                  /* torch: segments that existed before the stream */
+    /* Driver calls by kind (drvcost.h) and the bytes they covered: memshim's pool counts its own;
+     * the torch models count what PyTorch's allocator would call (docs/models.md). */
+    uint64_t drv_calls[MSH_DRV_NKINDS], drv_bytes[MSH_DRV_NKINDS];
 };
 
 struct msh_policy;

@@ -12,6 +12,10 @@
  * allocator (policy.h, docs/models.md), seeded with the segments a snapshot recorded; --compare
  * puts the three side by side per device trace (minimum capacity, ratio to the live peak, OOMs
  * and fit at --capacity, which also takes device names such as A100-80GB).
+ *
+ * Every run also reports the driver calls made (the pool's, or those PyTorch's allocator would
+ * make) and their modelled seconds under a cost table (policy/drvcost.h; --driver-costs FILE);
+ * with --device each call is also timed on the driver present, so the table can be checked.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -37,6 +41,7 @@ struct opts {
     enum msh_policy_kind policy;
     const char *torch_conf; /* --torch-conf, or NULL: the snapshot's recorded settings */
     bool compare, validate, torch_empty_start;
+    struct msh_drvcost cost; /* the default table, or --driver-costs FILE */
     bool check; /* --check: msh_pool_check during every replay (docs/testing.md) */
 };
 
@@ -113,10 +118,147 @@ static void amap_del(struct amap *m, uint64_t k)
 
 struct run_result {
     uint64_t ooms, allocs, events;
-    struct msh_pool_stats st;       /* after the last pass */
-    struct msh_pool_stats st_pass1; /* after the first pass */
+    struct msh_pool_stats st;             /* after the last pass */
+    struct msh_pool_stats st_pass1;       /* after the first pass */
+    struct msh_pool_stats st_before_last; /* after the events of the pass before the last one */
     double wall;
 };
+
+/* ---- driver calls: modelled cost, JSON and text ----------------------------------------------- */
+static void drv_sub(const uint64_t *a, const uint64_t *b, uint64_t *out)
+{
+    for (int k = 0; k < MSH_DRV_NKINDS; k++) out[k] = a[k] >= b[k] ? a[k] - b[k] : 0;
+}
+
+/* ,"<prefix>driver_calls":{every kind},"<prefix>driver_bytes":{...},"<prefix>driver_seconds":s */
+static void json_drv(const char *prefix, const uint64_t *calls, const uint64_t *bytes, const struct msh_drvcost *c)
+{
+    printf(",\"%sdriver_calls\":{", prefix);
+    for (int k = 0; k < MSH_DRV_NKINDS; k++)
+        printf("%s\"%s\":%llu", k ? "," : "", msh_drv_call_names[k], (unsigned long long)calls[k]);
+    printf("},\"%sdriver_bytes\":{", prefix);
+    for (int k = 0; k < MSH_DRV_NKINDS; k++)
+        printf("%s\"%s\":%llu", k ? "," : "", msh_drv_call_names[k], (unsigned long long)bytes[k]);
+    printf("},\"%sdriver_seconds\":%.6f", prefix, msh_drvcost_seconds(c, calls, bytes));
+}
+
+/* "0.123 s (create 512, map 512, ...)": the kinds that were called */
+static void text_drv(const uint64_t *calls, const uint64_t *bytes, const struct msh_drvcost *c)
+{
+    printf("%.3f s (", msh_drvcost_seconds(c, calls, bytes));
+    bool any = false;
+    for (int k = 0; k < MSH_DRV_NKINDS; k++) {
+        if (!calls[k]) continue;
+        printf("%s%s %llu", any ? ", " : "", msh_drv_call_names[k], (unsigned long long)calls[k]);
+        any = true;
+    }
+    printf("%s)", any ? "" : "no calls");
+}
+
+/* ---- --device: every device call timed (wall clock), so the cost table can be checked --------
+ * The wrapper sits between the pool and the real backend. The backend's map includes the access
+ * grant (cuMemMap + cuMemSetAccess), so "map" here is both; the pool counts one set_access per
+ * map, which the timing cannot separate. */
+#define TIMING_MAX_SAMPLES (1u << 20)
+struct dev_timing {
+    struct msh_device outer;
+    struct msh_device *inner;
+    struct { double *v; size_t n, cap; uint64_t calls; } k[MSH_DRV_NKINDS];
+};
+
+static void timing_add(struct dev_timing *tm, enum msh_drv_call k, double s)
+{
+    tm->k[k].calls++;
+    if (tm->k[k].n == tm->k[k].cap) {
+        if (tm->k[k].cap >= TIMING_MAX_SAMPLES) return; /* enough for a median */
+        size_t nc = tm->k[k].cap ? tm->k[k].cap * 2 : 1024;
+        double *nv = realloc(tm->k[k].v, nc * sizeof *nv);
+        if (!nv) return;
+        tm->k[k].v = nv;
+        tm->k[k].cap = nc;
+    }
+    tm->k[k].v[tm->k[k].n++] = s;
+}
+
+static double now_s(void);
+#define TM_(d) ((struct dev_timing *)(d)->impl)
+#define TIMED_(kind, call)                                                                          \
+    do {                                                                                           \
+        double t0_ = now_s();                                                                      \
+        int rc_ = (call);                                                                          \
+        timing_add(TM_(d), kind, now_s() - t0_);                                                   \
+        return rc_;                                                                                \
+    } while (0)
+#define IN_(d) (TM_(d)->inner)
+static int tm_mem_info(struct msh_device *d, size_t *f, size_t *t) { return IN_(d)->ops->mem_info(IN_(d), f, t); }
+static int tm_gran(struct msh_device *d, size_t *g) { return IN_(d)->ops->granularity(IN_(d), g); }
+static int tm_reserve(struct msh_device *d, size_t size, size_t align, uint64_t *va)
+{
+    TIMED_(MSH_DRV_RESERVE, IN_(d)->ops->reserve(IN_(d), size, align, va));
+}
+static int tm_unreserve(struct msh_device *d, uint64_t va, size_t size)
+{
+    TIMED_(MSH_DRV_UNRESERVE, IN_(d)->ops->unreserve(IN_(d), va, size));
+}
+static int tm_create(struct msh_device *d, size_t size, uint64_t *h)
+{
+    TIMED_(MSH_DRV_CREATE, IN_(d)->ops->create(IN_(d), size, h));
+}
+static int tm_release(struct msh_device *d, uint64_t h) { TIMED_(MSH_DRV_RELEASE, IN_(d)->ops->release(IN_(d), h)); }
+static int tm_map(struct msh_device *d, uint64_t va, size_t size, uint64_t h)
+{
+    TIMED_(MSH_DRV_MAP, IN_(d)->ops->map(IN_(d), va, size, h));
+}
+static int tm_unmap(struct msh_device *d, uint64_t va, size_t size)
+{
+    TIMED_(MSH_DRV_UNMAP, IN_(d)->ops->unmap(IN_(d), va, size));
+}
+static int tm_event_record(struct msh_device *d, uint64_t stream, uint64_t *ev)
+{
+    TIMED_(MSH_DRV_EVENT_RECORD, IN_(d)->ops->event_record(IN_(d), stream, ev));
+}
+static int tm_event_query(struct msh_device *d, uint64_t ev) { return IN_(d)->ops->event_query(IN_(d), ev); }
+static int tm_event_release(struct msh_device *d, uint64_t ev) { return IN_(d)->ops->event_release(IN_(d), ev); }
+static int tm_stream_wait(struct msh_device *d, uint64_t stream, uint64_t ev)
+{
+    TIMED_(MSH_DRV_STREAM_WAIT, IN_(d)->ops->stream_wait(IN_(d), stream, ev));
+}
+static int tm_synchronize(struct msh_device *d) { TIMED_(MSH_DRV_SYNCHRONIZE, IN_(d)->ops->synchronize(IN_(d))); }
+#undef TIMED_
+#undef IN_
+#undef TM_
+static const struct msh_device_ops timed_ops = {
+    "timed",      tm_mem_info,    tm_gran,          tm_reserve,     tm_unreserve,  tm_create,
+    tm_release,   tm_map,         tm_unmap,         tm_event_record, tm_event_query, tm_event_release,
+    tm_stream_wait, tm_synchronize,
+};
+
+static struct dev_timing *dev_timing_now; /* --device: the current trace's timings, or NULL */
+
+static void timing_reset(struct dev_timing *tm)
+{
+    for (int k = 0; k < MSH_DRV_NKINDS; k++) {
+        free(tm->k[k].v);
+        tm->k[k].v = NULL;
+        tm->k[k].n = tm->k[k].cap = 0;
+        tm->k[k].calls = 0;
+    }
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* quantile q of v[0..n) (sorts v) */
+static double quantile(double *v, size_t n, double q)
+{
+    if (!n) return 0;
+    qsort(v, n, sizeof *v, cmp_double);
+    size_t i = (size_t)(q * (double)(n - 1) + 0.5);
+    return v[i < n ? i : n - 1];
+}
 
 static uint64_t ceil_div(uint64_t a, uint64_t b)
 {
@@ -128,6 +270,143 @@ static double now_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_trace *t, const struct opts *o);
+
+/* ,"driver_timing":{kind:{calls,median_s,p90_s,mean_s}} for the kinds the pool called */
+static void json_timing(struct dev_timing *tm)
+{
+    printf(",\"driver_timing\":{");
+    bool first = true;
+    for (int k = 0; k < MSH_DRV_NKINDS; k++) {
+        if (!tm->k[k].calls) continue;
+        double sum = 0;
+        for (size_t i = 0; i < tm->k[k].n; i++) sum += tm->k[k].v[i];
+        double mean = tm->k[k].n ? sum / (double)tm->k[k].n : 0;
+        double p50 = quantile(tm->k[k].v, tm->k[k].n, 0.5), p90 = quantile(tm->k[k].v, tm->k[k].n, 0.9);
+        printf("%s\"%s\":{\"calls\":%llu,\"median_s\":%.9f,\"p90_s\":%.9f,\"mean_s\":%.9f}", first ? "" : ",",
+               msh_drv_call_names[k], (unsigned long long)tm->k[k].calls, p50, p90, mean);
+        first = false;
+    }
+    printf("}");
+}
+
+static void text_timing(struct dev_timing *tm)
+{
+    printf("    driver calls timed on this device (wall clock per call; map includes the access grant):\n");
+    for (int k = 0; k < MSH_DRV_NKINDS; k++) {
+        if (!tm->k[k].calls) continue;
+        double p50 = quantile(tm->k[k].v, tm->k[k].n, 0.5), p90 = quantile(tm->k[k].v, tm->k[k].n, 0.9);
+        printf("      %-13s %9llu calls  median %10.2f us  p90 %10.2f us\n", msh_drv_call_names[k],
+               (unsigned long long)tm->k[k].calls, p50 * 1e6, p90 * 1e6);
+    }
+}
+
+/* --device calibration: each VMM call on one handle of one page and of ten pages (PyTorch's 2 and
+ * 20 MiB expandable pages when the granularity is 2 MiB), timed directly on the backend, and the
+ * per-call/per-MiB split that fits the two medians. The backend's map includes the access grant,
+ * so the fitted table carries map+set_access under "map" and 0 for set_access. */
+#define CALIB_REPS 16
+struct calib {
+    bool ok;
+    size_t gran;
+    double med[2][MSH_DRV_NKINDS]; /* [one page, ten pages] */
+    struct msh_drvcost fit;
+};
+
+static double median_of(double *v, size_t n) { return quantile(v, n, 0.5); }
+
+static void calibrate(int ordinal, const struct msh_drvcost *base, struct calib *c)
+{
+    memset(c, 0, sizeof *c);
+    c->fit = *base;
+    struct msh_device d;
+    if (msh_dev_cuda_init(&d, ordinal) || d.ops->granularity(&d, &c->gran) || !c->gran) return;
+    static const enum msh_drv_call vmm[] = {MSH_DRV_RESERVE, MSH_DRV_CREATE, MSH_DRV_MAP,
+                                            MSH_DRV_UNMAP, MSH_DRV_RELEASE, MSH_DRV_UNRESERVE};
+    double v[MSH_DRV_NKINDS][CALIB_REPS];
+    for (int si = 0; si < 2; si++) {
+        size_t size = c->gran * (si ? 10 : 1);
+        for (int r = 0; r < CALIB_REPS; r++) {
+            uint64_t va = 0, h = 0;
+            double t0 = now_s();
+            if (d.ops->reserve(&d, size, c->gran, &va)) return;
+            double t1 = now_s();
+            if (d.ops->create(&d, size, &h)) return;
+            double t2 = now_s();
+            if (d.ops->map(&d, va, size, h)) return;
+            double t3 = now_s();
+            if (d.ops->unmap(&d, va, size)) return;
+            double t4 = now_s();
+            if (d.ops->release(&d, h)) return;
+            double t5 = now_s();
+            if (d.ops->unreserve(&d, va, size)) return;
+            double t6 = now_s();
+            v[MSH_DRV_RESERVE][r] = t1 - t0;
+            v[MSH_DRV_CREATE][r] = t2 - t1;
+            v[MSH_DRV_MAP][r] = t3 - t2;
+            v[MSH_DRV_UNMAP][r] = t4 - t3;
+            v[MSH_DRV_RELEASE][r] = t5 - t4;
+            v[MSH_DRV_UNRESERVE][r] = t6 - t5;
+        }
+        for (size_t i = 0; i < sizeof vmm / sizeof vmm[0]; i++) c->med[si][vmm[i]] = median_of(v[vmm[i]], CALIB_REPS);
+    }
+    for (int r = 0; r < CALIB_REPS; r++) {
+        uint64_t ev = 0;
+        double t0 = now_s();
+        if (d.ops->synchronize(&d)) return;
+        double t1 = now_s();
+        if (d.ops->event_record(&d, 0, &ev)) return;
+        double t2 = now_s();
+        int rc = d.ops->stream_wait(&d, 0, ev);
+        double t3 = now_s();
+        d.ops->event_release(&d, ev);
+        if (rc) return;
+        v[MSH_DRV_SYNCHRONIZE][r] = t1 - t0;
+        v[MSH_DRV_EVENT_RECORD][r] = t2 - t1;
+        v[MSH_DRV_STREAM_WAIT][r] = t3 - t2;
+    }
+    static const enum msh_drv_call one[] = {MSH_DRV_SYNCHRONIZE, MSH_DRV_EVENT_RECORD, MSH_DRV_STREAM_WAIT};
+    for (size_t i = 0; i < sizeof one / sizeof one[0]; i++) {
+        c->med[0][one[i]] = c->med[1][one[i]] = median_of(v[one[i]], CALIB_REPS);
+        c->fit.per_call_s[one[i]] = c->med[0][one[i]];
+        c->fit.per_mib_s[one[i]] = 0;
+    }
+    double small_mib = (double)c->gran / (double)MSH_MiB, big_mib = small_mib * 10;
+    for (size_t i = 0; i < sizeof vmm / sizeof vmm[0]; i++) {
+        enum msh_drv_call k = vmm[i];
+        double per_mib = (c->med[1][k] - c->med[0][k]) / (big_mib - small_mib);
+        if (per_mib < 0) per_mib = 0; /* noise: the bigger handle was not slower */
+        double per_call = c->med[0][k] - per_mib * small_mib;
+        c->fit.per_call_s[k] = per_call > 0 ? per_call : 0;
+        c->fit.per_mib_s[k] = per_mib;
+    }
+    c->fit.per_call_s[MSH_DRV_SET_ACCESS] = 0; /* folded into map by the backend */
+    c->fit.per_mib_s[MSH_DRV_SET_ACCESS] = 0;
+    c->ok = true;
+}
+
+static void json_calib(const struct calib *c)
+{
+    printf(",\"driver_calibration\":");
+    if (!c->ok) {
+        printf("null");
+        return;
+    }
+    printf("{\"granularity\":%zu,\"sizes\":[%zu,%zu],\"repetitions\":%d,\"median_s\":{", c->gran, c->gran,
+           c->gran * 10, CALIB_REPS);
+    bool first = true;
+    for (int k = 0; k < MSH_DRV_NKINDS; k++) {
+        if (k == MSH_DRV_MALLOC || k == MSH_DRV_FREE || k == MSH_DRV_SET_ACCESS) continue;
+        printf("%s\"%s\":[%.9f,%.9f]", first ? "" : ",", msh_drv_call_names[k], c->med[0][k], c->med[1][k]);
+        first = false;
+    }
+    printf("},\"fitted\":{");
+    for (int k = 0; k < MSH_DRV_NKINDS; k++)
+        printf("%s\"%s\":{\"per_call_s\":%.9f,\"per_mib_s\":%.9f}", k ? "," : "", msh_drv_call_names[k],
+               c->fit.per_call_s[k], c->fit.per_mib_s[k]);
+    printf("}}");
 }
 
 /* --check: the pool's invariants (msh_pool_check) after every event while a replay has at most
@@ -154,12 +433,18 @@ static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capa
                   struct run_result *res)
 {
     memset(res, 0, sizeof *res);
-    struct msh_device dev;
-    int rc = o->use_device ? msh_dev_cuda_init(&dev, t->device) : msh_dev_sim_init(&dev, 0, o->gran);
+    struct msh_device real, dev;
+    int rc = o->use_device ? msh_dev_cuda_init(&real, t->device) : msh_dev_sim_init(&real, 0, o->gran);
     if (rc) {
         fprintf(stderr, "memshim-replay: cannot open the %s device (error %d)\n",
                 o->use_device ? "CUDA" : "simulated", rc);
         return rc;
+    }
+    dev = real;
+    if (o->use_device && dev_timing_now) { /* every call the pool makes is timed on its way to the driver */
+        dev_timing_now->inner = &real;
+        dev_timing_now->outer = (struct msh_device){.ops = &timed_ops, .ordinal = real.ordinal, .impl = dev_timing_now};
+        dev = dev_timing_now->outer;
     }
     struct msh_pool_params prm;
     msh_pool_params_default(&prm);
@@ -173,13 +458,13 @@ static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capa
     rc = msh_pool_create(&dev, &prm, &pool);
     if (rc) {
         fprintf(stderr, "memshim-replay: cannot create the pool (error %d)\n", rc);
-        if (!o->use_device) msh_dev_sim_fini(&dev);
+        if (!o->use_device) msh_dev_sim_fini(&real);
         return rc;
     }
     struct amap m;
     if (amap_init(&m, t->n)) {
         msh_pool_destroy(pool);
-        if (!o->use_device) msh_dev_sim_fini(&dev);
+        if (!o->use_device) msh_dev_sim_fini(&real);
         return ENOMEM;
     }
     /* wall counts the time spent on the trace's own events only: not the stats scan after the
@@ -218,6 +503,7 @@ static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capa
         wall += now_s() - t0;
         if (o->check && !broken) broken = replay_check(pool, t, capacity, passes, pass, t->n);
         if (pass == 0) msh_pool_get_stats(pool, &res->st_pass1);
+        if (pass + 2 == passes) msh_pool_get_stats(pool, &res->st_before_last);
         if (pass + 1 < passes) { /* the loop begins again: everything live is released */
             for (size_t i = 0; i < m.cap; i++) {
                 if (!m.t[i].k) continue;
@@ -230,7 +516,7 @@ static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capa
     msh_pool_get_stats(pool, &res->st);
     free(m.t);
     msh_pool_destroy(pool);
-    if (!o->use_device) msh_dev_sim_fini(&dev);
+    if (!o->use_device) msh_dev_sim_fini(&real);
     return broken;
 }
 
@@ -279,6 +565,35 @@ static void json_str(const char *s)
 }
 
 static int replay_trace(const struct msh_trace_set *set, const struct msh_trace *t, const struct opts *o)
+{
+    static struct dev_timing tm_store;
+    static struct calib calib;
+    if (o->use_device) {
+        calibrate(t->device, &o->cost, &calib);
+        timing_reset(&tm_store);
+        dev_timing_now = &tm_store;
+    }
+    int rc = replay_trace_runs(set, t, o);
+    if (o->use_device) {
+        if (!rc) {
+            if (o->json) {
+                json_calib(&calib);
+                printf("}\n");
+            } else if (calib.ok) {
+                printf("    a cost table fitted to one-page and ten-page handles timed on this device "
+                       "(%d of each; map includes set_access):\n", CALIB_REPS);
+                msh_drvcost_write(stdout, &calib.fit);
+            } else {
+                printf("    (calibration skipped: a driver call failed)\n");
+            }
+        }
+        timing_reset(&tm_store);
+        dev_timing_now = NULL;
+    }
+    return rc;
+}
+
+static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_trace *t, const struct opts *o)
 {
     struct run_result unl, main_run, steady;
     bool have_steady = false;
@@ -341,14 +656,25 @@ static int replay_trace(const struct msh_trace_set *set, const struct msh_trace 
                (unsigned long long)t->recorded_peak_reserved, (unsigned long long)main_run.ooms,
                (unsigned long long)s->map_ops, (unsigned long long)s->unmap_ops,
                (unsigned long long)s->reclaimed_pages, main_run.wall, evps, evps1);
-        if (have_steady)
+        json_drv("", main_run.st_pass1.drv_calls, main_run.st_pass1.drv_bytes, &o->cost);
+        printf(",\"unlimited_driver_seconds\":%.6f",
+               msh_drvcost_seconds(&o->cost, unl.st_pass1.drv_calls, unl.st_pass1.drv_bytes));
+        if (have_steady) {
             printf(",\"passes\":%d,\"steady_capacity_bytes\":%llu,\"steady_map_ops\":%llu,\"steady_unmap_ops\":%llu,"
-                   "\"steady_ooms\":%llu",
+                   "\"steady_ooms\":%llu,\"last_pass_map_ops\":%llu,\"last_pass_unmap_ops\":%llu",
                    o->passes, (unsigned long long)(cap ? cap : unl.st.peak_mapped_bytes),
                    (unsigned long long)(steady.st.map_ops - steady.st_pass1.map_ops),
                    (unsigned long long)(steady.st.unmap_ops - steady.st_pass1.unmap_ops),
-                   (unsigned long long)steady.ooms);
-        printf("}\n");
+                   (unsigned long long)steady.ooms,
+                   (unsigned long long)(steady.st.map_ops - steady.st_before_last.map_ops),
+                   (unsigned long long)(steady.st.unmap_ops - steady.st_before_last.unmap_ops));
+            uint64_t lc[MSH_DRV_NKINDS], lb[MSH_DRV_NKINDS];
+            drv_sub(steady.st.drv_calls, steady.st_before_last.drv_calls, lc);
+            drv_sub(steady.st.drv_bytes, steady.st_before_last.drv_bytes, lb);
+            json_drv("steady_", lc, lb, &o->cost);
+        }
+        if (dev_timing_now) json_timing(dev_timing_now); /* the object is closed by replay_trace() after the calibration */
+        else printf("}\n");
     } else {
         double pl = t->peak_live_bytes ? (double)t->peak_live_bytes : 1;
         printf("%-58.58s %3d %8zu %12llu %12zu %7.4f %12llu %7.4f %6llu %7llu %7llu %9.2f\n", base_name(set->path),
@@ -356,12 +682,25 @@ static int replay_trace(const struct msh_trace_set *set, const struct msh_trace 
                (double)unl.st.peak_mapped_bytes / pl, (unsigned long long)min_cap, (double)min_cap / pl,
                (unsigned long long)main_run.ooms, (unsigned long long)s->map_ops, (unsigned long long)s->unmap_ops,
                evps / 1e6);
-        if (have_steady)
-            printf("    steady state (pass 2 of %d at %llu bytes): %llu maps, %llu unmaps, %llu OOMs\n", o->passes,
-                   (unsigned long long)(cap ? cap : unl.st.peak_mapped_bytes),
+        printf("    driver time, first pass (modelled): ");
+        text_drv(main_run.st_pass1.drv_calls, main_run.st_pass1.drv_bytes, &o->cost);
+        printf("\n");
+        if (have_steady) {
+            printf("    steady state (passes 2-%d at %llu bytes): %llu maps, %llu unmaps, %llu OOMs; last pass: %llu maps, "
+                   "%llu unmaps, driver ",
+                   o->passes, (unsigned long long)(cap ? cap : unl.st.peak_mapped_bytes),
                    (unsigned long long)(steady.st.map_ops - steady.st_pass1.map_ops),
                    (unsigned long long)(steady.st.unmap_ops - steady.st_pass1.unmap_ops),
-                   (unsigned long long)steady.ooms);
+                   (unsigned long long)steady.ooms,
+                   (unsigned long long)(steady.st.map_ops - steady.st_before_last.map_ops),
+                   (unsigned long long)(steady.st.unmap_ops - steady.st_before_last.unmap_ops));
+            uint64_t lc[MSH_DRV_NKINDS], lb[MSH_DRV_NKINDS];
+            drv_sub(steady.st.drv_calls, steady.st_before_last.drv_calls, lc);
+            drv_sub(steady.st.drv_bytes, steady.st_before_last.drv_bytes, lb);
+            text_drv(lc, lb, &o->cost);
+            printf("\n");
+        }
+        if (dev_timing_now) text_timing(dev_timing_now);
     }
     return 0;
 }
@@ -378,8 +717,11 @@ static const struct msh_snap_dev *extra_for(const struct loaded *L, size_t d)
 }
 
 struct prun {
-    struct msh_policy_stats st;
-    uint64_t ooms;          /* failed requests (seeding past the capacity counts one) */
+    struct msh_policy_stats st;             /* after the last pass */
+    struct msh_policy_stats st_pass1;       /* after the first pass */
+    struct msh_policy_stats st_before_last; /* after the events of the pass before the last one */
+    uint64_t ooms;          /* failed requests (seeding past the capacity counts one), every pass */
+    uint64_t ooms_pass1;    /* the same, first pass only */
     size_t events;          /* stream events replayed */
     size_t placed;          /* prefix blocks seeded in place */
     size_t addr_match;      /* allocations at the address the recording gave them */
@@ -388,9 +730,11 @@ struct prun {
     bool seeded;
 };
 
-/* Replay t through one policy at `capacity`. With keep, the policy is handed back (for its log). */
+/* Replay t through one policy at `capacity`, `passes` times in a row (the live set is released
+ * between passes, as in replay()); events, allocations and wall time count the first pass only.
+ * With keep, the policy is handed back (for its log). */
 static int policy_replay(const struct msh_trace *t, const struct msh_snap_dev *d, enum msh_policy_kind kind,
-                         const struct msh_torch_conf *conf, const struct opts *o, uint64_t capacity,
+                         const struct msh_torch_conf *conf, const struct opts *o, uint64_t capacity, int passes,
                          bool log, struct prun *r, struct msh_policy **keep)
 {
     memset(r, 0, sizeof *r);
@@ -432,43 +776,58 @@ static int policy_replay(const struct msh_trace *t, const struct msh_snap_dev *d
         for (size_t i = 0; rel && i < d->nev; i++)
             if (d->ev[i].op == MSH_SEG_FREE && (!nrel || rel[nrel - 1] != d->ev[i].at)) rel[nrel++] = d->ev[i].at;
     }
-    size_t ri = 0;
-    for (size_t i = 0; i < t->n; i++) {
-        const struct msh_trace_event *e = &t->ev[i];
-        if (torch) msh_torch_set_clock(p, i);
-        while (ri < nrel && rel[ri] <= i) {
+    for (int pass = 0; pass < passes; pass++) {
+        size_t ri = 0;
+        bool first = pass == 0;
+        for (size_t i = 0; i < t->n; i++) {
+            const struct msh_trace_event *e = &t->ev[i];
+            if (torch) msh_torch_set_clock(p, i);
+            while (ri < nrel && rel[ri] <= i) {
+                msh_policy_empty_cache(p);
+                ri++;
+            }
+            if (first) r->events++;
+            if (e->op == MSH_OP_ALLOC) {
+                if (first && i < t->nprefix && placed[i]) continue;
+                uint64_t *slot = amap_get(&m, e->addr, true);
+                if (*slot) continue;
+                uint64_t a = 0;
+                if (msh_policy_alloc(p, e->size, e->stream, &a)) {
+                    r->ooms++;
+                    amap_del(&m, e->addr);
+                    continue;
+                }
+                *slot = a;
+                if (first && !e->prefix) {
+                    r->recorded_allocs++;
+                    r->addr_match += a == e->addr;
+                }
+            } else {
+                uint64_t *slot = amap_get(&m, e->addr, false);
+                if (!slot) continue;
+                msh_policy_free(p, *slot, e->stream);
+                amap_del(&m, e->addr);
+            }
+        }
+        while (ri < nrel) { /* a release recorded after the last event */
             msh_policy_empty_cache(p);
             ri++;
         }
-        r->events++;
-        if (e->op == MSH_OP_ALLOC) {
-            if (i < t->nprefix && placed[i]) continue;
-            uint64_t *slot = amap_get(&m, e->addr, true);
-            if (*slot) continue;
-            uint64_t a = 0;
-            if (msh_policy_alloc(p, e->size, e->stream, &a)) {
-                r->ooms++;
-                amap_del(&m, e->addr);
-                continue;
+        if (torch) msh_torch_set_clock(p, t->n);
+        if (first) {
+            r->wall = now_s() - t0;
+            r->ooms_pass1 = r->ooms;
+            msh_policy_get_stats(p, &r->st_pass1);
+        }
+        if (pass + 2 == passes) msh_policy_get_stats(p, &r->st_before_last);
+        if (pass + 1 < passes) { /* the loop begins again: everything live is released */
+            for (size_t i = 0; i < m.cap; i++) {
+                if (!m.t[i].k) continue;
+                msh_policy_free(p, m.t[i].v, MSH_STREAM_COMPLETED);
+                m.t[i].k = 0;
             }
-            *slot = a;
-            if (!e->prefix) {
-                r->recorded_allocs++;
-                r->addr_match += a == e->addr;
-            }
-        } else {
-            uint64_t *slot = amap_get(&m, e->addr, false);
-            if (!slot) continue;
-            msh_policy_free(p, *slot, e->stream);
-            amap_del(&m, e->addr);
         }
     }
-    while (ri < nrel) { /* a release recorded after the last event */
-        msh_policy_empty_cache(p);
-        ri++;
-    }
-    if (torch) msh_torch_set_clock(p, t->n);
-    r->wall = now_s() - t0;
     msh_policy_get_stats(p, &r->st);
     free(rel);
     free(m.t);
@@ -476,6 +835,32 @@ static int policy_replay(const struct msh_trace *t, const struct msh_snap_dev *d
     if (keep) *keep = p;
     else msh_policy_destroy(p);
     return 0;
+}
+
+/* The later passes of a multi-pass policy run: ,"passes",...,"steady_driver_*" */
+static void json_policy_steady(const struct prun *r, const struct opts *o, uint64_t cap)
+{
+    printf(",\"passes\":%d,\"steady_capacity_bytes\":%llu,\"steady_map_ops\":%llu,\"steady_unmap_ops\":%llu,"
+           "\"steady_segments_created\":%llu,\"steady_segments_freed\":%llu,\"steady_ooms\":%llu,"
+           "\"last_pass_map_ops\":%llu,\"last_pass_unmap_ops\":%llu",
+           o->passes, (unsigned long long)cap, (unsigned long long)(r->st.map_ops - r->st_pass1.map_ops),
+           (unsigned long long)(r->st.unmap_ops - r->st_pass1.unmap_ops),
+           (unsigned long long)(r->st.segs_created - r->st_pass1.segs_created),
+           (unsigned long long)(r->st.segs_freed - r->st_pass1.segs_freed), (unsigned long long)(r->ooms - r->ooms_pass1),
+           (unsigned long long)(r->st.map_ops - r->st_before_last.map_ops),
+           (unsigned long long)(r->st.unmap_ops - r->st_before_last.unmap_ops));
+    uint64_t lc[MSH_DRV_NKINDS], lb[MSH_DRV_NKINDS];
+    drv_sub(r->st.drv_calls, r->st_before_last.drv_calls, lc);
+    drv_sub(r->st.drv_bytes, r->st_before_last.drv_bytes, lb);
+    json_drv("steady_", lc, lb, &o->cost);
+}
+
+static double last_pass_seconds(const struct prun *r, const struct opts *o)
+{
+    uint64_t lc[MSH_DRV_NKINDS], lb[MSH_DRV_NKINDS];
+    drv_sub(r->st.drv_calls, r->st_before_last.drv_calls, lc);
+    drv_sub(r->st.drv_bytes, r->st_before_last.drv_bytes, lb);
+    return msh_drvcost_seconds(&o->cost, lc, lb);
 }
 
 /* Smallest capacity (to the granularity) at which the stream replays with no OOM, by bisection
@@ -491,7 +876,7 @@ static int policy_min_capacity(const struct msh_trace *t, const struct msh_snap_
     struct prun r;
     while (lo < hi) {
         uint64_t mid = lo + (hi - lo) / 2;
-        int rc = policy_replay(t, d, kind, conf, o, mid * g, false, &r, NULL);
+        int rc = policy_replay(t, d, kind, conf, o, mid * g, 1, false, &r, NULL);
         if (rc) return rc;
         if (r.ooms) lo = mid + 1;
         else hi = mid;
@@ -545,15 +930,15 @@ static int model_trace(const struct loaded *L, size_t di, const struct opts *o)
     if (torch_conf_for(L, o, o->policy, &conf)) return EINVAL;
     struct prun unl, main_run;
     struct msh_policy *kept = NULL;
-    int rc = policy_replay(t, d, o->policy, &conf, o, 0, o->validate, &unl, o->validate ? &kept : NULL);
+    int rc = policy_replay(t, d, o->policy, &conf, o, 0, 1, o->validate, &unl, o->validate ? &kept : NULL);
     if (rc) return rc;
     uint64_t cap = o->capacity, min_cap = 0;
     if (o->auto_cap) {
         if ((rc = policy_min_capacity(t, d, o->policy, &conf, o, unl.st.peak_reserved, &min_cap))) goto out;
         cap = min_cap;
     }
-    if (cap) {
-        if ((rc = policy_replay(t, d, o->policy, &conf, o, cap, false, &main_run, NULL))) goto out;
+    if (cap || o->passes > 1) {
+        if ((rc = policy_replay(t, d, o->policy, &conf, o, cap, o->passes, false, &main_run, NULL))) goto out;
     } else {
         main_run = unl;
     }
@@ -572,7 +957,7 @@ static int model_trace(const struct loaded *L, size_t di, const struct opts *o)
                "\"peak_reserved_bytes\":%llu,\"unlimited_peak_reserved_bytes\":%llu,\"final_reserved_bytes\":%llu,"
                "\"capacity_bytes\":%llu,",
                unl.seeded ? "true" : "false", (unsigned long long)unl.st.seeded_bytes, unl.placed,
-               (unsigned long long)t->peak_live_bytes, (unsigned long long)main_run.st.peak_reserved,
+               (unsigned long long)t->peak_live_bytes, (unsigned long long)main_run.st_pass1.peak_reserved,
                (unsigned long long)unl.st.peak_reserved, (unsigned long long)unl.st.reserved, (unsigned long long)cap);
         if (o->auto_cap) printf("\"min_capacity_bytes\":%llu,", (unsigned long long)min_cap);
         else printf("\"min_capacity_bytes\":null,");
@@ -581,9 +966,13 @@ static int model_trace(const struct loaded *L, size_t di, const struct opts *o)
                "\"alloc_address_matches\":%zu,\"recorded_window_allocs\":%zu,\"wall_seconds\":%.6f,"
                "\"events_per_second\":%.0f",
                (unsigned long long)t->recorded_peak_reserved, (unsigned long long)t->recorded_final_reserved,
-               (unsigned long long)main_run.ooms, (unsigned long long)main_run.st.segs_created,
-               (unsigned long long)main_run.st.segs_freed, (unsigned long long)main_run.st.map_ops,
-               (unsigned long long)main_run.st.unmap_ops, unl.addr_match, unl.recorded_allocs, main_run.wall, evps);
+               (unsigned long long)main_run.ooms_pass1, (unsigned long long)main_run.st_pass1.segs_created,
+               (unsigned long long)main_run.st_pass1.segs_freed, (unsigned long long)main_run.st_pass1.map_ops,
+               (unsigned long long)main_run.st_pass1.unmap_ops, unl.addr_match, unl.recorded_allocs, main_run.wall, evps);
+        json_drv("", main_run.st_pass1.drv_calls, main_run.st_pass1.drv_bytes, &o->cost);
+        printf(",\"unlimited_driver_seconds\":%.6f",
+               msh_drvcost_seconds(&o->cost, unl.st_pass1.drv_calls, unl.st_pass1.drv_bytes));
+        if (o->passes > 1) json_policy_steady(&main_run, o, cap);
         if (o->validate && kept) {
             size_t nlog = 0;
             const struct msh_segev *lg = msh_torch_segment_log(kept, &nlog);
@@ -627,8 +1016,23 @@ static int model_trace(const struct loaded *L, size_t di, const struct opts *o)
         printf("%-58.58s %3d %8zu %12llu %12llu %7.4f %12llu %7.4f %6llu %7llu %7llu %9.2f\n", base_name(set->path),
                t->device, t->nraw_events, (unsigned long long)t->peak_live_bytes,
                (unsigned long long)unl.st.peak_reserved, (double)unl.st.peak_reserved / pl,
-               (unsigned long long)min_cap, (double)min_cap / pl, (unsigned long long)main_run.ooms,
-               (unsigned long long)main_run.st.segs_created, (unsigned long long)main_run.st.segs_freed, evps / 1e6);
+               (unsigned long long)min_cap, (double)min_cap / pl, (unsigned long long)main_run.ooms_pass1,
+               (unsigned long long)main_run.st_pass1.segs_created, (unsigned long long)main_run.st_pass1.segs_freed,
+               evps / 1e6);
+        printf("    driver time, first pass (modelled): ");
+        text_drv(main_run.st_pass1.drv_calls, main_run.st_pass1.drv_bytes, &o->cost);
+        printf("\n");
+        if (o->passes > 1) {
+            uint64_t lc[MSH_DRV_NKINDS], lb[MSH_DRV_NKINDS];
+            drv_sub(main_run.st.drv_calls, main_run.st_before_last.drv_calls, lc);
+            drv_sub(main_run.st.drv_bytes, main_run.st_before_last.drv_bytes, lb);
+            printf("    last of %d passes: %llu maps, %llu unmaps, %llu OOMs, driver ", o->passes,
+                   (unsigned long long)(main_run.st.map_ops - main_run.st_before_last.map_ops),
+                   (unsigned long long)(main_run.st.unmap_ops - main_run.st_before_last.unmap_ops),
+                   (unsigned long long)(main_run.ooms - main_run.ooms_pass1));
+            text_drv(lc, lb, &o->cost);
+            printf("\n");
+        }
     }
 out:
     msh_policy_destroy(kept);
@@ -639,6 +1043,7 @@ out:
 struct cmp_row {
     uint64_t unl_peak, min_cap, ooms_at_cap, maps, unmaps, segs, segs_freed;
     bool seeded;
+    struct prun unl, at_min; /* no limit (one pass); at the minimum (--passes passes) */
 };
 
 static int compare_trace(const struct loaded *L, size_t di, const struct opts *o, bool *header)
@@ -656,20 +1061,22 @@ static int compare_trace(const struct loaded *L, size_t di, const struct opts *o
         if (k == 1) msh_torch_conf_format(&conf, cs, sizeof cs);
         if (kinds[k] == MSH_POLICY_TORCH) conf.expandable = false;
         struct prun u, r;
-        int rc = policy_replay(t, d, kinds[k], &conf, o, 0, false, &u, NULL);
+        int rc = policy_replay(t, d, kinds[k], &conf, o, 0, 1, false, &u, NULL);
         if (rc) return rc;
         memset(&row[k], 0, sizeof row[k]);
         row[k].unl_peak = u.st.peak_reserved;
         row[k].seeded = u.seeded;
         if ((rc = policy_min_capacity(t, d, kinds[k], &conf, o, u.st.peak_reserved, &row[k].min_cap))) return rc;
         /* the work at the minimum capacity (memshim: maps/unmaps; torch: cudaMalloc/cudaFree) */
-        if ((rc = policy_replay(t, d, kinds[k], &conf, o, row[k].min_cap, false, &r, NULL))) return rc;
-        row[k].maps = r.st.map_ops;
-        row[k].unmaps = r.st.unmap_ops;
-        row[k].segs = r.st.segs_created;
-        row[k].segs_freed = r.st.segs_freed;
+        if ((rc = policy_replay(t, d, kinds[k], &conf, o, row[k].min_cap, o->passes, false, &r, NULL))) return rc;
+        row[k].maps = r.st_pass1.map_ops;
+        row[k].unmaps = r.st_pass1.unmap_ops;
+        row[k].segs = r.st_pass1.segs_created;
+        row[k].segs_freed = r.st_pass1.segs_freed;
+        row[k].unl = u;
+        row[k].at_min = r;
         if (o->capacity) {
-            if ((rc = policy_replay(t, d, kinds[k], &conf, o, o->capacity, false, &r, NULL))) return rc;
+            if ((rc = policy_replay(t, d, kinds[k], &conf, o, o->capacity, 1, false, &r, NULL))) return rc;
             row[k].ooms_at_cap = r.ooms;
         }
     }
@@ -702,6 +1109,11 @@ static int compare_trace(const struct loaded *L, size_t di, const struct opts *o
                        (unsigned long long)(row[k].min_cap > o->capacity ? row[k].min_cap - o->capacity : 0),
                        (unsigned long long)(row[k].min_cap < o->capacity ? o->capacity - row[k].min_cap : 0));
             }
+            /* driver work: first pass at the minimum capacity (the row's other figures), and with no limit */
+            const struct prun *r = &row[k].at_min, *u = &row[k].unl;
+            json_drv("", r->st_pass1.drv_calls, r->st_pass1.drv_bytes, &o->cost);
+            json_drv("unlimited_", u->st_pass1.drv_calls, u->st_pass1.drv_bytes, &o->cost);
+            if (o->passes > 1) json_policy_steady(r, o, row[k].min_cap);
             printf("}");
         }
         printf("}}\n");
@@ -719,6 +1131,27 @@ static int compare_trace(const struct loaded *L, size_t di, const struct opts *o
     printf("\n    memshim at its minimum: %llu maps, %llu unmaps; torch: %llu cudaMalloc%s\n",
            (unsigned long long)row[0].maps, (unsigned long long)row[0].unmaps, (unsigned long long)row[1].segs,
            row[1].seeded ? " (* seeded with the recorded segments)" : "");
+    printf("    driver time, first pass (modelled) at each one's minimum:");
+    for (int k = 0; k < 3; k++)
+        printf(" %s %.3f s%s", msh_policy_name(kinds[k]),
+               msh_drvcost_seconds(&o->cost, row[k].at_min.st_pass1.drv_calls, row[k].at_min.st_pass1.drv_bytes),
+               k < 2 ? "," : ";");
+    printf(" with no limit:");
+    for (int k = 0; k < 3; k++)
+        printf(" %s %.3f s%s", msh_policy_name(kinds[k]),
+               msh_drvcost_seconds(&o->cost, row[k].unl.st_pass1.drv_calls, row[k].unl.st_pass1.drv_bytes),
+               k < 2 ? "," : "\n");
+    if (o->passes > 1) {
+        printf("    last of %d passes at the minimum:", o->passes);
+        for (int k = 0; k < 3; k++) {
+            const struct prun *r = &row[k].at_min;
+            printf(" %s %llu maps, %llu unmaps, %llu cudaMalloc, %.3f s%s", msh_policy_name(kinds[k]),
+                   (unsigned long long)(r->st.map_ops - r->st_before_last.map_ops),
+                   (unsigned long long)(r->st.unmap_ops - r->st_before_last.unmap_ops),
+                   (unsigned long long)(r->st.segs_created - r->st_before_last.segs_created), last_pass_seconds(r, o),
+                   k < 2 ? ";" : "\n");
+        }
+    }
     if (o->capacity) {
         printf("    at %s (%.0f MiB):", o->capacity_name ? o->capacity_name : "the capacity",
                (double)o->capacity / MSH_MiB);
@@ -781,15 +1214,20 @@ static void usage(FILE *f)
             "and report what it needed.\n\n"
             "  --capacity SIZE|auto  simulate a device of SIZE bytes (40G, 512MiB...); auto searches\n"
             "                        the smallest capacity (to the granularity) with no OOM\n"
-            "  --passes N            replay the stream N times in a row (N=2: steady state)\n"
+            "  --passes N            replay the stream N times in a row (N=2: steady state); the last\n"
+            "                        pass is reported as the steady state (also with --policy/--compare)\n"
             "  --json                one JSON object per device trace\n"
             "  --granularity SIZE    page size of the simulated device (default 2MiB)\n"
             "  --small-max SIZE      requests up to SIZE use the small region (default 1MiB)\n"
             "  --no-defrag           never reclaim and remap pages\n"
-            "  --device              use the CUDA driver present instead of the simulation\n"
+            "  --device              use the CUDA driver present instead of the simulation; times every\n"
+            "                        driver call (median, p90) and fits a cost table to the driver\n"
+            "  --driver-costs FILE   the cost table for modelled driver seconds: lines 'KIND PER_CALL\n"
+            "                        [PER_MIB]' (e.g. 'create 193us'); kinds not named keep the default\n"
+            "  --show-driver-costs   print the cost table in force (defaults, or FILE) and exit\n"
+            "  --to-text             print the traces in memshim's text format and exit\n"
             "  --check               verify the pool's invariants during the replay (after every\n"
             "                        event of short streams; a violation exits 3)\n"
-            "  --to-text             print the traces in memshim's text format and exit\n"
             "  --policy P            memshim (default), torch (PyTorch's caching allocator, modelled)\n"
             "                        or torch-expandable (expandable_segments:True, modelled)\n"
             "  --torch-conf CONF     PYTORCH_CUDA_ALLOC_CONF for the torch policies (max_split_size_mb,\n"
@@ -812,7 +1250,8 @@ static void usage(FILE *f)
 int main(int argc, char **argv)
 {
     struct opts o = {.gran = 2 * MSH_MiB, .small_max = MSH_MiB, .defrag = true, .passes = 1};
-    bool to_text = false;
+    o.cost = *msh_drvcost_default();
+    bool to_text = false, show_costs = false;
     static const struct option lo[] = {
         {"policy", required_argument, 0, 'P'},   {"torch-conf", required_argument, 0, 'T'},
         {"compare", no_argument, 0, 'C'},        {"validate", no_argument, 0, 'V'},
@@ -821,6 +1260,7 @@ int main(int argc, char **argv)
         {"json", no_argument, 0, 'j'},           {"granularity", required_argument, 0, 'g'},
         {"small-max", required_argument, 0, 's'}, {"no-defrag", no_argument, 0, 'n'},
         {"device", no_argument, 0, 'd'},         {"to-text", no_argument, 0, 't'},
+        {"driver-costs", required_argument, 0, 'D'}, {"show-driver-costs", no_argument, 0, 'W'},
         {"check", no_argument, 0, 'K'},
         {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
     int c;
@@ -862,6 +1302,15 @@ int main(int argc, char **argv)
                 return 2;
             }
             break;
+        case 'D': {
+            char err[512];
+            if (msh_drvcost_load(optarg, &o.cost, err, sizeof err)) {
+                fprintf(stderr, "memshim-replay: --driver-costs: %s\n", err);
+                return 2;
+            }
+            break;
+        }
+        case 'W': show_costs = true; break;
         case 'C': o.compare = true; break;
         case 'V': o.validate = true; break;
         case 'p': {
@@ -895,6 +1344,10 @@ int main(int argc, char **argv)
         default: usage(stderr); return 2;
         }
     }
+    if (show_costs) { /* the table in force, in the format --driver-costs reads */
+        msh_drvcost_write(stdout, &o.cost);
+        return 0;
+    }
     if (optind >= argc) {
         usage(stderr);
         return 2;
@@ -905,10 +1358,6 @@ int main(int argc, char **argv)
     }
     if ((o.compare || o.policy != MSH_POLICY_MEMSHIM) && o.check) {
         fprintf(stderr, "memshim-replay: --check verifies memshim's pool only (not with --compare or --policy)\n");
-        return 2;
-    }
-    if ((o.compare || o.policy != MSH_POLICY_MEMSHIM) && o.passes > 1) {
-        fprintf(stderr, "memshim-replay: --passes measures memshim's steady state only (not with --compare or --policy)\n");
         return 2;
     }
     if (o.compare && o.auto_cap) o.auto_cap = false; /* --compare always searches the minimum */

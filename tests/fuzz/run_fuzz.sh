@@ -29,7 +29,7 @@ FLAGS="-g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefine
 ARTIFACTS=/tmp/memshim-fuzz-artifacts
 
 # Targets known to this script, whether or not their file exists yet.
-KNOWN="fuzz_pickle fuzz_text fuzz_profiler fuzz_options fuzz_conf"
+KNOWN="fuzz_pickle fuzz_text fuzz_profiler fuzz_options fuzz_conf fuzz_drvcost"
 
 # The sources each target links besides its own file. They are compiled once per list into a
 # static archive, so a target pulls in only the objects it reaches (the trace readers reach the
@@ -39,14 +39,14 @@ trace_sources() { # as the Makefile's libmemshim_trace.a + libmemshim_core.a
 }
 target_sources() { # target -> its source list, by name
     case "$1" in
-    fuzz_pickle|fuzz_text|fuzz_profiler) echo "trace $(trace_sources)" ;;
+    fuzz_pickle|fuzz_text|fuzz_profiler|fuzz_drvcost) echo "trace $(trace_sources)" ;;
     fuzz_options|fuzz_conf) echo "options policy/options.c shim/log.c" ;;
     *) return 1 ;;
     esac
 }
 target_libs() { # target -> system libraries
     case "$1" in
-    fuzz_pickle|fuzz_text|fuzz_profiler) echo "-lz -ldl -lm -pthread" ;;
+    fuzz_pickle|fuzz_text|fuzz_profiler|fuzz_drvcost) echo "-lz -ldl -lm -pthread" ;;
     *) echo "-lm -pthread" ;;
     esac
 }

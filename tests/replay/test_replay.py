@@ -95,8 +95,7 @@ with tempfile.TemporaryDirectory() as tmp:
     rc, out, err = run("--compare", "--capacity", "T4", huge)
     case("a block larger than 2^48 bytes is refused with the line, not wrapped around",
          rc == 2 and "huge.txt:2" in err and "out of range" in err, f"rc={rc} {err!r}")
-    for args, why in [(["--compare", "--passes", "2"], "--passes with --compare"),
-                      (["--policy", "torch", "--torch-conf", "roundup_power2_divisions:[256:1]x"], "text after ']'"),
+    for args, why in [(["--policy", "torch", "--torch-conf", "roundup_power2_divisions:[256:1]x"], "text after ']'"),
                       (["--policy", "torch", "--torch-conf", "roundup_power2_divisions:4294967296"], "huge divisions")]:
         rc, out, err = run(*args, good)
         case(f"usage error, not silently ignored: {why}", rc == 2 and err.strip() != "", f"rc={rc} {err!r}")
@@ -157,6 +156,114 @@ with tempfile.TemporaryDirectory() as tmp:
     rc, out, err = run("--compare", "--device", good)
     case("--compare with --device is a usage error", rc == 2, f"rc={rc}")
 
+    # ---- driver calls and modelled driver seconds (issue 10; docs/replay.md) ----
+    KINDS = ["create", "release", "map", "unmap", "set_access", "event_record", "stream_wait", "synchronize",
+             "malloc", "free", "reserve", "unreserve"]
+    rc, out, err = run("--show-driver-costs")
+    table = {}
+    for line in out.splitlines():
+        f = line.split("#")[0].split()
+        if f:
+            table[f[0]] = f[1:]
+    case("--show-driver-costs prints every kind in the --driver-costs format", rc == 0 and sorted(table) == sorted(KINDS),
+         out[:300])
+
+    def secs(tok):
+        for suf, mul in (("ns", 1e-9), ("us", 1e-6), ("ms", 1e-3), ("s", 1.0)):
+            if tok.endswith(suf):
+                return float(tok[:-len(suf)]) * mul
+        return float(tok)
+
+    def modelled(calls, nbytes, tab):
+        return sum(calls[k] * secs(tab[k][0]) + nbytes[k] / 2**20 * (secs(tab[k][1]) if len(tab[k]) > 1 else 0)
+                   for k in KINDS)
+
+    rc, out, err = run("--json", "--passes", "3", good)
+    try:
+        d = json.loads(out.splitlines()[0])
+        dc = d["driver_calls"]
+        case("--json: driver_calls has every kind", sorted(dc) == sorted(KINDS), sorted(dc))
+        case("--json: memshim creates, maps and grants access per page in its first pass",
+             dc["create"] == dc["map"] == dc["set_access"] == d["map_ops"] > 0 and dc["reserve"] >= 1
+             and dc["malloc"] == 0 and d["driver_bytes"]["create"] == 2 * 2**20 * dc["create"], dc)
+        case("--json: driver_seconds is the cost table applied to the counts",
+             abs(d["driver_seconds"] - modelled(dc, d["driver_bytes"], table)) < 1e-5 and d["driver_seconds"] > 0,
+             f"{d['driver_seconds']} vs {modelled(dc, d['driver_bytes'], table)}")
+        case("--json: unlimited_driver_seconds (no capacity given: the same run)",
+             abs(d["unlimited_driver_seconds"] - d["driver_seconds"]) < 1e-9, d.get("unlimited_driver_seconds"))
+        case("--json --passes 3: the last pass's driver work (steady state)",
+             sorted(d["steady_driver_calls"]) == sorted(KINDS) and d["steady_driver_seconds"] >= 0
+             and d["last_pass_map_ops"] == d["steady_driver_calls"]["map"], {k: v for k, v in d.items() if "steady" in k})
+    except (ValueError, IndexError, KeyError) as e:
+        case("--json driver fields parse", False, f"{e}: {out[:300]!r} {err!r}")
+    costs = os.path.join(tmp, "costs.txt")
+    open(costs, "w").write("# every create costs a second\ncreate 1s\nmap 0 1ms  # and a millisecond per MiB mapped\n")
+    rc2, out2, err2 = run("--json", "--driver-costs", costs, good)
+    try:
+        d2 = json.loads(out2.splitlines()[0])
+        tab2 = dict(table, create=["1s", "0"], map=["0", "1ms"])
+        want = modelled(d2["driver_calls"], d2["driver_bytes"], tab2)
+        case("--driver-costs FILE replaces the kinds it names, keeps the others",
+             rc2 == 0 and abs(d2["driver_seconds"] - want) < 1e-5 and d2["driver_seconds"] > d2["driver_calls"]["create"],
+             f"{d2['driver_seconds']} vs {want}")
+    except (ValueError, IndexError, KeyError) as e:
+        case("--driver-costs output parses", False, f"{e}: {out2[:300]!r} {err2!r}")
+    open(costs, "w").write("create 1us\nmap 2 parsecs\n")
+    rc2, out2, err2 = run("--driver-costs", costs, good)
+    case("--driver-costs with a bad line: exit 2 naming file and line",
+         rc2 == 2 and f"{costs}:2:" in err2 and out2 == "", f"rc={rc2} {err2!r}")
+    rc2, out2, err2 = run("--driver-costs", os.path.join(tmp, "none.txt"), good)
+    case("--driver-costs with a missing file: exit 2 naming it", rc2 == 2 and "none.txt" in err2, f"rc={rc2} {err2!r}")
+    rc2, out2, err2 = run("--show-driver-costs")
+    back = os.path.join(tmp, "back.txt")
+    open(back, "w").write(out2)
+    rc3, out3, err3 = run("--show-driver-costs", "--driver-costs", back)
+    case("--show-driver-costs output reads back through --driver-costs", rc3 == 0 and out3 == out2, err3)
+    rc2, out2, err2 = run("--passes", "2", good)
+    case("the text output shows the modelled driver time and the last pass",
+         rc2 == 0 and "driver time, first pass (modelled):" in out2 and "last pass:" in out2, out2[-500:])
+    for pol in ("torch", "torch-expandable"):
+        rc2, out2, err2 = run("--policy", pol, "--json", "--passes", "2", good)
+        try:
+            d2 = json.loads(out2.splitlines()[0])
+            dc = d2["driver_calls"]
+            if pol == "torch":
+                ok = dc["malloc"] == d2["segments_created"] > 0 and dc["create"] == 0 and dc["map"] == 0
+            else:
+                ok = dc["create"] == dc["map"] > 0 and dc["set_access"] == d2["map_ops"] and dc["malloc"] == 0
+            case(f"--policy {pol} --passes 2: driver fields, the calls PyTorch's allocator would make",
+                 rc2 == 0 and ok and d2["driver_seconds"] > 0 and "steady_driver_seconds" in d2
+                 and "unlimited_driver_seconds" in d2, dc)
+        except (ValueError, IndexError, KeyError) as e:
+            case(f"--policy {pol} driver fields parse", False, f"{e}: {out2[:300]!r} {err2!r}")
+    rc2, out2, err2 = run("--compare", "--json", "--passes", "2", good)
+    try:
+        d2 = json.loads(out2.splitlines()[0])
+        pol = d2["policies"]
+        need = ["driver_calls", "driver_seconds", "unlimited_driver_calls", "unlimited_driver_seconds",
+                "steady_driver_calls", "steady_driver_seconds", "last_pass_map_ops", "steady_ooms"]
+        case("--compare --json --passes 2: driver fields for memshim and both models",
+             rc2 == 0 and all(all(k in v for k in need) for v in pol.values())
+             and all(v["driver_seconds"] > 0 for v in pol.values()), {k: sorted(v) for k, v in pol.items()})
+    except (ValueError, IndexError, KeyError) as e:
+        case("--compare --passes output parses", False, f"{e}: {out2[:300]!r} {err2!r}")
+    rc2, out2, err2 = run("--compare", "--passes", "2", good)
+    case("--compare text shows driver time per policy", rc2 == 0 and "driver time, first pass (modelled)" in out2
+         and "last of 2 passes" in out2, out2[-600:])
+    p = subprocess.run([REPLAY, "--device", "--json", good], capture_output=True, text=True, timeout=300, env=env)
+    try:
+        dd = json.loads(p.stdout.splitlines()[0])
+        tm = dd["driver_timing"]
+        case("--device times each call kind the pool made (median, p90)",
+             p.returncode == 0 and tm["create"]["calls"] >= dd["driver_calls"]["create"] > 0
+             and 0 < tm["map"]["median_s"] <= tm["map"]["p90_s"] and "set_access" not in tm, tm)
+        cal = dd["driver_calibration"]
+        case("--device fits a cost table on one- and ten-page handles",
+             cal and cal["sizes"] == [2 * 2**20, 20 * 2**20] and sorted(cal["fitted"]) == sorted(KINDS)
+             and all(v["per_call_s"] >= 0 and v["per_mib_s"] >= 0 for v in cal["fitted"].values()), cal)
+    except (ValueError, IndexError, KeyError, TypeError) as e:
+        case("--device timing output parses", False, f"{e}: {p.stdout[:300]!r} {p.stderr[-300:]!r}")
+
 if not os.path.isdir(TRACES):
     skip("real traces", f"{TRACES} not found: skipping the capacity and steady-state checks")
 else:
@@ -179,6 +286,10 @@ else:
             ratio = d["min_capacity_bytes"] / d["peak_live_bytes"] if d["peak_live_bytes"] else 1.0
             case(f"{rel}: min capacity {ratio:.4f} x peak live <= 1.03", ratio <= 1.03 and d["ooms"] == 0,
                  f"ratio {ratio:.4f}, ooms {d['ooms']}")
+            dc = d["driver_calls"]
+            case(f"{rel}: driver calls agree with the pool's own counters",
+                 dc["map"] == dc["set_access"] == d["map_ops"] and dc["unmap"] == d["unmap_ops"]
+                 and d["driver_seconds"] > 0, dc)
             if rel in ref:
                 r = ref[rel]
                 case(f"{rel}: peak live and counts match the reference",

@@ -372,4 +372,120 @@ TEST(memshim_behind_the_same_interface)
     msh_policy_destroy(p);
 }
 
+/* ---- driver calls the models count (issue 10): what CUDACachingAllocator.cpp would call ---- */
+#define C_(s, k) ((s).drv_calls[MSH_DRV_##k])
+#define B_(s, k) ((s).drv_bytes[MSH_DRV_##k])
+
+TEST(native_counts_cudamalloc_and_cudafree_with_its_synchronize)
+{
+    struct msh_policy *p = mk(MSH_POLICY_TORCH, 0, NULL);
+    REQUIRE(p);
+    uint64_t a = A(p, 30 * MiB, 0);
+    struct msh_policy_stats s = st(p);
+    CHECK(C_(s, MALLOC) == 1 && B_(s, MALLOC) == 30 * MiB);
+    CHECK(C_(s, FREE) == 0 && C_(s, SYNCHRONIZE) == 0 && C_(s, CREATE) == 0 && C_(s, MAP) == 0);
+    msh_policy_free(p, a, 0);
+    CHECK(A(p, 30 * MiB, 0) == a && C_(st(p), MALLOC) == 1); /* a cache hit calls nothing */
+    msh_policy_free(p, a, 0);
+    msh_policy_empty_cache(p);
+    s = st(p);
+    CHECK(C_(s, FREE) == 1 && B_(s, FREE) == 30 * MiB && C_(s, SYNCHRONIZE) == 1);
+    msh_policy_destroy(p);
+}
+
+TEST(native_oom_path_counts_the_failed_cudamalloc_and_the_flush)
+{
+    struct msh_policy *p = mk(MSH_POLICY_TORCH, 40 * MiB, NULL);
+    REQUIRE(p);
+    uint64_t a = A(p, 30 * MiB, 0);
+    msh_policy_free(p, a, 0);
+    /* no cached block fits 32 MiB; cudaMalloc fails (30 + 32 > 40), every cached unsplit
+     * segment is cudaFree'd (each with its synchronize), cudaMalloc again succeeds */
+    CHECK(A(p, 32 * MiB, 0) != 0);
+    struct msh_policy_stats s = st(p);
+    CHECK(C_(s, MALLOC) == 3 && B_(s, MALLOC) == 62 * MiB);
+    CHECK(C_(s, FREE) == 1 && C_(s, SYNCHRONIZE) == 1 && s.ooms == 0);
+    /* a request that never fits: two failed cudaMalloc calls (first try and after the flush) */
+    uint64_t b = 0;
+    CHECK(msh_policy_alloc(p, 40 * MiB, 0, &b) == ENOMEM);
+    s = st(p);
+    CHECK(C_(s, MALLOC) == 5 && B_(s, MALLOC) == 62 * MiB && C_(s, FREE) == 1);
+    msh_policy_destroy(p);
+}
+
+TEST(native_seeded_segments_count_as_cudamalloc)
+{
+    struct msh_policy *p = mk(MSH_POLICY_TORCH, 0, NULL);
+    REQUIRE(p);
+    CHECK(msh_torch_seed_segment(p, 1ull << 40, 20 * MiB, 0, false) == 0);
+    CHECK(msh_torch_seed_segment(p, (1ull << 40) + 64 * MiB, 2 * MiB, 0, true) == 0);
+    struct msh_policy_stats s = st(p);
+    CHECK(C_(s, MALLOC) == 2 && B_(s, MALLOC) == 22 * MiB);
+    msh_policy_destroy(p);
+}
+
+TEST(expandable_counts_per_page_create_map_and_one_set_access_per_range)
+{
+    struct msh_policy *p = mk(MSH_POLICY_TORCH_EXPANDABLE, 0, NULL);
+    REQUIRE(p);
+    uint64_t a = A(p, 30 * MiB, 0); /* large pool: two 20 MiB pages in one map_block() */
+    struct msh_policy_stats s = st(p);
+    CHECK(a && C_(s, RESERVE) == 1 && C_(s, CREATE) == 2 && B_(s, CREATE) == 40 * MiB);
+    CHECK(C_(s, MAP) == 2 && B_(s, MAP) == 40 * MiB);
+    CHECK(C_(s, SET_ACCESS) == 1 && B_(s, SET_ACCESS) == 40 * MiB);
+    CHECK(C_(s, MALLOC) == 0 && C_(s, SYNCHRONIZE) == 0);
+    /* growing by 20 MiB (10 MiB free tail + one new page): one more create, map and set_access */
+    uint64_t b = A(p, 30 * MiB, 0);
+    s = st(p);
+    CHECK(b == a + 30 * MiB && C_(s, CREATE) == 3 && C_(s, MAP) == 3 && C_(s, SET_ACCESS) == 2);
+    CHECK(C_(s, RESERVE) == 1);
+    /* small pool: its own segment (one more reserve), 2 MiB pages */
+    uint64_t c = A(p, 1000, 0);
+    s = st(p);
+    CHECK(c && C_(s, RESERVE) == 2 && C_(s, CREATE) == 4 && B_(s, CREATE) == 62 * MiB && C_(s, SET_ACCESS) == 3);
+    /* empty_cache: each free block's whole pages go with one synchronize per unmapped range, one
+     * unmap and one release per page; a segment left with no page frees its address range */
+    msh_policy_free(p, a, 0);
+    msh_policy_free(p, b, 0);
+    msh_policy_free(p, c, 0);
+    msh_policy_empty_cache(p);
+    s = st(p);
+    CHECK(s.reserved == 0);
+    CHECK(C_(s, SYNCHRONIZE) == 2 && C_(s, UNMAP) == 4 && B_(s, UNMAP) == 62 * MiB);
+    CHECK(C_(s, RELEASE) == 4 && B_(s, RELEASE) == 62 * MiB && C_(s, UNRESERVE) == 2);
+    CHECK(C_(s, FREE) == 0 && C_(s, MALLOC) == 0);
+    msh_policy_destroy(p);
+}
+
+TEST(expandable_failed_map_counts_the_creates_it_tried_and_released)
+{
+    struct msh_policy *p = mk(MSH_POLICY_TORCH_EXPANDABLE, 50 * MiB, NULL);
+    REQUIRE(p);
+    uint64_t a = A(p, 10 * MiB, 0); /* one 20 MiB page */
+    CHECK(a && C_(st(p), CREATE) == 1);
+    uint64_t b = 0;
+    /* 70 MiB more would need 4 pages; one fits (20 + 20 <= 50): cuMemCreate succeeds once, fails
+     * on the second, the first is released. The OOM retry frees nothing (a's page is in use) and
+     * tries again the same way. */
+    CHECK(msh_policy_alloc(p, 80 * MiB, 0, &b) == ENOMEM);
+    struct msh_policy_stats s = st(p);
+    CHECK(C_(s, CREATE) == 1 + 2 * 2 && B_(s, CREATE) == 20 * MiB + 2 * 20 * MiB);
+    CHECK(C_(s, RELEASE) == 2 && B_(s, RELEASE) == 40 * MiB && C_(s, MAP) == 1 && s.reserved == 20 * MiB);
+    msh_policy_destroy(p);
+}
+
+TEST(memshim_policy_reports_the_pools_driver_calls)
+{
+    struct msh_policy *p = mk(MSH_POLICY_MEMSHIM, 0, NULL);
+    REQUIRE(p);
+    CHECK(A(p, 30 * MiB, 0));
+    struct msh_policy_stats s = st(p);
+    /* 2 MiB pages, one handle each; the pool's map grants access (one set_access per map) */
+    CHECK(C_(s, CREATE) == 15 && C_(s, MAP) == 15 && C_(s, SET_ACCESS) == 15 && C_(s, RESERVE) >= 1);
+    CHECK(B_(s, CREATE) == 30 * MiB && C_(s, MALLOC) == 0);
+    double t = msh_drvcost_seconds(msh_drvcost_default(), s.drv_calls, s.drv_bytes);
+    CHECK(t > 15 * 193e-6 && t < 1.0);
+    msh_policy_destroy(p);
+}
+
 TEST_MAIN()

@@ -1265,6 +1265,7 @@ TEST(driver_calls_are_counted_by_kind_as_the_device_sees_them)
     CHECK(s.drv_calls[MSH_DRV_MALLOC] == 0 && s.drv_calls[MSH_DRV_FREE] == 0);
     CHECK(strcmp(msh_drv_call_names[MSH_DRV_SET_ACCESS], "set_access") == 0);
     msh_pool_destroy(pool);
+    free(f);
 }
 
 TEST(fault_injection_create_map_unmap_every_nth_call)

@@ -1,0 +1,211 @@
+/*
+ * drvcost.c: the driver cost table that turns counted driver calls into modelled seconds
+ * (drvcost.h), its defaults and the reader of `memshim-replay --driver-costs FILE`.
+ *
+ * The defaults are published per-call measurements; docs/benchmarks.md ("Driver cost table")
+ * names the source and the hardware of each and says where no published figure exists and why
+ * the value was chosen. A model is only as good as its table: every figure computed from it is
+ * labelled "modelled", and `memshim-replay --device` times the calls on the driver present so the
+ * table can be checked. This file never calls the driver and never allocates on a hot path; the
+ * reader refuses a bad file with the file name and line, it never guesses.
+ */
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "drvcost.h"
+
+#define US 1e-6
+
+/* Sources (docs/benchmarks.md): [K] kvcached's VMM benchmark (benchmarks/bench_vmm/README.md in
+ * ovg-project/kvcached): A100 80 GB, one thread, 4096 handles of 2 MiB, averages. [V] velox PR
+ * 6096: an event record plus a stream wait between two streams, about 3 us on device (RTX 3080).
+ * [C] Cytnx PR 850: a direct cudaFree of a small buffer on an idle device, 14 us (GTX 1660 SUPER /
+ * RTX 2080 Ti), the implied synchronize included. [P] PyTorch's Note [Expandable Segments]: map
+ * and unmap cost follows the number of handles, not their size. Per-MiB terms are 0: no published
+ * measurement separates a per-byte cost on current GPUs, and [P] says the cost is per handle. */
+static const struct msh_drvcost default_table = {
+    .per_call_s = {
+        [MSH_DRV_CREATE] = 193.32 * US,       /* [K] cuMemCreate, 2 MiB */
+        [MSH_DRV_RELEASE] = 25.63 * US,       /* none published: taken equal to cuMemUnmap [K] */
+        [MSH_DRV_MAP] = 1.45 * US,            /* [K] cuMemMap */
+        [MSH_DRV_UNMAP] = 25.63 * US,         /* [K] cuMemUnmap */
+        [MSH_DRV_SET_ACCESS] = 35.99 * US,    /* [K] cuMemSetAccess, one 2 MiB mapping */
+        [MSH_DRV_EVENT_RECORD] = 1.5 * US,    /* [V] half of record + wait */
+        [MSH_DRV_STREAM_WAIT] = 1.5 * US,     /* [V] half of record + wait */
+        [MSH_DRV_SYNCHRONIZE] = 10.0 * US,    /* idle device; bounded by [C]'s 14 us cudaFree */
+        [MSH_DRV_MALLOC] = 249.76 * US,       /* none published: reserve + create + map + access [K] */
+        [MSH_DRV_FREE] = 70.26 * US,          /* none published: unmap + release + unreserve [K] */
+        [MSH_DRV_RESERVE] = 19.0 * US,        /* [K] cuMemAddressReserve (8 GB) */
+        [MSH_DRV_UNRESERVE] = 19.0 * US,      /* none published: taken equal to the reserve [K] */
+    },
+    .per_mib_s = {0},
+};
+
+const struct msh_drvcost *msh_drvcost_default(void) { return &default_table; }
+
+int msh_drvcost_kind(const char *name, enum msh_drv_call *k)
+{
+    for (int i = 0; i < MSH_DRV_NKINDS; i++)
+        if (name && !strcmp(name, msh_drv_call_names[i])) {
+            *k = (enum msh_drv_call)i;
+            return 0;
+        }
+    return EINVAL;
+}
+
+double msh_drvcost_seconds(const struct msh_drvcost *c, const uint64_t calls[MSH_DRV_NKINDS],
+                           const uint64_t bytes[MSH_DRV_NKINDS])
+{
+    double s = 0;
+    for (int i = 0; i < MSH_DRV_NKINDS; i++) {
+        s += (double)calls[i] * c->per_call_s[i];
+        if (bytes) s += (double)bytes[i] / (1024.0 * 1024.0) * c->per_mib_s[i];
+    }
+    return s;
+}
+
+/* A time: a number, then nothing or one of s, ms, us, ns. */
+static int parse_time(const char *tok, double *out)
+{
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(tok, &end);
+    if (end == tok || errno == ERANGE || !isfinite(v)) return EINVAL;
+    double scale = 1;
+    if (!strcmp(end, "") || !strcmp(end, "s")) scale = 1;
+    else if (!strcmp(end, "ms")) scale = 1e-3;
+    else if (!strcmp(end, "us")) scale = 1e-6;
+    else if (!strcmp(end, "ns")) scale = 1e-9;
+    else return EINVAL;
+    *out = v * scale;
+    return 0;
+}
+
+static int fail(char *err, size_t errlen, const char *name, size_t line, const char *fmt, const char *arg)
+{
+    if (err && errlen) {
+        char why[256];
+        snprintf(why, sizeof why, fmt, arg ? arg : "");
+        if (line) snprintf(err, errlen, "%s:%zu: %s", name, line, why);
+        else snprintf(err, errlen, "%s: %s", name, why);
+    }
+    return EINVAL;
+}
+
+int msh_drvcost_parse(const char *text, size_t len, const char *name, struct msh_drvcost *out, char *err,
+                      size_t errlen)
+{
+    if (err && errlen) err[0] = 0;
+    if (!name) name = "driver costs";
+    struct msh_drvcost t = default_table;
+    bool seen[MSH_DRV_NKINDS] = {false};
+    size_t entries = 0, lineno = 0, pos = 0;
+    char buf[512];
+    while (pos < len) {
+        size_t eol = pos;
+        while (eol < len && text[eol] != '\n') eol++;
+        lineno++;
+        size_t n = eol - pos;
+        if (n >= sizeof buf) return fail(err, errlen, name, lineno, "line longer than %s511 bytes", "");
+        memcpy(buf, text + pos, n);
+        buf[n] = 0;
+        pos = eol + 1;
+        if (memchr(buf, 0, n)) return fail(err, errlen, name, lineno, "a NUL byte%s", "");
+        char *hash = strchr(buf, '#');
+        if (hash) *hash = 0;
+        char *tok[4];
+        int nt = 0;
+        char *save = NULL;
+        for (char *w = strtok_r(buf, " \t\r\v\f", &save); w; w = strtok_r(NULL, " \t\r\v\f", &save)) {
+            if (nt == 3) return fail(err, errlen, name, lineno, "too many fields after '%s' (expected KIND PER_CALL [PER_MIB])", tok[2]);
+            tok[nt++] = w;
+        }
+        if (!nt) continue;
+        enum msh_drv_call k;
+        if (msh_drvcost_kind(tok[0], &k)) {
+            char known[256] = "";
+            for (int i = 0; i < MSH_DRV_NKINDS; i++) {
+                strncat(known, i ? ", " : "", sizeof known - strlen(known) - 1);
+                strncat(known, msh_drv_call_names[i], sizeof known - strlen(known) - 1);
+            }
+            char why[320];
+            snprintf(why, sizeof why, "unknown call kind '%.40s' (known: %s)", tok[0], known);
+            return fail(err, errlen, name, lineno, "%s", why);
+        }
+        if (seen[k]) return fail(err, errlen, name, lineno, "'%s' is given twice", tok[0]);
+        if (nt < 2) return fail(err, errlen, name, lineno, "'%s' has no time per call (expected KIND PER_CALL [PER_MIB])", tok[0]);
+        double call = 0, mib = 0;
+        if (parse_time(tok[1], &call))
+            return fail(err, errlen, name, lineno, "'%.60s' is not a time (e.g. 193us, 0.5ms, 2e-6)", tok[1]);
+        if (nt == 3 && parse_time(tok[2], &mib))
+            return fail(err, errlen, name, lineno, "'%.60s' is not a time per MiB (e.g. 1.5us, 0)", tok[2]);
+        if (call < 0 || mib < 0) return fail(err, errlen, name, lineno, "negative time for '%s'", tok[0]);
+        if (call > 3600 || mib > 3600) return fail(err, errlen, name, lineno, "more than an hour per call for '%s'", tok[0]);
+        t.per_call_s[k] = call;
+        t.per_mib_s[k] = mib;
+        seen[k] = true;
+        entries++;
+    }
+    if (!entries) return fail(err, errlen, name, 0, "no cost lines (expected KIND PER_CALL [PER_MIB], e.g. 'create 193us')%s", "");
+    *out = t;
+    return 0;
+}
+
+int msh_drvcost_load(const char *path, struct msh_drvcost *out, char *err, size_t errlen)
+{
+    if (err && errlen) err[0] = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        int e = errno ? errno : EIO;
+        if (err && errlen) snprintf(err, errlen, "%s: cannot open: %s", path, strerror(e));
+        return e;
+    }
+    enum { CAP = 1 << 20 };
+    char *buf = malloc(CAP + 1);
+    if (!buf) {
+        fclose(f);
+        if (err && errlen) snprintf(err, errlen, "%s: out of memory", path);
+        return ENOMEM;
+    }
+    size_t n = fread(buf, 1, CAP + 1, f);
+    int rerr = ferror(f);
+    fclose(f);
+    int rc;
+    if (rerr) {
+        if (err && errlen) snprintf(err, errlen, "%s: cannot read", path);
+        rc = EIO;
+    } else if (n > CAP) {
+        if (err && errlen) snprintf(err, errlen, "%s: larger than 1 MiB: not a cost table", path);
+        rc = EINVAL;
+    } else {
+        rc = msh_drvcost_parse(buf, n, path, out, err, errlen);
+    }
+    free(buf);
+    return rc;
+}
+
+/* Shortest unit that keeps the figure readable; parse_time() reads every one back. */
+static void fmt_time(char *b, size_t n, double s)
+{
+    if (s == 0) snprintf(b, n, "0");
+    else if (s < 1e-6) snprintf(b, n, "%.6gns", s * 1e9);
+    else if (s < 1e-3) snprintf(b, n, "%.6gus", s * 1e6);
+    else if (s < 1) snprintf(b, n, "%.6gms", s * 1e3);
+    else snprintf(b, n, "%.6gs", s);
+}
+
+void msh_drvcost_write(FILE *f, const struct msh_drvcost *c)
+{
+    fprintf(f, "# memshim driver cost table: KIND PER_CALL [PER_MIB] (memshim-replay --driver-costs)\n");
+    for (int i = 0; i < MSH_DRV_NKINDS; i++) {
+        char a[32], b[32];
+        fmt_time(a, sizeof a, c->per_call_s[i]);
+        fmt_time(b, sizeof b, c->per_mib_s[i]);
+        fprintf(f, "%-13s %-12s %s\n", msh_drv_call_names[i], a, b);
+    }
+}
