@@ -24,6 +24,7 @@ import argparse
 import os
 import re
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
@@ -40,28 +41,47 @@ KILL_RATE_MIN = 0.95
 # shared memfd mappings do not count.
 DATA_LIMIT = 6 << 30
 
-# The quick suites (everything `make check` runs on the plain build except the fuzzers, which are
-# time-bounded and random, and the sanitizer builds). name -> (command, backstop seconds, files
-# whose mutants it is tried first for).
-SUITES = [
-    ("unit test_pool", ["build/tests/test_pool"], 180, ("policy/pool.c", "policy/dev_sim.c")),
-    ("unit test_stress", ["build/tests/test_stress"], 180, ("policy/pool.c", "policy/dev_cuda.c")),
-    ("unit test_trace", ["build/tests/test_trace"], 180, ("report/trace/",)),
-    ("unit test_profiler", ["build/tests/test_profiler"], 180, ("report/trace/profiler.c",)),
-    ("unit test_models", ["build/tests/test_models"], 180, ("policy/models/",)),
-    ("unit test_options", ["build/tests/test_options"], 180, ("policy/options.c", "shim/log.c")),
-    ("unit test_double", ["build/tests/test_double"], 180, ("tests/cudadouble/",)),
-    ("preload", ["bash", "tests/preload/run_preload.sh"], 300, ("hooks/", "shim/", "policy/dev_cuda.c")),
-    ("replay", ["bash", "tests/replay/run_replay.sh"], 300, ("report/replay/", "report/trace/", "policy/models/")),
-    ("replay --check", ["python3", "tests/replay/check_traces.py"], 300, ("policy/pool.c", "report/replay/")),
-    ("models vs traces", ["python3", "tests/replay/test_models_traces.py"], 300, ("policy/models/", "report/trace/")),
-    ("demo", ["bash", "tests/replay/run_demo.sh"], 300, ("shim/", "report/report.c")),
-    ("reports vs truth", ["python3", "tests/reports/test_report_truth.py"], 300,
-     ("report/report.c", "shim/core.c", "policy/pool.c")),
-    ("python GC step", ["python3", "tests/replay/test_pygc.py"], 300, ("shim/core.c",)),
-    ("pytorch", ["python3", "tests/gpu/test_torch.py"], 300, ("shim/",)),
-    ("reliability", ["bash", "tests/reliability/run_reliability.sh"], 900, ("hooks/", "policy/dev_cuda.c")),
+# The quick suites: every unit binary of build/tests, then every suite tests/run.sh runs on the
+# plain build (read from its run_suite lines, so a suite added there is mutated against too),
+# except the fuzzers (time-bounded and random). Each gets a backstop far above its run time; the
+# per-test watchdogs fire long before. Mutants of a file try first the suites meant for it.
+UNIT_FIRST = {
+    "test_pool": ("policy/pool.c", "policy/dev_sim.c"), "test_stress": ("policy/pool.c", "policy/dev_cuda.c"),
+    "test_trace": ("report/trace/",), "test_profiler": ("report/trace/profiler.c", "report/trace/trace.c"),
+    "test_models": ("policy/models/",), "test_options": ("policy/options.c", "shim/log.c"),
+    "test_double": ("tests/cudadouble/",), "test_drvcost": ("policy/drvcost.c",), "test_torch": ("shim/torch.c",),
+}
+SCRIPT_FIRST = [  # (word in the suite's name, files whose mutants try it first)
+    ("preload", ("hooks/", "shim/", "policy/dev_cuda.c")),
+    ("--check", ("policy/pool.c", "report/replay/", "policy/models/policy_memshim.c")),
+    ("replay", ("report/replay/", "report/trace/", "policy/models/")),
+    ("demo", ("shim/", "report/report.c")),
+    ("reports", ("report/report.c", "shim/core.c", "policy/pool.c")),
+    ("report tool", ("report/report.c",)),
+    ("GC", ("shim/core.c",)),
+    ("pytorch", ("shim/torch.c", "hooks/python/")),
+    ("reliability", ("hooks/", "policy/dev_cuda.c")),
 ]
+
+
+def discover_suites(repo):
+    suites = []
+    for t in sorted(os.listdir(os.path.join(repo, "build", "tests"))):
+        path = os.path.join("build", "tests", t)
+        if t.startswith("test_") and os.access(os.path.join(repo, path), os.X_OK) and os.path.isfile(
+                os.path.join(repo, path)):
+            suites.append((f"unit {t}", [path], 180, UNIT_FIRST.get(t, ())))
+    for line in open(os.path.join(repo, "tests", "run.sh")):
+        m = re.match(r'^\s*(?:\[ -f \S+ \] && )?run_suite "([^"]+)" env BUILD="\$BUILD" (.+?)\s*$', line)
+        if not m or "fuzz" in m.group(1) or m.group(2).endswith("\\"):
+            continue
+        name = m.group(1)
+        first = next((files for word, files in SCRIPT_FIRST if word in name), ())
+        suites.append((name, shlex.split(m.group(2)), 900 if "reliability" in name else 300, first))
+    return suites
+
+
+SUITES = []
 
 
 def parse_specs(path):
@@ -203,7 +223,10 @@ def main():
     if rc:
         print(out[-3000:])
         raise SystemExit("mutants: the unmutated scratch copy does not build")
-    print(f"mutants: built the scratch copy in {dt:.0f} s; running every suite on it unmutated", flush=True)
+    SUITES[:] = discover_suites(repo)
+    print(f"mutants: built the scratch copy in {dt:.0f} s; {len(SUITES)} suites: " +
+          ", ".join(n for n, _, _, _ in SUITES), flush=True)
+    print("mutants: running every suite on it unmutated", flush=True)
     t0 = time.monotonic()
     name, why, out = run_suites(repo, env)
     if name:
