@@ -863,6 +863,14 @@ static inline uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* One timed call: the total, the histogram behind the reports' latency percentiles, the max. */
+static inline void lat_note(uint64_t *hist, uint64_t *total, uint64_t *max, uint64_t ns)
+{
+    *total += ns;
+    hist[msh_lat_bucket(ns)]++;
+    if (ns > *max) *max = ns;
+}
+
 static void note_alloc(struct msh_pool *pool, uint64_t req, bool used_new, bool reclaimed)
 {
     struct msh_pool_stats *st = &pool->st;
@@ -910,7 +918,7 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
     }
     if (rc == 0) {
         note_alloc(pool, size, false, reclaimed);
-        if (pool->timing) pool->st.alloc_ns_total += now_ns() - t0;
+        if (pool->timing) lat_note(pool->st.alloc_lat, &pool->st.alloc_ns_total, &pool->st.alloc_ns_max, now_ns() - t0);
         pthread_mutex_unlock(&pool->lock);
         return 0;
     }
@@ -966,7 +974,7 @@ int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream)
     blk_make_free(pool, b, b->reg->area);
     if (pool->prm.release_threshold && pool->cached * pool->gran > pool->prm.release_threshold)
         release_cached(pool, pool->prm.release_threshold);
-    if (pool->timing) pool->st.free_ns_total += now_ns() - t0;
+    if (pool->timing) lat_note(pool->st.free_lat, &pool->st.free_ns_total, &pool->st.free_ns_max, now_ns() - t0);
     pthread_mutex_unlock(&pool->lock);
     return 0;
 }

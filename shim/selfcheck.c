@@ -23,7 +23,7 @@ MSH_EXPORT int memshim_debug_check(char *why, size_t whylen)
 {
     if (why && whylen) why[0] = 0;
     for (int d = 0; d < MSH_MAX_DEVICES; d++) {
-        struct msh_pool *p = msh_core_pool_peek(d);
+        struct msh_pool *p = msh_core_pool_get(d);
         if (!p) continue;
         char buf[480];
         int rc = msh_pool_check(p, buf, sizeof buf);

@@ -19,7 +19,8 @@
 #include "cudbl.h"
 
 static const char *const calls[] = {"cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
-                                    "cuStreamWaitEvent", "cuEventRecord", "cuCtxSynchronize", "cuMemAddressReserve"};
+                                    "cuStreamWaitEvent", "cuEventRecord", "cuCtxSynchronize", "cuMemAddressReserve",
+                                    "cuMemAddressFree", "cuMemAlloc", "cuMemFree"};
 
 static void record(const char *path)
 {

@@ -3,8 +3,9 @@
 
 The demo (build/memshim-train-demo, tests/demo/train_loop.c) runs under LD_PRELOAD=libmemshim.so
 on the driver double, once per empty-cache policy and per epoch policy, under a limit and under a
-small device, so peaks, currents and the OOM path all differ from run to run. Two records that
-share no code with memshim's accounting give the truth:
+small device, so peaks, currents and the OOM path all differ from run to run; a Python workload
+(tests/reports/sites_workload.py, memshim_malloc through ctypes) gives the allocation sites. Two
+records that share no code with memshim's accounting give the truth:
   - the trace memshim writes (MEMSHIM_TRACE_FILE): every allocation and free with its time, so the
     allocated bytes, live blocks, counts, size histogram, touched pages and largest live blocks at
     any report's t_end_s are recomputed here;
@@ -66,6 +67,8 @@ RUNS = [
     # the "grew at every epoch" of a leak
     dict(name="leak 8 MiB, an epoch every step", env={"MEMSHIM_EPOCH": "steps", "MEMSHIM_EPOCH_STEPS": "1"},
          args=["--epochs", "3", "--steps", "2", "--leak", "8"]),
+    dict(name="python workload (allocation sites)", python="sites_workload.py", env={"MEMSHIM_EPOCH": "manual"},
+         args=[]),
 ]
 
 
@@ -97,8 +100,11 @@ def run_demo(cfg, tmp):
         env["MEMSHIM_LIMIT"] = str(cfg["limit"])
     env.update(cfg.get("env", {}))
     unix0, t0 = time.time(), time.monotonic()
-    p = subprocess.Popen([DEMO, "--scale", "0.25", *cfg["args"]], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    argv = [DEMO, "--scale", "0.25", *cfg["args"]]
+    if cfg.get("python"):
+        script, sitelog = os.path.join(os.path.dirname(os.path.abspath(__file__)), cfg["python"]), os.path.join(d, "sites")
+        argv = [sys.executable, script, sitelog]
+    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if cfg.get("signals"):
         while p.poll() is None:
             time.sleep(cfg["signals"])
@@ -119,6 +125,19 @@ def run_demo(cfg, tmp):
         for line in open(spylog):
             name, *kv = line.split()
             run["spy"][name] = {k: int(v) for k, v in (x.split("=") for x in kv)}
+    run["site_seq"], run["site_where"] = None, {}
+    if cfg.get("python"):
+        run["site_seq"] = open(sitelog).read().split() if os.path.exists(sitelog) else []
+        func = None
+        for n, line in enumerate(open(script), 1):
+            m = re.match(r"^def (\w+)\(", line)
+            if m:
+                func = m.group(1)
+            elif not line.startswith((" ", "\t")) and line.strip():
+                func = "<module>"
+            m = re.search(r"# SITE (\w+)", line)
+            if m:
+                run["site_where"][m.group(1)] = (script, n, func)
     run["events"] = []
     if os.path.exists(trace):
         for line in open(trace):
@@ -143,7 +162,9 @@ def bucket(n):
 class Truth:
     """The state after a prefix of the trace, advanced event by event."""
 
-    def __init__(self):
+    def __init__(self, site_seq=None, where=None):
+        self.site_seq, self.where, self.nalloc = site_seq, where or {}, 0
+        self.site_of, self.peak_sites = {}, {}
         self.live, self.pages = {}, {}
         self.alloc_bytes = self.allocs = self.frees = self.rsum = 0
         self.hist = [0] * 24
@@ -159,6 +180,10 @@ class Truth:
     def apply(self, ev):
         op, addr, size, _ = ev
         if op == "a":
+            if self.site_seq is not None:
+                name = self.site_seq[self.nalloc] if self.nalloc < len(self.site_seq) else "?"
+                self.site_of[addr] = self.where.get(name, ("?", 0, name))
+            self.nalloc += 1
             self.live[addr] = size
             self.alloc_bytes += size
             self.allocs += 1
@@ -176,11 +201,24 @@ class Truth:
                 if not self.pages[pg]:
                     del self.pages[pg]
         self.run_peak = max(self.run_peak, self.alloc_bytes)
+        if self.alloc_bytes > self.win_peak and self.site_seq is not None:
+            self.peak_sites = self.sites()
         self.win_peak = max(self.win_peak, self.alloc_bytes)
         self.win_touched_peak = max(self.win_touched_peak, self.touched())
 
     def new_window(self):
         self.win_peak, self.win_touched_peak = self.alloc_bytes, self.touched()
+        if self.site_seq is not None:
+            self.peak_sites = self.sites()
+
+    def sites(self):
+        """(file, line, function) -> [live bytes, blocks], now."""
+        out = {}
+        for a, n in self.live.items():
+            e = out.setdefault(self.site_of.get(a, ("?", 0, "?")), [0, 0])
+            e[0] += n
+            e[1] += 1
+        return out
 
     def top(self, n=5):
         return sorted(self.live.items(), key=lambda kv: -kv[1])[:n]
@@ -207,8 +245,9 @@ def ground_truth(run):
     """For every report (ordered by t_end_s): the trace state at that moment, the driver's figures,
     and what came before it."""
     reps = sorted(run["reports"].items(), key=lambda kv: kv[1]["t_end_s"])
-    tr, i, evs = Truth(), 0, run["events"]
-    out, epoch_ends = [], []
+    tr, i, evs = Truth(run["site_seq"], run["site_where"]), 0, run["events"]
+    out, epoch_ends, site_ends = [], [], []
+    allocs0 = frees0 = 0  # at the last epoch report
     for name, rep in reps:
         t_end_us = rep["t_end_s"] * 1e6
         while i < len(evs) and evs[i][3] < t_end_us:
@@ -220,12 +259,18 @@ def ground_truth(run):
                  events_before=i, addrs_by_size={})
         for a, sz in tr.live.items():
             g["addrs_by_size"].setdefault(sz, set()).add(a)
+        g["peak_sites"] = dict(tr.peak_sites)
+        g["allocs_epoch"], g["frees_epoch"] = tr.allocs - allocs0, tr.frees - frees0
         if rep["kind"] == "epoch":
             epoch_ends.append(tr.alloc_bytes)
+            site_ends.append(tr.sites() if run["site_seq"] is not None else {})
             g["epoch_ends"] = list(epoch_ends)
+            g["site_ends"] = list(site_ends)
             tr.new_window()
+            allocs0, frees0 = tr.allocs, tr.frees
         else:
             g["epoch_ends"] = list(epoch_ends)
+            g["site_ends"] = list(site_ends)
         out.append((name, rep, g, run["spy"].get(name)))
     run["trailing_events"] = len(evs) - i
     return out
@@ -305,6 +350,8 @@ def check_t_end(c, v, idx):
 
 def check_steps(c, v, idx):
     cfg, reason = c.run["cfg"], c.r["reason"]
+    if cfg.get("python"):
+        return eq(v, 0, "the Python workload never calls memshim_step")
     args = cfg["args"]
     per_epoch = int(args[args.index("--steps") + 1])
     if reason == "steps":
@@ -319,18 +366,27 @@ def check_steps(c, v, idx):
     return need(0 <= v <= per_epoch * 4, f"{v} steps")
 
 
-def trend_verdict(ends):
-    """report.c's rule, restated: growth by more than 1 MiB at every boundary of at least three."""
+def trend_verdict(ends, growing):
+    """report.c's rule, restated: growth by more than 1 MiB at every boundary of at least three,
+    naming the fastest-growing site when one grew."""
     if len(ends) < 3:
         return "too few epochs"
     grew = sum(1 for a, b in zip(ends, ends[1:]) if b > a + MiB)
-    return "possible leak: allocated memory grew at every epoch" if grew == len(ends) - 1 else "flat"
+    if grew != len(ends) - 1:
+        return "flat"
+    extra = ""
+    if growing:
+        g = growing[0]
+        extra = (f" (fastest-growing site: {os.path.basename(g['file'])}:{g['line']} {g['function']}, "
+                 f"+{g['growth_bytes_per_epoch'] / MiB:.1f} MiB per epoch)")
+    return "possible leak: allocated memory grew at every epoch" + extra
 
 
 def check_trend(c, v, idx):
     want = c.g["epoch_ends"]
-    if idx[0] == 0 and c.r["trend"]["verdict"] != trend_verdict(want[-64:]):
-        return f"verdict '{c.r['trend']['verdict']}', the epoch ends {want[-64:]} say '{trend_verdict(want[-64:])}'"
+    verdict = trend_verdict(want[-64:], growing_truth(c))
+    if idx[0] == 0 and c.r["trend"]["verdict"] != verdict:
+        return f"verdict '{c.r['trend']['verdict']}', the epoch ends {want[-64:]} say '{verdict}'"
     if idx[0] == 0 and len(c.r["trend"]["epoch_end_allocated_bytes"]) != len(want[-64:]):
         return f"{len(c.r['trend']['epoch_end_allocated_bytes'])} entries, {len(want[-64:])} epochs closed"
     return eq(v, want[-64:][idx[0]] if idx[0] < len(want[-64:]) else None, "allocated bytes at that epoch's end (trace)")
@@ -414,9 +470,163 @@ def last_oom_same_list(c, v, idx):
     return eq(v, o["last_oom"]["largest_live_blocks"][idx[0]]["bytes"], "the OOM report it describes")
 
 
+def cost_table():
+    """The driver cost table in force (memshim-replay --show-driver-costs): kind -> (s per call,
+    s per MiB). Read once; the formula is restated here."""
+    if "table" in COSTS:
+        return COSTS["table"]
+    unit = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "": 1.0}
+    table = {}
+    p = subprocess.run([os.path.join(BUILD, "memshim-replay"), "--show-driver-costs"], capture_output=True,
+                       text=True, timeout=30)
+    for line in p.stdout.splitlines():
+        f = line.split()
+        if not f or f[0].startswith("#"):
+            continue
+        vals = []
+        for x in f[1:3]:
+            m = re.match(r"^([0-9.eE+-]+)([a-z]*)$", x)
+            vals.append(float(m.group(1)) * unit[m.group(2)] if m else float("nan"))
+        table[f[0]] = (vals[0], vals[1] if len(vals) > 1 else 0.0)
+    COSTS["table"] = table
+    return table
+
+
+COSTS = {}
+# driver.calls kind -> (the double's function counting the same calls, exact: the pool is its only
+# caller in these workloads; else the double's count is an upper bound)
+DRIVER_CALLS = {"create": ("cuMemCreate", True), "release": ("cuMemRelease", True), "map": ("cuMemMap", True),
+                "unmap": ("cuMemUnmap", True), "set_access": ("cuMemSetAccess", True),
+                "event_record": ("cuEventRecord", True), "stream_wait": ("cuStreamWaitEvent", True),
+                "synchronize": ("cuCtxSynchronize", False), "malloc": ("cuMemAlloc", False),
+                "free": ("cuMemFree", False), "reserve": ("cuMemAddressReserve", True),
+                "unreserve": ("cuMemAddressFree", True)}
+
+
+def check_driver_calls(kind):
+    fn, exact = DRIVER_CALLS[kind]
+
+    def check(c, v, idx):
+        n = c.s[f"calls_{fn}"]  # the double counts refused calls too, as memshim does
+        if exact:
+            why = eq(v, n, f"driver: {fn} calls")
+        else:
+            why = need(v <= n, f"{v} > the driver's {n} {fn} calls")
+        if why:
+            return why
+        ops_of = {"create": "create_ops", "release": "release_ops", "map": "map_ops", "unmap": "unmap_ops",
+                  "set_access": "map_ops", "stream_wait": "cross_stream_waits"}
+        if kind == "create" and c.run["cfg"].get("cap"):  # creates the driver refused are calls, not ops
+            return need(v >= ops(c, "create_ops"), f"{v} calls < {ops(c, 'create_ops')} handles created")
+        if kind in ops_of:
+            return eq(v, ops(c, ops_of[kind]), f"operations.{ops_of[kind]}")
+        if kind in ("malloc", "free"):
+            return eq(v, 0, "memshim's pool never calls cuMemAlloc/cuMemFree (only the models do)")
+        return None
+    return check
+
+
+def check_modelled_seconds(c, v, idx):
+    table, calls = cost_table(), c.r["driver"]["calls"]
+    page_kinds = ("create", "release", "map", "unmap", "set_access")
+    total = 0.0
+    for k, n in calls.items():
+        if k not in table:
+            return f"driver kind '{k}' is not in the cost table"
+        nbytes = n * GRAN if k in page_kinds else c.s["va"] if k == "reserve" else 0
+        total += n * table[k][0] + nbytes / MiB * table[k][1]
+    return close(v, total, "calls x the cost table (memshim-replay --show-driver-costs)", tol=1e-6)
+
+
+def check_latency(which):
+    def check(c, v, idx, field):
+        lat = c.r["latency"][which]
+        covers = c.r["latency"]["covers"]
+        if covers != ("epoch" if c.r["kind"] == "epoch" else "run"):
+            return f"covers '{covers}' in a {c.r['kind']} report"
+        n = (c.g["allocs_epoch"] if which == "alloc_ns" else c.g["frees_epoch"]) if covers == "epoch" else \
+            (c.g["allocs"] if which == "alloc_ns" else c.g["frees"])
+        if field == "count":
+            return eq(v, n, f"{'allocations' if which == 'alloc_ns' else 'frees'} the trace shows for the {covers}")
+        order = [lat[k] for k in ("p50", "p90", "p99", "max")]
+        if any(x is None for x in order) or order != sorted(order):
+            return f"p50 <= p90 <= p99 <= max does not hold: {order}"
+        if field != "max":  # a bucket's upper bound (4 per power of two), or the max when lower
+            bounds = {b if b < 4 else ((5 + b % 4) << (b // 4 - 1)) - 1 for b in range(144)}
+            return need(v in bounds or v == lat["max"], f"{v} is neither a histogram bound nor the max")
+        if covers == "run":  # max exact: the mean cannot exceed it
+            mean = ops(c, "alloc_mean_ns" if which == "alloc_ns" else "free_mean_ns")
+            return need(v >= mean - 1, f"max {v} below the mean {mean}")
+        return None
+    return {f: (T if f == "count" else R, (lambda f: lambda c, v, i: check(c, v, i, f))(f))
+            for f in ("count", "p50", "p90", "p99", "max")}
+
+
+def sites_truth(c):
+    """The top 10 sites at the epoch's peak, from the trace and the workload's own site log."""
+    rows = sorted(((b, n, k) for k, (b, n) in c.g["peak_sites"].items()), key=lambda r: -r[0])[:10]
+    return [{"file": k[0], "line": k[1], "function": k[2], "bytes": b, "count": n} for b, n, k in rows]
+
+
+def check_site(field):
+    def check(c, v, idx):
+        if c.run["site_seq"] is None:
+            return "sites in a process that runs no Python"
+        want, got = sites_truth(c), c.r["sites"]
+        if len(got) != len(want):
+            return f"{len(got)} sites, the trace gives {len(want)}: {want}"
+        e = got[idx[0]]
+        match = [w for w in want if (w["file"], w["line"], w["function"]) == (e["file"], e["line"], e["function"])]
+        if not match:
+            return f"site {e['file']}:{e['line']} {e['function']} is not one the workload allocated from"
+        if idx[0] and got[idx[0] - 1]["bytes"] < e["bytes"]:
+            return "sites are not largest first"
+        return eq(v, match[0][field], f"{field} of that site at the epoch's peak (trace + the workload's log)")
+    return check
+
+
+def growing_truth(c):
+    ends = c.g["site_ends"][-8:]
+    out = []
+    if len(ends) >= 3:
+        for k in set().union(*ends):
+            series = [e.get(k, [0, 0])[0] for e in ends]
+            if all(b - a >= 4096 for a, b in zip(series, series[1:])):
+                out.append({"file": k[0], "line": k[1], "function": k[2],
+                            "growth_bytes_per_epoch": (series[-1] - series[0]) / (len(series) - 1)})
+    return sorted(out, key=lambda r: -r["growth_bytes_per_epoch"])[:10]
+
+
+def check_growing(field):
+    def check(c, v, idx):
+        want, got = growing_truth(c), c.r["trend"]["growing_sites"]
+        if len(got) != len(want):
+            return f"{len(got)} growing sites, the trace gives {len(want)}: {want}"
+        e = got[idx[0]]
+        match = [w for w in want if (w["file"], w["line"], w["function"]) == (e["file"], e["line"], e["function"])]
+        if not match:
+            return f"{e['file']}:{e['line']} {e['function']} did not grow at every epoch end"
+        if field == "growth_bytes_per_epoch":
+            return close(v, match[0][field], "mean growth of its live bytes over the recorded epoch ends", tol=1e-6)
+        return eq(v, match[0][field], field)
+    return check
+
+
+def check_torch_stat(c, v, idx, path):
+    """PyTorch's own figures (segment mode on a GPU): counts and bytes are never negative; a
+    peak is at least the current figure beside it."""
+    if v < 0:
+        return f"{v} < 0"
+    key = path.split(".", 1)[1]
+    if key.endswith(".peak"):
+        cur = c.r["torch_memory_stats"].get(key[:-5] + ".current")
+        return need(cur is None or v >= cur, f"peak {v} below the current {cur}")
+    return None
+
+
 T, R = "truth", "relation"
 FIELDS = {
-    "schema_version": (R, lambda c, v, i: eq(v, 1, "schema 1 (a new schema needs its fields declared here)")),
+    "schema_version": (R, lambda c, v, i: eq(v, 2, "schema 2 (a new schema needs its fields declared here)")),
     "pid": (T, lambda c, v, i: eq(v, c.run["pid"], "the demo's process id")),
     "rank": (T, lambda c, v, i: eq(v, c.run["rank"], "the RANK variable of the run (-1: none)")),
     "device": (T, lambda c, v, i: eq(v, 0, "the demo uses device 0")),
@@ -513,9 +723,21 @@ FIELDS = {
     "policies.gc_runs": (T, lambda c, v, i: eq(v, 0, "a C program: no GC callback, no Python")),
     "policies.gc_skipped_no_gil": (T, lambda c, v, i: eq(v, 0, "a C program: no Python")),
     "trend.epoch_end_allocated_bytes[]": (T, check_trend),
+    # schema 2
+    **{f"driver.calls.{k}": (T, check_driver_calls(k)) for k in DRIVER_CALLS},
+    "driver.modelled_seconds": (R, check_modelled_seconds),
+    **{f"latency.alloc_ns.{f}": e for f, e in check_latency("alloc_ns").items()},
+    **{f"latency.free_ns.{f}": e for f, e in check_latency("free_ns").items()},
+    "sites[].bytes": (T, check_site("bytes")),
+    "sites[].count": (T, check_site("count")),
+    "sites[].line": (T, check_site("line")),
+    "trend.growing_sites[].growth_bytes_per_epoch": (T, check_growing("growth_bytes_per_epoch")),
+    "trend.growing_sites[].line": (T, check_growing("line")),
+    "torch_memory_stats.*": (R, check_torch_stat),
 }
-# Declared fields that only some schema versions or modes have (no failure when never seen).
-OPTIONAL = set()
+# Declared fields that these runs cannot produce (no failure when never seen): PyTorch's own
+# memory_stats() exist only in segment mode once PyTorch initialized CUDA (a GPU).
+OPTIONAL = {"torch_memory_stats.*"}
 
 
 def numeric_leaves(obj, path="", idx=()):
@@ -603,6 +825,9 @@ def check_run(run, seen, differ):
     failures = rows[-1][1]["operations"]["alloc_failures"]
     case(f"{cfg}: one OOM report per failed request, at most {OOM_REPORTS_MAX} ({failures} failures)",
          kinds.count("oom") == min(failures, OOM_REPORTS_MAX), f"{kinds.count('oom')} OOM reports")
+    if run["site_seq"] is None:
+        bad = [n for n, r, _, _ in rows if r.get("sites") != [] or not r.get("sites_note")]
+        case(f"{cfg}: no allocation sites in a process without Python, and a note that says why", not bad, bad[:3])
     bad = check_demo_lines(run, rows)
     if bad is not None:
         case(f"{cfg}: memshim_get_stats as the demo prints it matches each epoch report", not bad, "; ".join(bad[:6]))
@@ -629,6 +854,11 @@ def check_run(run, seen, differ):
         for path, idx, v in numeric_leaves(rep):
             n += 1
             entry = FIELDS.get(path)
+            if entry is None and path.startswith("torch_memory_stats."):
+                entry = FIELDS["torch_memory_stats.*"]
+                path_for = path
+                entry = (entry[0], lambda c, v, i, _p=path_for: check_torch_stat(c, v, i, _p))
+                seen.add("torch_memory_stats.*")
             if entry is None:
                 bad.append(f"{path}: a numeric field with no declared check (add it to FIELDS in "
                            f"tests/reports/test_report_truth.py)")
