@@ -159,7 +159,7 @@ int msh_report_path(const struct msh_report *r, int device, char *out, size_t le
     if (rk >= 0) snprintf(rank, sizeof rank, "-rank%ld", rk);
     char what[48];
     if (!strcmp(r->kind, "epoch")) snprintf(what, sizeof what, "epoch%04llu", (unsigned long long)r->epoch);
-    else if (!strcmp(r->kind, "oom")) snprintf(what, sizeof what, "oom%04llu", (unsigned long long)r->epoch);
+    else if (!strcmp(r->kind, "oom")) snprintf(what, sizeof what, "oom%04llu", (unsigned long long)r->oom_index);
     else snprintf(what, sizeof what, "summary");
     int n = snprintf(out, len, "%s/memshim-%s-pid%d%s-dev%d-%s.json", report_dir, host, (int)getpid(), rank,
                      device, what);
@@ -363,6 +363,7 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_i(root, "rank", msh_report_rank());
     set_i(root, "device", d->device);
     set_u(root, "epoch", r->epoch);
+    if (!strcmp(r->kind, "oom")) set_u(root, "oom_index", r->oom_index);
     set_s(root, "reason", r->reason);
     set_s(root, "mode", r->mode);
     set_d(root, "t_start_s", r->t_start);

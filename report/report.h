@@ -33,7 +33,8 @@ struct msh_report_device {
 
 struct msh_report {
     const char *kind;      /* "epoch", "summary" or "oom" */
-    uint64_t epoch;        /* epoch index (0-based) */
+    uint64_t epoch;        /* epoch index (0-based): the epoch under way for an OOM report */
+    uint64_t oom_index;    /* OOM reports: 0, 1, ... in the order the failures claimed them */
     const char *reason;    /* what closed the epoch: manual, steps, seconds, signal, exit, oom */
     double t_start, t_end; /* seconds since the process started using memshim */
     uint64_t steps;

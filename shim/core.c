@@ -659,12 +659,15 @@ void msh_core_note_oom(int device)
 {
     msh_history_oom(device); /* an oom event, and MEMSHIM_SNAPSHOT's OOM snapshot */
     static _Atomic int written;
-    if (atomic_fetch_add(&written, 1) >= OOM_REPORTS_MAX) return;
+    /* The index is the value this failure claimed: two threads failing at once get two files
+     * (reading the counter again later could give both the same name). */
+    int index = atomic_fetch_add(&written, 1);
+    if (index >= OOM_REPORTS_MAX) return;
     msh_in_hook++;
     pthread_mutex_lock(&epoch_lock);
     struct msh_report r;
     fill_report(&r, "oom", "oom");
-    r.epoch = (uint64_t)atomic_load(&written) - 1;
+    r.oom_index = (uint64_t)index;
     pthread_mutex_unlock(&epoch_lock);
     for (int i = 0; i < r.ndev; i++)
         if (r.dev[i].device == device) {

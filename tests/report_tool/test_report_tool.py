@@ -140,7 +140,8 @@ def check_detail_rows(name, lines, raw):
     rows = parse_table(lines, "host")
     if not case(f"{name}: the epoch table is printed", rows, "\n".join(lines[:30])):
         return
-    by = {(r["host"], str(r["pid"]), str(r["device"]), r["kind"], str(r["epoch"])): r for r in raw.values()}
+    shown = lambda r: f"oom#{r['oom_index']}" if "oom_index" in r else r["kind"]  # noqa: E731
+    by = {(r["host"], str(r["pid"]), str(r["device"]), shown(r), str(r["epoch"])): r for r in raw.values()}
     bad, seen = [], set()
     for row in rows:
         k = (row["host"], row["pid"], row["dev"], row["kind"], row["epoch"])
@@ -791,14 +792,30 @@ def check_oom_and_pages(tmp, steady):
     if not case("the demo under MEMSHIM_LIMIT=1200M writes OOM reports", ok and ooms, err[-300:]):
         return
     summ = next(r for r in raw.values() if r["kind"] == "summary")
+    # each OOM report names its failure in oom_index, the NNNN of its file name, in the order
+    # the failures happened; its epoch is the epoch under way (not the OOM number)
+    named = sorted((int(re.search(r"oom(\d+)\.json$", f).group(1)), r) for f, r in raw.items() if r["kind"] == "oom")
+    nepochs = sum(1 for r in raw.values() if r["kind"] == "epoch")
+    case("OOM run: oom_index is the file's number, 0..n-1 in time order; epoch is the epoch under way",
+         [i for i, _ in named] == list(range(len(named)))
+         and all(r.get("oom_index") == i for i, r in named)
+         and [r["t_end_s"] for _, r in named] == sorted(r["t_end_s"] for _, r in named)
+         and all(r["epoch"] <= nepochs for _, r in named),
+         [(i, r.get("oom_index"), r["epoch"]) for i, r in named])
     t = tool(d)
     lines = t.stdout.splitlines()
     check_detail_rows("OOM run", lines, raw)
     rows = parse_table(lines, "host")
-    by = {(r["kind"], str(r["epoch"])): r["t_end_s"] for r in raw.values()}
-    times = [by[(row["kind"], row["epoch"])] for row in rows]
-    case("OOM run: rows in the order the reports were made (an OOM report's epoch field counts OOMs)",
-         times[:-1] == sorted(times[:-1]) and rows[-1]["kind"] == "summary", times)
+    times = sorted(r["t_end_s"] for r in raw.values() if r["kind"] != "summary")
+    by = {}
+    for r in raw.values():
+        by.setdefault((r["kind"], str(r["epoch"])), []).append(r["t_end_s"])
+    order = [(row["kind"].split("#")[0], row["epoch"]) for row in rows[:-1]]
+    want = sorted(((r["kind"], str(r["epoch"])) for r in raw.values() if r["kind"] != "summary"),
+                  key=lambda k: min(by[k]))
+    case("OOM run: rows in the order the reports were made (OOM rows among the epoch rows by time)",
+         order == sorted(order, key=lambda k: min(by[k])) and sorted(order) == sorted(want)
+         and rows[-1]["kind"] == "summary", (order, times))
     rep = json.loads(tool(d, "--json").stdout)
     adv = [a for a in rep["runs"][0]["advice"] if a["kind"] == "oom"]
     lo, n = summ["last_oom"], summ["oom"]["oom_events"]
