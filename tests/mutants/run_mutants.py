@@ -122,11 +122,15 @@ def limit_data():
     resource.setrlimit(resource.RLIMIT_DATA, (DATA_LIMIT, DATA_LIMIT))
 
 
+CHILD = {}  # the process group running now, killed if the run itself is stopped
+
+
 def sh(cmd, cwd, timeout, env=None):
     """Run cmd in its own process group, its memory capped; kill the whole group past the timeout."""
     t0 = time.monotonic()
     p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, errors="replace", start_new_session=True, preexec_fn=limit_data)
+    CHILD["p"] = p
     try:
         out, _ = p.communicate(timeout=timeout)
         return p.returncode, out, time.monotonic() - t0, False
@@ -134,6 +138,12 @@ def sh(cmd, cwd, timeout, env=None):
         os.killpg(p.pid, signal.SIGKILL)
         out, _ = p.communicate()
         return -9, out, time.monotonic() - t0, True
+    finally:
+        CHILD.pop("p", None)
+
+
+def stop(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def copy_tree(dst):
@@ -209,8 +219,25 @@ def main():
             print(f"{s['status']:9} {s['id']:45} {s['file']}" + (f"  ({s['why']})" if s["status"] != "ok" else ""))
         return 0 if all(s["status"] == "ok" for s in specs) else 1
 
+    signal.signal(signal.SIGTERM, stop)
     t_start = time.monotonic()
     tmp = tempfile.mkdtemp(prefix="memshim-mutants-")
+    try:
+        return run_all(a, specs, tmp, t_start)
+    except KeyboardInterrupt as e:
+        p = CHILD.get("p")
+        if p is not None and p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        print(f"mutants: stopped ({e})", file=sys.stderr)
+        return 130
+    finally:
+        if a.keep:
+            print(f"mutants: scratch copy kept in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_all(a, specs, tmp, t_start):
     repo = os.path.join(tmp, "memshim")
     print(f"mutants: scratch copy in {repo}", flush=True)
     copy_tree(repo)
@@ -298,10 +325,6 @@ def main():
     os.makedirs(os.path.dirname(a.report), exist_ok=True)
     with open(a.report, "w") as f:
         f.write(report + "\n")
-    if not a.keep:
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        print(f"mutants: scratch copy kept in {repo}")
     ok = rate >= KILL_RATE_MIN and not broken and all(s.get("accepted") for s in surv)
     return 0 if ok else 1
 

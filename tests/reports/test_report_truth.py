@@ -326,11 +326,13 @@ def epoch_reports(c):
 
 
 def check_epoch_index(c, v, idx):
-    if c.r["kind"] == "epoch":
-        return eq(v, len([p for p in c.prev if p["kind"] == "epoch"]), "epoch reports before it")
-    if c.r["kind"] == "oom":
-        return eq(v, len([p for p in c.prev if p["kind"] == "oom"]), "OOM reports before it")
-    return eq(v, len([p for p in c.prev if p["kind"] == "epoch"]), "epochs closed before the summary")
+    """The epoch under way: as many as the epoch reports before it (epoch, OOM and summary)."""
+    return eq(v, len([p for p in c.prev if p["kind"] == "epoch"]), "epoch reports before it")
+
+
+def check_oom_index(c, v, idx):
+    return eq(v, len([p for p in c.prev if p["kind"] == "oom"]), "OOM reports before it (the file's NNNN)") or \
+        need(c.name.endswith(f"-oom{v:04d}.json"), f"the file is {c.name}")
 
 
 def check_t_start(c, v, idx):
@@ -434,7 +436,7 @@ def check_ec_bytes(c, v, idx):
 
 def check_failures(c, v, idx):
     if c.r["kind"] == "oom":
-        return eq(v, c.r["epoch"] + 1, "the OOM reports so far, this one included")
+        return eq(v, c.r["oom_index"] + 1, "the OOM reports so far, this one included")
     n = len([p for p in c.prev if p["kind"] == "oom"])
     if n < OOM_REPORTS_MAX:
         return eq(v, n, "OOM reports written before it (each failure writes one)")
@@ -631,6 +633,7 @@ FIELDS = {
     "rank": (T, lambda c, v, i: eq(v, c.run["rank"], "the RANK variable of the run (-1: none)")),
     "device": (T, lambda c, v, i: eq(v, 0, "the demo uses device 0")),
     "epoch": (T, check_epoch_index),
+    "oom_index": (T, check_oom_index),
     "t_start_s": (R, check_t_start),
     "t_end_s": (R, check_t_end),
     "steps": (T, check_steps),
@@ -843,13 +846,13 @@ def check_run(run, seen, differ):
             differ["epochs"] += 1
             differ["reserved"] += m["reserved_peak_bytes"] != m["reserved_bytes"]
             differ["allocated"] += m["allocated_peak_bytes"] != m["allocated_bytes"]
-        label = f"{cfg}: {rep['kind']} {rep['epoch']} ({name.split('-dev0-')[-1]})"
+        label = f"{cfg}: {rep['kind']} {rep.get('oom_index', rep['epoch'])} ({name.split('-dev0-')[-1]})"
         if s is None:
             case(label, False, "libreport-spy.so recorded nothing when this report was renamed into place")
             prev.append(rep)
             continue
         c = Ctx()
-        c.r, c.g, c.s, c.run, c.prev = rep, g, s, run, list(prev)
+        c.r, c.g, c.s, c.run, c.prev, c.name = rep, g, s, run, list(prev), name
         bad, n = [], 0
         for path, idx, v in numeric_leaves(rep):
             n += 1
