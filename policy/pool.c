@@ -897,6 +897,7 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
     uint64_t rsize = round_up(size ? size : 1, BLOCK_ALIGN);
     uint64_t t0 = pool->timing ? now_ns() : 0;
     pthread_mutex_lock(&pool->lock);
+    size_t handles0 = pool->handles; /* issue 8: a failed request gives back what it created */
     bool reclaimed = false;
     int rc = try_alloc(pool, rsize, size, stream, addr, &reclaimed);
     if (rc == ENOMEM && pool->gc_fn) {
@@ -908,10 +909,11 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
         rc = try_alloc(pool, rsize, size, stream, addr, &reclaimed);
         if (rc == 0) pool->st.rescue_gc++;
     }
-    if (rc == ENOMEM && pool->cached && pool->driver_oom && !pool->prm.no_release_on_oom) {
+    if (rc == ENOMEM && pool->cached && (pool->driver_oom || !pool->prm.defrag) && !pool->prm.no_release_on_oom) {
         pool->driver_oom = false;
-        /* Cached pages were already candidates for reclaim; giving them back only helps when
-         * the driver itself ran out (other allocators in the process hold the rest). */
+        /* Cached pages were already candidates for reclaim; giving them back helps when the
+         * driver itself ran out (other allocators in the process hold the rest), and when reclaim
+         * is off (MEMSHIM_DEFRAG=0: under a limit new pages can be created only after these go). */
         release_cached(pool, 0);
         rc = try_alloc(pool, rsize, size, stream, addr, &reclaimed);
         if (rc == 0) pool->st.rescue_empty_cache++;
@@ -922,6 +924,11 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
         pthread_mutex_unlock(&pool->lock);
         return 0;
     }
+    /* Pages this request created and could not use are given back: the memory a failed request
+     * leaves held is what it found (cudaMemGetInfo's answer counts on that, issue 8). */
+    if (pool->handles > handles0)
+        release_cached(pool, (pool->cached > pool->handles - handles0 ? pool->cached - (pool->handles - handles0) : 0) *
+                                 pool->gran);
     pool->st.alloc_fail++;
     pool->st.oom_events++;
     fill_oom(pool, size);
@@ -1145,6 +1152,133 @@ void msh_pool_for_each_live(struct msh_pool *pool,
     for (size_t i = 0; i < pool->hcap; i++)
         for (struct blk *b = pool->htab[i]; b; b = b->hnext) fn(arg, b->addr, b->req, b->streams[0]);
     pthread_mutex_unlock(&pool->lock);
+}
+
+/* ---- issue 8: streams that go away, blocks by interior address, pages released with a block -- */
+
+/* Drop `stream` from the first *n entries of list; true when it was there. */
+static bool streams_drop(uint64_t *list, uint8_t *n, uint64_t stream)
+{
+    int k = 0;
+    bool found = false;
+    for (int i = 0; i < *n; i++) {
+        if (list[i] == stream) found = true;
+        else list[k++] = list[i];
+    }
+    *n = (uint8_t)k;
+    return found;
+}
+
+/* A destroyed stream's handle is undefined from then on (the driver may give the value to a new
+ * stream), so no tag may name it afterwards. Tagged blocks, live or free, trade the tag for
+ * sync_needed: whoever reuses them elsewhere first waits for the whole device, which covers the
+ * stream's last work whether or not it has finished. No device call here. */
+int msh_pool_forget_stream(struct msh_pool *pool, uint64_t stream)
+{
+    if (stream == MSH_STREAM_COMPLETED) return 0;
+    pthread_mutex_lock(&pool->lock);
+    for (size_t i = 0; i < pool->hcap; i++)
+        for (struct blk *b = pool->htab[i]; b; b = b->hnext)
+            if (streams_drop(b->streams, &b->nstreams, stream)) b->sync_needed = 1;
+    for (int a = 0; a < NAREAS; a++)
+        for (struct region *r = pool->areas[a]; r; r = r->next)
+            for (struct blk *b = r->first; b; b = b->next)
+                if (b->free && !blk_clean(pool, b) && streams_drop(b->streams, &b->nstreams, stream))
+                    b->sync_needed = 1;
+    pthread_mutex_unlock(&pool->lock);
+    return 0;
+}
+
+static struct region *region_of(struct msh_pool *pool, uint64_t addr)
+{
+    for (int a = 0; a < NAREAS; a++)
+        for (struct region *r = pool->areas[a]; r; r = r->next)
+            if (addr >= r->base && addr - r->base < r->size) return r;
+    return NULL;
+}
+
+/* The live block whose requested bytes contain addr. An exact start is one hash probe; an
+ * interior address walks its region's blocks in address order (callers are rare: buffer
+ * registration by NCCL or an MPI library, not every allocation). */
+int msh_pool_block_containing(struct msh_pool *pool, uint64_t addr, uint64_t *base, size_t *size)
+{
+    pthread_mutex_lock(&pool->lock);
+    struct blk *b = hash_find(pool, addr);
+    if (!b) {
+        struct region *r = region_of(pool, addr);
+        for (struct blk *x = r ? r->first : NULL; x && x->addr <= addr; x = x->next)
+            if (!x->free && addr - x->addr < (x->req ? x->req : 1)) b = x;
+    }
+    if (b) {
+        *base = b->addr;
+        *size = b->req ? b->req : 1;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return b ? 0 : EINVAL;
+}
+
+bool msh_pool_covers(struct msh_pool *pool, uint64_t addr)
+{
+    pthread_mutex_lock(&pool->lock);
+    bool in = region_of(pool, addr) != NULL;
+    pthread_mutex_unlock(&pool->lock);
+    return in;
+}
+
+void msh_pool_counters(struct msh_pool *pool, struct msh_pool_counters *out)
+{
+    pthread_mutex_lock(&pool->lock);
+    out->gran = pool->gran;
+    out->limit = pool->limit;
+    out->handles = pool->handles;
+    out->cached_pages = pool->cached;
+    out->touched_pages = pool->touched;
+    out->live_bytes = pool->st.live_bytes;
+    out->defrag = pool->prm.defrag;
+    out->release_on_oom = !pool->prm.no_release_on_oom;
+    pthread_mutex_unlock(&pool->lock);
+}
+
+/* Give back to the driver the cached pages of [p0, p1] in r (pages no live block touches). */
+static size_t release_range_locked(struct msh_pool *pool, struct region *r, uint32_t p0, uint32_t p1)
+{
+    size_t released = 0;
+    for (uint32_t p = p0; p <= p1 && p < r->hi_page; p++) {
+        struct page *pg = &r->pages[p];
+        if (!pg->handle || pg->live) continue;
+        if (settle_before_unmap(pool)) break;
+        if (dev_unmap(pool, r->base + (uint64_t)p * pool->gran, pool->gran)) break;
+        pool->st.unmap_ops++;
+        cache_remove(pool, r, p);
+        handle_release(pool, pg->handle);
+        pg->handle = 0;
+        pool->st.released_pages++;
+        released += pool->gran;
+    }
+    return released;
+}
+
+/* Free a block, then return to the driver the pages it touched that no live block touches any
+ * more (DESIGN.md 3: a cudaFree in segment mode is PyTorch giving memory back). */
+int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream, size_t *released)
+{
+    if (released) *released = 0;
+    pthread_mutex_lock(&pool->lock);
+    struct blk *b = hash_find(pool, addr);
+    struct region *r = b ? b->reg : NULL;
+    uint32_t p0 = 0, p1 = 0;
+    if (b) page_range(pool, b, &p0, &p1);
+    pthread_mutex_unlock(&pool->lock);
+    if (!b) return EINVAL;
+    int rc = msh_pool_free(pool, addr, stream);
+    if (rc) return rc;
+    /* another thread may have placed a block on these pages meanwhile: those stay (live) */
+    pthread_mutex_lock(&pool->lock);
+    if (pool->norphans) orphans_retry(pool);
+    size_t n = release_range_locked(pool, r, p0, p1);
+    pthread_mutex_unlock(&pool->lock);
+    if (released) *released = n;
+    return 0;
 }
 
 /* ---- invariant checker (msh_pool_check, pool.h) ------------------------------------------------ */
