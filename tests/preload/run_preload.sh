@@ -135,6 +135,8 @@ run_prog gc_reentry gc_reentry
 ENV_EXTRA=(CUDBL_DEVICES=2)
 run_prog multidev_free multidev_free
 run_prog free_ordering free_ordering
+ENV_EXTRA=()
+run_prog driver_oom driver_oom
 
 # ---- issue 8: peers, streams that go away, address ranges, legacy IPC, cudaFree ---------------
 ENV_EXTRA=(CUDBL_DEVICES=2)
