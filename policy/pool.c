@@ -824,6 +824,16 @@ static struct region *oldest_cached(struct msh_pool *pool, uint32_t *h)
     return NULL;
 }
 
+static bool handle_planned(const struct region *r, uint32_t h)
+{
+    for (uint32_t q = h; q < h + r->pages[h].npages; q++)
+        if (!(r->pages[q].plan & PLAN_PAGE)) return false;
+    return true;
+}
+
+struct step;
+static bool step_want(const struct step *s, uint64_t addr);
+
 /* Claim the pages block b touches: existing mappings are shared (a cached handle stops being
  * cached), missing pages become runs to map, one handle per run: a page b only partly covers
  * (which a neighbour may share) gets a handle of its own, the pages b covers whole one handle
@@ -853,6 +863,10 @@ static int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size
     bool relaxed = !pool->limit && !pool->driver_oom && pool->chunk_pages > 1 &&
                    (pool->held + (p1 - p0 + 1) + pool->chunk_pages) * pool->gran < pool->device_total / 4 * 3;
     uint32_t hi0 = r->hi_page;
+    /* A block the learned step places may use part of a handle whose pages all belong to the
+     * step: the step fits in what the pool may hold, so those pages need never be reclaimed,
+     * and re-partitioning them would only cost driver calls. */
+    bool planned = pool->step && step_want(pool->step, b->addr);
     for (uint32_t p = p0; p <= p1 && !relaxed;) {
         uint32_t h = pg_head(&r->pages[p]);
         if (h == NO_PAGE) {
@@ -861,7 +875,8 @@ static int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size
         }
         struct page *hp = &r->pages[h];
         uint32_t next = h + hp->npages;
-        if (hp->npages > 1 && !((int64_t)h >= q0 && (int64_t)next - 1 <= q1) && !hp->nlive) {
+        if (hp->npages > 1 && !((int64_t)h >= q0 && (int64_t)next - 1 <= q1) && !hp->nlive &&
+            !(planned && handle_planned(r, h))) {
             if (!take_victim(pool, j, r, h, V_SPLIT)) goto fail;
             held_sub(pool, hp->npages);
         }
@@ -2084,6 +2099,11 @@ static void step_destroy(struct msh_pool *pool)
     pool->step = NULL;
 }
 
+static bool step_want(const struct step *s, uint64_t addr)
+{
+    return s->want && s->want_addr == addr;
+}
+
 static void step_drop(struct msh_pool *pool)
 {
     struct step *s = pool->step;
@@ -2133,6 +2153,7 @@ static struct blk *plan_place(struct msh_pool *pool, int area, uint64_t rsize)
 
 struct pitem {
     uint64_t addr, size;  /* planned (movable) or fixed address */
+    uint64_t prev;        /* where the last step had it; 0: nowhere mapped now */
     uint32_t t0, t1;      /* alive over events [t0, t1) of the step */
     int32_t reg;          /* index into the region table */
     uint8_t fixed;
@@ -2154,6 +2175,7 @@ struct pinput {
     size_t nalloc;        /* allocations in the step (plan entries) */
     uint64_t gran;
     uint64_t budget;      /* pages the plan may use */
+    bool prefer_prev;     /* a block goes back where it was when that is still free */
 };
 
 static int cmp_u64pair(const void *a, const void *b)
@@ -2228,6 +2250,16 @@ static uint64_t pack_region(struct pinput *in, int g, const uint32_t *order, siz
         }
         qsort(tmp, nc, sizeof *tmp, cmp_u64pair);
         uint64_t cand = base;
+        if (in->prefer_prev && x->prev) { /* where it was, if nothing placed since is in the way */
+            bool clash = false;
+            for (size_t q = 0; q < nc && !clash && tmp[q][0] < x->prev + x->size; q++)
+                clash = tmp[q][1] > x->prev;
+            if (!clash) {
+                x->addr = x->prev;
+                placed[np++] = order[k];
+                continue;
+            }
+        }
         for (size_t q = 0; q < nc; q++) {
             if (tmp[q][1] <= cand) continue;
             if (tmp[q][0] >= cand + x->size) break;
@@ -2365,6 +2397,9 @@ static bool plan_input(struct msh_pool *pool, uint64_t t0, uint64_t t1, bool kee
             prefree[npre++] = e->addr;
         }
     }
+    for (size_t i = 0; ok && i < in->n; i++)
+        if (!in->it[i].fixed && range_mapped(pool, in, in->it[i].reg, in->it[i].addr, in->it[i].size))
+            in->it[i].prev = in->it[i].addr;
     /* allocations still alive at the end keep their place (they are the next step's start) */
     for (size_t i = 0; ok && i < in->n; i++)
         if (!in->it[i].fixed && (in->it[i].t1 == len ||
@@ -2470,23 +2505,41 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
     uint64_t t0 = an->serial, t1 = s->n, h0 = s->hstate;
     *an = (struct anchor){.h = s->hstate, .serial = s->n, .reclaims = pool->pressure_reclaims, .size = rsize};
     if (!candidate) return;
-    struct pinput in, fresh;
+    struct pinput in, fresh, near;
     memset(&in, 0, sizeof in);
     memset(&fresh, 0, sizeof fresh);
+    memset(&near, 0, sizeof near);
     /* Every allocation of a repeated step starts a window of the same length: try once per
      * step length, not at each of them. */
     s->quiet_until = t1 + (t1 - t0);
-    if (!plan_input(pool, t0, t1, true, &in) || in.nalloc < STEP_MIN_ALLOCS || !plan_input(pool, t0, t1, false, &fresh)) {
+    if (!plan_input(pool, t0, t1, true, &in) || in.nalloc < STEP_MIN_ALLOCS || !plan_input(pool, t0, t1, false, &fresh) ||
+        !plan_input(pool, t0, t1, false, &near)) {
         raw_free(in.it, in.cap * sizeof *in.it);
         raw_free(fresh.it, fresh.cap * sizeof *fresh.it);
+        raw_free(near.it, near.cap * sizeof *near.it);
         return;
     }
-    in.budget = fresh.budget = pool->limit ? pool->limit_pages : pool->held;
+    in.budget = fresh.budget = near.budget = pool->limit ? pool->limit_pages : pool->held;
+    near.prefer_prev = true;
     pthread_mutex_unlock(&pool->lock);
     /* the smallest change first; a packing of the whole step when that does not fit */
     uint64_t pages = pack_all(&in);
+    msh_debug("pool: step of %zu allocations: keeping what is mapped needs %llu pages of %llu", in.nalloc,
+              (unsigned long long)pages, (unsigned long long)in.budget);
+    if (pages > in.budget) {
+        uint64_t np = pack_all(&near);
+        msh_debug("pool: step of %zu allocations: packed near the last step it needs %llu pages", near.nalloc,
+                  (unsigned long long)np);
+        if (np <= near.budget) {
+            struct pinput t = in;
+            in = near;
+            near = t;
+            pages = np;
+        }
+    }
     if (pages > in.budget) {
         uint64_t fp = pack_all(&fresh);
+        msh_debug("pool: step of %zu allocations: packed anew it needs %llu pages", fresh.nalloc, (unsigned long long)fp);
         if (fp <= fresh.budget) {
             struct pinput t = in;
             in = fresh;
@@ -2495,6 +2548,7 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
         }
     }
     raw_free(fresh.it, fresh.cap * sizeof *fresh.it);
+    raw_free(near.it, near.cap * sizeof *near.it);
     msh_debug("pool: learned step of %zu allocations (events %llu..%llu): %llu pages, budget %llu",
               in.nalloc, (unsigned long long)t0, (unsigned long long)t1, (unsigned long long)pages,
               (unsigned long long)in.budget);
@@ -2701,11 +2755,13 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
                 }
                 if (nl != hp->nlive) CHECK_FAIL("region %#llx handle at %u: %u pages touched, count says %u",
                                                 (unsigned long long)r->base, p, nl, hp->nlive);
-                /* a handle of several pages is in use by one block covering all of it, or cached */
-                if (quiet && pool->limit && hp->npages > 1 && nl && nl != hp->npages)
+                /* a handle of several pages is in use by one block covering all of it, or cached
+                 * (or all its pages belong to the learned step) */
+                bool all_planned = handle_planned(r, p);
+                if (quiet && pool->limit && hp->npages > 1 && nl && nl != hp->npages && !all_planned)
                     CHECK_FAIL("region %#llx handle at %u: %u of its %u pages in use (partly used handles cannot be reclaimed)",
                                (unsigned long long)r->base, p, nl, hp->npages);
-                for (uint32_t q = p; quiet && pool->limit && hp->npages > 1 && q < p + hp->npages; q++)
+                for (uint32_t q = p; quiet && pool->limit && hp->npages > 1 && !all_planned && q < p + hp->npages; q++)
                     if (r->pages[q].live > 1)
                         CHECK_FAIL("region %#llx page %u of a %u-page handle is shared by %d blocks", (unsigned long long)r->base, q,
                                    hp->npages, r->pages[q].live);

@@ -1679,6 +1679,157 @@ TEST(steady_state_second_round_maps_nothing)
     free(f);
 }
 
+/* ---- handles, access, chunks (issue 10: fewer driver calls) -------------------------------------- */
+
+TEST(one_handle_for_the_pages_a_block_covers_whole_and_one_access_grant)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 64 * MiB, true, 0);
+    REQUIRE(pool);
+    uint64_t a;
+    /* 10 MiB + 512 from a page boundary: five whole pages and a sixth touched in part */
+    REQUIRE(msh_pool_alloc(pool, 10 * MiB + 512, 1, &a) == 0);
+    CHECK(a % GRAN == 0);
+    CHECK(f->calls[OP_CREATE] == 2 && f->calls[OP_MAP] == 2 && f->calls[OP_ACCESS] == 1);
+    int c = fake_log_find(f, 'C', 0), acc = fake_log_find(f, 'A', 0);
+    REQUIRE(c >= 0 && acc >= 0);
+    CHECK(f->log[c].a == 5 * GRAN);                 /* the interior: one handle */
+    CHECK(f->log[acc].a == a && f->log[acc].b == 6 * GRAN); /* access once, over both */
+    for (uint64_t p = a / GRAN; p <= (a + 10 * MiB) / GRAN; p++) CHECK(fake_is_mapped(f, p * GRAN));
+    struct msh_pool_stats s = stats(pool);
+    CHECK(s.handles == 2 && s.mapped_bytes == 6 * GRAN && s.create_ops == 2);
+    CHECK(s.drv_calls[MSH_DRV_SET_ACCESS] == 1 && s.drv_bytes[MSH_DRV_CREATE] == 6 * GRAN);
+    CHECK(msh_pool_free(pool, a, 1) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST(a_cached_handle_used_in_part_is_repartitioned_so_nothing_is_stranded)
+{
+    /* A's five pages share a handle. When B takes only the first page and a half of it, a handle
+     * left whole would keep the other three pages unreclaimable while B lives (stranded), and D
+     * below would not fit in the 7-page limit. The pool re-partitions the cached handle instead:
+     * B's pages and the rest become handles of their own, the rest stays cached and reclaimable. */
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 14 * MiB, true, 0);
+    REQUIRE(pool);
+    uint64_t a, g, b, d;
+    REQUIRE(msh_pool_alloc(pool, 10 * MiB, 1, &a) == 0); /* pages 0-4, one handle */
+    REQUIRE(msh_pool_alloc(pool, 2 * MiB, 1, &g) == 0);  /* page 5: bounds A's extent */
+    CHECK(stats(pool).handles == 2);
+    CHECK(msh_pool_free(pool, a, 1) == 0);
+    fake_log_clear(f);
+    REQUIRE(msh_pool_alloc(pool, 2 * MiB + 4096, 1, &b) == 0);
+    CHECK(b == a);
+    struct msh_pool_stats s = stats(pool);
+    CHECK(fake_log_count(f, 'U') == 1 && fake_log_count(f, 'R') == 1); /* the 5-page handle */
+    CHECK(s.mapped_bytes == 6 * GRAN && s.handles == 4);               /* [0] [1] [2-4] + g */
+    CHECK(s.touched_bytes == 3 * GRAN);
+    REQUIRE(msh_pool_alloc(pool, 8 * MiB, 1, &d) == 0); /* 4 pages after g: reclaims [2-4] */
+    s = stats(pool);
+    CHECK(s.reclaimed_pages == 3 && s.mapped_bytes == 7 * GRAN);
+    for (uint64_t p = d / GRAN; p < (d + 8 * MiB) / GRAN; p++) CHECK(fake_is_mapped(f, p * GRAN));
+    CHECK(msh_pool_free(pool, b, 1) == 0);
+    CHECK(msh_pool_free(pool, d, 1) == 0);
+    CHECK(msh_pool_free(pool, g, 1) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST(far_from_any_limit_the_open_end_is_mapped_in_chunks)
+{
+    /* no limit: a 3 MiB block at the open end of the line maps a 20 MiB chunk; the next blocks
+     * placed there need no driver call; the chunk's unused tail is all that is held beyond them */
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool_params p;
+    msh_pool_params_default(&p);
+    p.va_bytes = 8 * GiB;
+    struct msh_pool *pool = NULL;
+    REQUIRE(msh_pool_create(&f->dev, &p, &pool) == 0);
+    uint64_t a[5];
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 1, &a[0]) == 0);
+    CHECK(f->calls[OP_CREATE] == 1 && f->bytes[OP_CREATE] == 20 * MiB && f->calls[OP_ACCESS] == 1);
+    long calls = f->nlog;
+    for (int i = 1; i < 5; i++) REQUIRE(msh_pool_alloc(pool, 4 * MiB, 1, &a[i]) == 0);
+    CHECK(f->nlog == calls); /* 3 + 16 MiB: inside the chunk */
+    for (int i = 0; i < 5; i++) CHECK(msh_pool_free(pool, a[i], 1) == 0);
+    struct msh_pool_stats s = stats(pool);
+    CHECK(s.peak_mapped_bytes == 20 * MiB && s.handles == 1);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
+/* ---- the learned step (issue 10: steady state at tight capacity) ---------------------------------- */
+
+/* One step whose best-fit placement needs six pages over time although at most four are touched
+ * at once (so a 4-page pool remaps every step), padded with small requests to the length a step
+ * must have to be learned. Returns the allocations that failed. */
+static int churn_step(struct msh_pool *pool, size_t big)
+{
+    int fails = 0;
+    uint64_t a, b, c, sm[20];
+    fails += msh_pool_alloc(pool, 4 * MiB, 1, &a) != 0;
+    fails += msh_pool_alloc(pool, 2 * MiB, 1, &b) != 0;
+    for (int i = 0; i < 20; i++) fails += msh_pool_alloc(pool, 64 * 1024, 1, &sm[i]) != 0;
+    for (int i = 0; i < 20; i++) msh_pool_free(pool, sm[i], 1);
+    msh_pool_free(pool, a, 1);
+    fails += msh_pool_alloc(pool, big, 1, &c) != 0; /* does not fit where a was */
+    msh_pool_free(pool, b, 1);
+    msh_pool_free(pool, c, 1);
+    return fails;
+}
+
+TEST(a_repeated_step_that_remaps_is_learned_and_then_maps_nothing)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 10 * MiB, true, 0); /* 4 large pages + 1 small */
+    REQUIRE(pool);
+    long maps[8], unmaps[8];
+    int fails = 0;
+    for (int step = 0; step < 8; step++) {
+        long m0 = f->calls[OP_MAP], u0 = f->calls[OP_UNMAP];
+        fails += churn_step(pool, 6 * MiB);
+        maps[step] = f->calls[OP_MAP] - m0;
+        unmaps[step] = f->calls[OP_UNMAP] - u0;
+    }
+    CHECK(fails == 0);
+    struct msh_pool_stats s = stats(pool);
+    printf("    map/unmap per step:");
+    for (int i = 0; i < 8; i++) printf(" %ld/%ld", maps[i], unmaps[i]);
+    printf("; plans %llu, placed %llu, dropped %llu\n", (unsigned long long)s.plans_built,
+           (unsigned long long)s.plan_placed, (unsigned long long)s.plan_dropped);
+    CHECK(unmaps[0] > 0);             /* online, the step remaps */
+    CHECK(s.plans_built == 1 && s.plan_dropped == 0);
+    for (int i = 2; i < 8; i++) CHECKF(maps[i] == 0 && unmaps[i] == 0, "step %d: %ld maps, %ld unmaps", i, maps[i], unmaps[i]);
+    /* the step changes: the plan is dropped, placement is best fit again, nothing fails */
+    fails = churn_step(pool, 5 * MiB);
+    s = stats(pool);
+    CHECK(fails == 0 && s.plan_dropped == 1);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+
+    /* without learning (no_learn), the same steps remap every time: what the plan removes */
+    f = fake_new(0, 0);
+    struct msh_pool_params p;
+    msh_pool_params_default(&p);
+    p.va_bytes = 8 * GiB;
+    p.ahead_bytes = GRAN;
+    p.limit_bytes = 10 * MiB;
+    p.no_learn = true;
+    REQUIRE(msh_pool_create(&f->dev, &p, &pool) == 0);
+    for (int step = 0; step < 8; step++) {
+        long u0 = f->calls[OP_UNMAP];
+        CHECK(churn_step(pool, 6 * MiB) == 0);
+        CHECKF(f->calls[OP_UNMAP] > u0, "step %d without learning did not remap", step);
+    }
+    msh_pool_destroy(pool);
+    free(f);
+}
+
 /* Found by review: with a small granularity a huge request overflowed the 32-bit page count and
  * "succeeded" with almost nothing mapped. It must be refused instead. */
 TEST(huge_request_with_small_pages_is_refused_not_truncated)
