@@ -38,8 +38,24 @@ PRELOAD_SRC := $(sort $(wildcard tests/preload/*.c))
 PRELOAD_BIN := $(PRELOAD_SRC:tests/preload/%.c=$(BUILD)/tests/preload/%)
 TOOLS := $(BUILD)/memshim-replay $(BUILD)/memshim-options $(BUILD)/memshim-train-demo
 
-.PHONY: all lib double tests check check-asan check-tsan bench demo install clean
-all: $(BUILD)/libmemshim.so $(TOOLS) double
+# ---- PyTorch: the C++ glue (libmemshim_torch.so) and the test extension, only when python3 can
+# import torch (scripts/torch_flags.py writes the flags once; a new PyTorch rewrites them). Not
+# in sanitizer builds: PyTorch's libraries are not instrumented.
+CXX ?= g++
+TORCH_MK := $(BUILD)/torch-flags.mk
+ifeq ($(SAN),)
+ifeq ($(filter clean,$(MAKECMDGOALS)),)
+-include $(TORCH_MK)
+endif
+endif
+$(TORCH_MK): scripts/torch_flags.py
+	@mkdir -p $(dir $@)
+	python3 scripts/torch_flags.py $@ > $@.tmp 2>/dev/null && mv $@.tmp $@
+GLUE := $(if $(filter 1,$(TORCH_OK)),$(BUILD)/libmemshim_torch.so,)
+TORCH_TESTS := $(if $(filter 1,$(TORCH_OK)),$(BUILD)/tests/torch/memshim_oom_probe$(TORCH_PYEXT),)
+
+.PHONY: all lib double tests check check-asan check-tsan bench demo install install-python clean
+all: $(BUILD)/libmemshim.so $(TOOLS) double $(GLUE)
 
 lib: $(BUILD)/libmemshim.so
 
@@ -49,6 +65,10 @@ $(BUILD)/obj/%.o: %.c
 
 $(BUILD)/libmemshim.so: $(LIB_OBJ) shim/exports.map
 	$(CC) -shared -o $@ $(LIB_OBJ) $(LDFLAGS) -Wl,--version-script=shim/exports.map $(if $(SAN),,-Wl,-z,defs) -Wl,-z,nodelete $(LIBS)
+
+$(BUILD)/libmemshim_torch.so: shim/torch_glue.cpp $(TORCH_MK)
+	$(CXX) -std=c++17 $(OPT) -g -fPIC -shared -fvisibility=hidden -Wall -Wextra $(TORCH_CXXFLAGS) -I$(CUDA_INC) \
+	    -DMSH_TORCH_VERSION='"$(TORCH_VERSION)"' -o $@ $< -L$(TORCH_LIBDIR) -Wl,-rpath,$(TORCH_LIBDIR) -lc10 -ldl
 
 $(BUILD)/libmemshim_core.a: $(CORE_OBJ)
 	@rm -f $@; ar rcs $@ $^
@@ -81,7 +101,14 @@ $(DOUBLE_DIR)/libcudart.so.13: tests/cudadouble/cudart_double.c
 	ln -sf libcudart.so.13 $(DOUBLE_DIR)/libcudart.so
 
 # ---- tests -------------------------------------------------------------------------------------
-tests: all $(UNIT_BIN) $(PRELOAD_BIN)
+tests: all $(UNIT_BIN) $(PRELOAD_BIN) $(TORCH_TESTS)
+
+# A Python extension whose one function calls the glue inside PyTorch's HANDLE_TH_ERRORS, so the
+# OOM test goes through PyTorch's own C++ -> Python error translation.
+$(BUILD)/tests/torch/memshim_oom_probe$(TORCH_PYEXT): tests/torch/oom_probe.cpp $(TORCH_MK)
+	@mkdir -p $(dir $@)
+	$(CXX) -std=c++20 -O1 -fPIC -shared $(TORCH_CXXFLAGS) -I$(TORCH_PYINC) -I$(CUDA_INC) -o $@ $< \
+	    -L$(TORCH_LIBDIR) -Wl,-rpath,$(TORCH_LIBDIR) -ltorch_python -lc10 -ldl
 
 $(BUILD)/tests/%: tests/unit/%.c $(BUILD)/libmemshim_trace.a $(BUILD)/libmemshim_core.a double tests/harness.h
 	@mkdir -p $(dir $@)
@@ -112,12 +139,25 @@ demo: all
 
 install: all
 	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/memshim/docs \
-	    $(DESTDIR)$(PREFIX)/share/memshim/scripts $(DESTDIR)$(PREFIX)/include
+	    $(DESTDIR)$(PREFIX)/include
 	install -m 0755 $(BUILD)/libmemshim.so $(DESTDIR)$(PREFIX)/lib/
 	install -m 0755 $(BUILD)/memshim-replay $(BUILD)/memshim-options $(DESTDIR)$(PREFIX)/bin/
 	install -m 0644 shim/memshim.h $(DESTDIR)$(PREFIX)/include/
 	install -m 0644 docs/*.md README.md $(DESTDIR)$(PREFIX)/share/memshim/docs/
-	install -m 0755 scripts/*.py $(DESTDIR)$(PREFIX)/share/memshim/scripts/ 2>/dev/null || true
+	install -m 0755 scripts/memshim-report $(DESTDIR)$(PREFIX)/bin/
+	# the Python start-up hook beside the library, where libmemshim.so looks for it
+	install -d $(DESTDIR)$(PREFIX)/lib/memshim-python
+	cp -R hooks/python/. $(DESTDIR)$(PREFIX)/lib/memshim-python/
+	find $(DESTDIR)$(PREFIX)/lib/memshim-python -name __pycache__ -prune -exec rm -rf {} +
+	$(if $(GLUE),install -m 0755 $(GLUE) $(DESTDIR)$(PREFIX)/lib/,@echo "install: no PyTorch here: libmemshim_torch.so not built (tensor mode needs it)")
+
+# For python -I/-E and embedded interpreters (they ignore PYTHONPATH): a .pth file in python3's
+# site-packages that boots memshim's hook when libmemshim.so is preloaded. After `make install`.
+install-python:
+	@site=$$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	mkdir -p "$(DESTDIR)$$site" && printf '%s\n%s\n' "$(PREFIX)/lib/memshim-python" \
+	    "import os; 'libmemshim' in os.environ.get('LD_PRELOAD', '') and __import__('memshim._boot').\
+_boot.from_pth()" > "$(DESTDIR)$$site/memshim.pth" && echo "install-python: wrote $(DESTDIR)$$site/memshim.pth"
 
 clean:
 	rm -rf build build-asan build-tsan

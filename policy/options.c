@@ -62,16 +62,14 @@ struct opt {
 
 static const struct enum_val mode_vals[] = {
     {"auto", MSH_MODE_AUTO,
-     "Serve the interposed `cudaMalloc`/`cudaFree` from the pool (as `segment`); tensors are "
-     "placed by memshim whenever the program points `CUDAPluggableAllocator` at `memshim_malloc`/"
-     "`memshim_free`. (A Python start-up hook that switches to `tensor` by itself is not part of "
-     "this release.)"},
+     "In a Python process, memshim's start-up hook makes memshim PyTorch's allocator at PyTorch's "
+     "first CUDA use (`tensor`), unless the program chose an allocator or allocator settings "
+     "itself, `PYTORCH_CUDA_ALLOC_CONF` is set, or the C++ glue is missing (then `segment`, "
+     "said once at info level; docs/pytorch.md). Elsewhere as `segment`."},
     {"tensor", MSH_MODE_TENSOR,
-     "Declares that PyTorch uses memshim's pluggable entry points (installed by the program with "
-     "`CUDAPluggableAllocator` before CUDA initializes): memshim places every tensor and reports "
-     "say `tensor`. The interposed calls are served as in `segment`. "
-     "`torch.cuda.memory_stats()` and friends are not available under a pluggable allocator; "
-     "memshim's reports replace them."},
+     "As `auto`, but the switch to memshim's allocator also overrides `PYTORCH_CUDA_ALLOC_CONF`, "
+     "and a switch that cannot happen is a warning. `torch.cuda.memory_stats()` and friends answer "
+     "from memshim's counters. The interposed calls are served as in `segment`."},
     {"segment", MSH_MODE_SEGMENT,
      "PyTorch keeps its caching allocator; memshim serves the segments it asks for from the "
      "pool, accounts them, enforces the limit and runs the policies."},
@@ -103,7 +101,9 @@ static const struct enum_val gc_vals[] = {
 static const struct enum_val epoch_vals[] = {
     {"auto", MSH_EPOCH_AUTO,
      "`steps` when `MEMSHIM_EPOCH_STEPS` is set, else `seconds` when `MEMSHIM_EPOCH_SECONDS` is "
-     "set, else `manual`; `memshim_epoch()` calls always close an epoch."},
+     "set, else, in a Python process, epochs are detected: the HF Trainer's or Lightning's own "
+     "epochs, else one pass over a `DataLoader` with at least one optimizer step "
+     "(docs/pytorch.md); elsewhere `manual`. `memshim_epoch()` calls always close an epoch."},
     {"steps", MSH_EPOCH_STEPS,
      "An epoch closes every `MEMSHIM_EPOCH_STEPS` optimizer steps (`memshim_step()` calls, "
      "which the Python integration makes after each `optimizer.step()`)."},

@@ -778,14 +778,57 @@ static bool job_add_victim(struct job *j, struct region *r, uint32_t head, uint3
     return true;
 }
 
+/* The limit in force: the pool's own, or the one it shares with other pools of the device
+ * (struct msh_pool_share: PyTorch's capture pools beside the main pool, shim/torch.c). */
+static size_t limit_now(const struct msh_pool *pool)
+{
+    if (!pool->prm.share) return pool->limit;
+    return __atomic_load_n(&pool->prm.share->limit_bytes, __ATOMIC_RELAXED) / pool->gran * pool->gran;
+}
+
+/* The most pages of handles this pool may hold now (SIZE_MAX: no limit). Under a shared limit:
+ * what it holds plus what the sharing pools leave free. */
+static size_t cap_pages(const struct msh_pool *pool)
+{
+    size_t lim = limit_now(pool);
+    if (!lim) return SIZE_MAX;
+    if (!pool->prm.share) return pool->limit_pages;
+    size_t used = __atomic_load_n(&pool->prm.share->handle_bytes, __ATOMIC_RELAXED);
+    return pool->held + (lim > used ? (lim - used) / pool->gran : 0);
+}
+
+/* Pages of handles held change; a shared limit sees every change at once. */
 static inline void held_add(struct msh_pool *pool, size_t pages)
 {
     __atomic_fetch_add(&pool->held, pages, __ATOMIC_RELAXED);
+    if (pool->prm.share) __atomic_fetch_add(&pool->prm.share->handle_bytes, pages * pool->gran, __ATOMIC_RELAXED);
 }
 
 static inline void held_sub(struct msh_pool *pool, size_t pages)
 {
     __atomic_fetch_sub(&pool->held, pages, __ATOMIC_RELAXED);
+    if (pool->prm.share) __atomic_fetch_sub(&pool->prm.share->handle_bytes, pages * pool->gran, __ATOMIC_RELAXED);
+}
+
+/* Reserve pages for new handles. Under a shared limit the reservation is claimed before anything
+ * is created, so pools racing on other threads can never go over the limit together; false when
+ * another pool took the room meanwhile (nothing reserved). */
+static bool held_reserve(struct msh_pool *pool, size_t pages)
+{
+    struct msh_pool_share *sh = pool->prm.share;
+    size_t lim = limit_now(pool);
+    if (sh && lim && pages) {
+        size_t bytes = pages * pool->gran;
+        size_t prev = __atomic_fetch_add(&sh->handle_bytes, bytes, __ATOMIC_RELAXED);
+        if (prev + bytes > lim) {
+            __atomic_fetch_sub(&sh->handle_bytes, bytes, __ATOMIC_RELAXED);
+            return false;
+        }
+        __atomic_fetch_add(&pool->held, pages, __ATOMIC_RELAXED);
+        return true;
+    }
+    held_add(pool, pages);
+    return true;
 }
 
 /* Unmapping is not stream-ordered: before a cached page is unmapped, every piece of work that
@@ -860,7 +903,7 @@ static int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size
     /* Under a limit (or near the device's capacity) every page must stay reclaimable: split
      * handles b would cover in part. Far from any limit, handles may span several blocks (a
      * chunk mapped ahead at the open end of the line), which saves driver calls. */
-    bool relaxed = !pool->limit && !pool->driver_oom && pool->chunk_pages > 1 &&
+    bool relaxed = !limit_now(pool) && !pool->driver_oom && pool->chunk_pages > 1 &&
                    (pool->held + (p1 - p0 + 1) + pool->chunk_pages) * pool->gran < pool->device_total / 4 * 3;
     uint32_t hi0 = r->hi_page;
     /* A block the learned step places may use part of a handle whose pages all belong to the
@@ -953,7 +996,7 @@ static int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size
             pool->pressure_reclaims++;
         }
     }
-    held_add(pool, need);
+    if (!held_reserve(pool, need)) goto fail_touched;
     for (uint32_t i = 0; i < j->nruns; i++) {
         struct run *ru = &j->runs[i];
         uint8_t plan = 0;
@@ -1508,7 +1551,7 @@ static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64
     struct job j;
     job_init(&j);
     for (;;) {
-        size_t cap = pool->limit ? pool->limit_pages : SIZE_MAX;
+        size_t cap = cap_pages(pool);
         if (reclaim_only && pool->held < cap) cap = pool->held;
         rc = claim_pages(pool, b, &j, cap);
         if (rc != EAGAIN) break;
@@ -1586,6 +1629,7 @@ int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params
     }
     size_t free_b = 0, total = 0;
     if (dev->ops->mem_info(dev, &free_b, &total) == 0) pool->device_total = total;
+    if (pool->prm.share) pool->prm.limit_bytes = 0; /* the share's limit applies (limit_now) */
     pool->limit = pool->prm.limit_bytes ? round_up(pool->prm.limit_bytes, pool->gran) : 0;
     if (pool->prm.limit_bytes && pool->limit > pool->prm.limit_bytes)
         pool->limit -= pool->gran; /* a cap is a cap: round down to whole pages */
@@ -1596,7 +1640,7 @@ int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params
     size_t ahead = pool->prm.ahead_bytes ? pool->prm.ahead_bytes : 20 * MSH_MiB;
     pool->chunk_pages = (uint32_t)(ahead / pool->gran ? (ahead / pool->gran < MAX_REGION_PAGES ? ahead / pool->gran : MAX_REGION_PAGES) : 1);
     if (!pool->prm.va_bytes) {
-        uint64_t base = pool->limit ? pool->limit : (total ? total : 64 * MSH_GiB);
+        uint64_t base = limit_now(pool) ? limit_now(pool) : (total ? total : 64 * MSH_GiB);
         pool->prm.va_bytes = base * 4;
     }
     pool->prm.va_bytes = round_up(pool->prm.va_bytes < MSH_GiB ? MSH_GiB : pool->prm.va_bytes, pool->gran);
@@ -1963,10 +2007,10 @@ static void fill_oom(struct msh_pool *pool, size_t req, size_t dev_free, size_t 
     o->device_total = dev_total;
     o->live_bytes = pool->st.live_bytes;
     o->mapped_bytes = pool->held * pool->gran;
-    o->limit_bytes = pool->limit;
+    o->limit_bytes = limit_now(pool);
     size_t fb = 0;
     scan_free(pool, &fb, &o->largest_free);
-    size_t cap = pool->limit ? pool->limit : (o->mapped_bytes + o->device_free);
+    size_t cap = o->limit_bytes ? o->limit_bytes : (o->mapped_bytes + o->device_free);
     o->fragmentation = o->live_bytes + req <= cap;
     for (size_t i = 0; i < pool->hcap; i++) {
         for (struct blk *b = pool->htab[i]; b; b = b->hnext) {
@@ -2519,7 +2563,8 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
         raw_free(near.it, near.cap * sizeof *near.it);
         return;
     }
-    in.budget = fresh.budget = near.budget = pool->limit ? pool->limit_pages : pool->held;
+    size_t capn = cap_pages(pool);
+    in.budget = fresh.budget = near.budget = capn != SIZE_MAX ? capn : pool->held;
     near.prefer_prev = true;
     pthread_mutex_unlock(&pool->lock);
     /* the smallest change first; a packing of the whole step when that does not fit */
@@ -2758,10 +2803,10 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
                 /* a handle of several pages is in use by one block covering all of it, or cached
                  * (or all its pages belong to the learned step) */
                 bool all_planned = handle_planned(r, p);
-                if (quiet && pool->limit && hp->npages > 1 && nl && nl != hp->npages && !all_planned)
+                if (quiet && limit_now(pool) && hp->npages > 1 && nl && nl != hp->npages && !all_planned)
                     CHECK_FAIL("region %#llx handle at %u: %u of its %u pages in use (partly used handles cannot be reclaimed)",
                                (unsigned long long)r->base, p, nl, hp->npages);
-                for (uint32_t q = p; quiet && pool->limit && hp->npages > 1 && !all_planned && q < p + hp->npages; q++)
+                for (uint32_t q = p; quiet && limit_now(pool) && hp->npages > 1 && !all_planned && q < p + hp->npages; q++)
                     if (r->pages[q].live > 1)
                         CHECK_FAIL("region %#llx page %u of a %u-page handle is shared by %d blocks", (unsigned long long)r->base, q,
                                    hp->npages, r->pages[q].live);

@@ -33,6 +33,15 @@ struct msh_pool_params {
     size_t ahead_bytes;        /* far from any limit, map the open end of the VA line in chunks of
                                 * this many bytes (0 = 20 MiB; one page or less = never) */
     bool no_learn;             /* never place by the learned step (today's placement only) */
+    /* Several pools of one device (PyTorch's CUDA-graph capture pools beside the main pool,
+     * shim/torch.c) under one limit: when set, limit_bytes is ignored and share->limit_bytes
+     * (0 = none, changeable at any time) caps the handle bytes all sharing pools hold together. */
+    struct msh_pool_share *share;
+};
+/* Read and written with __atomic builtins by every pool that shares it. */
+struct msh_pool_share {
+    size_t handle_bytes; /* handles held by all sharing pools */
+    size_t limit_bytes;  /* 0 = no limit */
 };
 void msh_pool_params_default(struct msh_pool_params *p);
 

@@ -30,6 +30,7 @@
 #include "core.h"
 #include "memshim.h"
 #include "msh.h"
+#include "torch.h"
 
 static struct {
     void *h;
@@ -292,6 +293,16 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
                          : grew == d->nepoch_end - 1 ? "possible leak: allocated memory grew at every epoch"
                                                      : "flat");
     J.object_set_new(root, "trend", tr);
+
+    /* Segment mode: PyTorch's own memory_stats() for the epoch, handed over by the Python side
+     * (shim/torch.c); absent when it handed none (tensor mode, or CUDA not initialized). */
+    const char *tkey;
+    int64_t tval;
+    if (msh_torch_report_stat(d->device, 0, &tkey, &tval)) {
+        json_t *ts = J.object();
+        for (int i = 0; msh_torch_report_stat(d->device, i, &tkey, &tval); i++) set_i(ts, tkey, tval);
+        J.object_set_new(root, "torch_memory_stats", ts);
+    }
 
     json_t *cfg = J.object();
     char val[512];

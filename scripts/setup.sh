@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install what building and testing memshim needs, only when it is missing (Debian 12).
 # Safe to run again: it checks before it installs. Needs root (or sudo) only to install.
-#   --with-torch   also pip-install PyTorch (for tests/gpu/test_torch.py; about 3.5 GB with its
-#                  CUDA libraries), when `import torch` fails
+#   --with-torch   also pip-install PyTorch (for tests/torch and tests/gpu; about 3.5 GB with its
+#                  CUDA libraries) when `import torch` fails, and PyTorch Lightning, transformers and
+#                  accelerate (the framework epoch tests) when they install; their tests skip without
 set -euo pipefail
 with_torch=0
 for a in "$@"; do
@@ -47,5 +48,15 @@ fi
 if [ "$with_torch" = 1 ] && ! python3 -c 'import torch' >/dev/null 2>&1; then
     echo "setup: installing PyTorch with pip (the tests use its Python-level allocator API)"
     python3 -m pip install --quiet torch || echo "setup: warning: PyTorch could not be installed; its tests will skip" >&2
+fi
+if [ "$with_torch" = 1 ] && python3 -c 'import torch' >/dev/null 2>&1; then
+    # Each alone, so one that fails to install leaves the others; never let pip replace torch.
+    for pkg in pytorch-lightning:pytorch_lightning transformers:transformers accelerate:accelerate; do
+        if ! python3 -c "import ${pkg#*:}" >/dev/null 2>&1; then
+            echo "setup: installing ${pkg%%:*} with pip (framework epoch tests)"
+            python3 -m pip install --quiet "${pkg%%:*}" "torch==$(python3 -c 'import torch; print(torch.__version__.split("+")[0])')" \
+                || echo "setup: note: ${pkg%%:*} could not be installed; its tests will skip" >&2
+        fi
+    done
 fi
 echo "setup: ok (CUDA headers in $cuda_home/include)"

@@ -25,11 +25,14 @@
 #include "memshim.h"
 #include "msh.h"
 #include "report.h"
+#include "torch.h"
 
 __thread int msh_in_hook;
 
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 static bool enabled;
+static _Atomic bool started; /* do_init finished with memshim enabled (readable without init) */
+static bool epoch_detect;     /* MEMSHIM_EPOCH=auto with no steps/seconds: the Python detector decides */
 static int mode_eff = MSH_MODE_OFF;
 static uint64_t t0_ns;
 
@@ -219,6 +222,7 @@ static void do_init(void)
     if (msh_cfg.trace_file[0]) trace_open();
     atexit(at_exit);
     pthread_atfork(fork_prepare, fork_parent, fork_child);
+    epoch_detect = msh_cfg.epoch_src == MSH_EPOCH_AUTO && !msh_cfg.epoch_steps && !(msh_cfg.epoch_seconds > 0);
     if (msh_cfg.epoch_src == MSH_EPOCH_AUTO) /* documented in the option table */
         msh_cfg.epoch_src = msh_cfg.epoch_steps ? MSH_EPOCH_STEPS
                             : msh_cfg.epoch_seconds > 0 ? MSH_EPOCH_SECONDS : MSH_EPOCH_MANUAL;
@@ -238,7 +242,18 @@ static void do_init(void)
         pthread_attr_destroy(&attr);
     }
     msh_info("memshim %s active (%s mode)", MEMSHIM_VERSION, mode_eff == MSH_MODE_TENSOR ? "tensor" : "segment");
+    atomic_store(&started, true);
     msh_in_hook--;
+}
+
+bool msh_core_started(void)
+{
+    return atomic_load(&started);
+}
+
+bool msh_core_epoch_detect(void)
+{
+    return msh_core_started() && epoch_detect;
 }
 
 bool msh_core_init(void)
@@ -348,6 +363,7 @@ struct msh_pool *msh_core_pool(int device)
             prm.defrag = msh_cfg.defrag;
             if (msh_cfg.empty_cache == MSH_EC_THRESHOLD) prm.release_threshold = msh_cfg.empty_cache_threshold;
             prm.no_release_on_oom = msh_cfg.empty_cache == MSH_EC_NEVER;
+            msh_torch_pool_params(device, t, &prm); /* one limit shared with capture pools */
             rc = msh_pool_create(&devices[device], &prm, &p);
         }
         if (rc == 0) {
@@ -376,6 +392,12 @@ struct msh_pool *msh_core_pool_owning(uint64_t addr, int *device)
         }
     }
     return NULL;
+}
+
+struct msh_device *msh_core_device(int device)
+{
+    if (device < 0 || device >= MSH_MAX_DEVICES || !atomic_load(&pools[device])) return NULL;
+    return &devices[device];
 }
 
 int msh_core_sync_device(int device)
@@ -613,6 +635,7 @@ static void fork_child(void)
     pthread_mutex_unlock(&pools_lock);
     for (int d = 0; d < MSH_MAX_DEVICES; d++) atomic_store(&pools[d], NULL);
     enabled = false;
+    atomic_store(&started, false);
 }
 
 static void at_exit(void)
@@ -744,6 +767,12 @@ MSH_EXPORT void memshim_epoch(void)
 {
     if (!msh_core_init()) return;
     close_epoch("manual", true);
+}
+
+void msh_core_epoch(const char *reason)
+{
+    if (!msh_core_init()) return;
+    close_epoch(reason, true);
 }
 
 MSH_EXPORT void memshim_step(void)

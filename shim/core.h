@@ -18,6 +18,16 @@ extern __thread int msh_in_hook;
 /* Idempotent and thread-safe. Reads the configuration, opens the log, registers atexit/atfork.
  * Returns true when memshim may serve memory (mode is not off and a driver is usable). */
 bool msh_core_init(void);
+/* True once start-up has run and memshim serves memory; never starts it (no driver call). */
+bool msh_core_started(void);
+/* MEMSHIM_EPOCH=auto with neither MEMSHIM_EPOCH_STEPS nor _SECONDS: epochs come from the Python
+ * detector (hooks/python/memshim/_epochs.py). False until start-up. */
+bool msh_core_epoch_detect(void);
+/* Close the current epoch with `reason` (a static string: manual, dataloader, ...), where the GC
+ * step may run (the caller holds the GIL or is not Python). */
+void msh_core_epoch(const char *reason);
+/* The device behind device's pool (for more pools on the same device), or NULL without a pool. */
+struct msh_device *msh_core_device(int device);
 /* The effective mode after start-up (enum msh_mode; AUTO resolves to SEGMENT or TENSOR). */
 int msh_core_mode(void);
 

@@ -54,6 +54,71 @@ struct memshim_stats {
 };
 int memshim_get_stats(int device, struct memshim_stats *out);
 
+/* ---- PyTorch (docs/pytorch.md) ---------------------------------------------------------------
+ * What the Python start-up hook (hooks/python/memshim) wires to torch._C._CUDAPluggableAllocator
+ * and calls for PyTorch's memory API. The alloc/free entry points PyTorch calls are in the C++
+ * glue (libmemshim_torch.so: memshim_glue_malloc/_free), which calls these and turns a NULL
+ * into c10::OutOfMemoryError. Capture pools: memory allocated between begin and end of a
+ * CUDA-graph capture pool is handed out again only inside that pool, until release_pool and the
+ * last of its blocks is freed. */
+/* Tensor allocation on the device's main pool, or, when `stream` is capturing a graph (the
+ * backstop for allocations no begin_allocate_to_pool filter claimed), in that capture's pool.
+ * NULL: out of memory (see memshim_torch_oom_message). */
+void *memshim_torch_alloc(ssize_t size, int device, memshim_stream_t stream);
+/* Tensor allocation in capture pool (id0, id1) of device (begun with begin_allocate_to_pool). */
+void *memshim_torch_alloc_in_pool(ssize_t size, int device, memshim_stream_t stream,
+                                  unsigned long long id0, unsigned long long id1);
+/* Free a tensor's block (main pool or capture pool); size is the size PyTorch allocated. */
+void memshim_torch_free(void *ptr, ssize_t size, int device, memshim_stream_t stream);
+void memshim_torch_record_stream(void *ptr, memshim_stream_t stream);
+/* set_init_fn: PyTorch's lazy CUDA initialization. */
+void memshim_torch_init(int device_count);
+/* set_memory_fraction_fn: the device's limit becomes fraction x its memory (the smaller of that
+ * and MEMSHIM_LIMIT). get: the fraction in force (1.0 without a limit). */
+void memshim_torch_set_memory_fraction(double fraction, int device);
+double memshim_torch_get_memory_fraction(int device);
+/* set_base_alloc_fn: the block that contains ptr and its size (ptr itself, *size untouched when
+ * memshim did not allocate it). */
+void *memshim_torch_base_alloc(void *ptr, size_t *size);
+/* set_begin_allocate_to_pool / set_end_allocate_to_pool_fn / set_release_pool, MempoolId_t as
+ * its two halves. `filter` is PyTorch's std::function<bool(cudaStream_t)> (x86-64: a pointer to
+ * it); C cannot call it: the glue evaluates it and passes NULL here. */
+void memshim_torch_begin_allocate_to_pool(int device, unsigned long long id0,
+                                          unsigned long long id1, void *filter);
+void memshim_torch_end_allocate_to_pool(int device, unsigned long long id0, unsigned long long id1);
+void memshim_torch_release_pool(int device, unsigned long long id0, unsigned long long id1);
+/* PyTorch-named statistics of device (torch.cuda.memory_stats() keys, flat: "allocated_bytes.all.
+ * current", ...): fills vals[0..n) in the order of memshim_torch_stat_name(i) and returns how
+ * many exist (call with n = 0 to count). Peaks reset with memshim_torch_reset_peak, cumulative
+ * figures with memshim_torch_reset_accumulated (device -1: every device). */
+int memshim_torch_stats(int device, long long *vals, int n);
+const char *memshim_torch_stat_name(int i);
+void memshim_torch_reset_peak(int device);
+void memshim_torch_reset_accumulated(int device);
+/* The text after "CUDA out of memory. " for the last failed request of this thread: what was
+ * asked, the device, and memshim's diagnosis. Returns the length written (NUL-terminated). */
+int memshim_torch_oom_message(int device, size_t size, char *buf, size_t len);
+/* Segment mode: PyTorch's own memory_stats() figures for the epoch being closed (the next
+ * report carries them as torch_memory_stats); clear drops them all. */
+void memshim_torch_epoch_stat(int device, const char *key, long long value);
+void memshim_torch_epoch_stats_clear(void);
+/* Close the current epoch with reason "manual", "dataloader", "hf_trainer" or "lightning"
+ * (anything else: EINVAL). Only when memshim has started (never starts it): returns ENODEV
+ * otherwise. */
+int memshim_epoch_from(const char *reason);
+/* memshim_step() when memshim has started; nothing (no driver call) otherwise. */
+void memshim_step_if_started(void);
+/* Settings and state for the Python side, without starting memshim unless `name` is
+ * "enabled": "mode" (0 auto, 1 tensor, 2 segment, 3 off), "started", "enabled", "tensor",
+ * "epoch_detect", "gc" and "empty_cache" (enum values of msh.h), "log". -1: unknown name. */
+long memshim_torch_setting(const char *name);
+/* The PyTorch version of this process (the reports' versions.torch). */
+void memshim_torch_set_version(const char *version);
+/* One line through memshim's logger (level 0 error .. 3 debug). */
+void memshim_torch_log(int level, const char *msg);
+/* Where this libmemshim.so was loaded from (absolute), or "" when unknown. */
+const char *memshim_library_path(void);
+
 #ifdef __cplusplus
 }
 #endif

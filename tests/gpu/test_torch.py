@@ -1,128 +1,453 @@
 #!/usr/bin/env python3
-"""memshim with real PyTorch. Without PyTorch: every case skips. Without a GPU: the Python-level
-allocator API is tested as far as it runs (CUDAPluggableAllocator over libmemshim.so, the optional
-hooks, change_current_allocator); the GPU cases skip. With a GPU: a small training loop in segment
-mode (LD_PRELOAD) and in tensor mode (pluggable allocator) must give the same losses as without
-memshim, memshim's pool must have served it, and reports must be written.
-Each case runs in a subprocess (CUDA cannot be re-initialised). Ends with "N passed, N failed, N skipped"."""
+"""memshim with real PyTorch on a GPU (issue 9), in one script under 8 minutes on one H200.
+
+Without PyTorch every case skips. Without a GPU (make check on the CPU machines) only the
+allocator API is tested as far as it runs, and the GPU cases skip. With a GPU, after probing that
+the driver's VMM calls work (device attribute, then memshim's own pool on the device):
+  - a small Transformer language model and a small ViT, each without memshim, in segment mode
+    (LD_PRELOAD, PyTorch's cache on top) and in tensor mode (LD_PRELOAD alone: memshim becomes the
+    allocator), fixed seed, deterministic kernels: losses equal (bit-exact expected; the maximum
+    relative difference is recorded), step time overhead, peak reserved;
+  - the largest batch that fits under a 24 GiB cap: MEMSHIM_LIMIT=24G in tensor mode vs PyTorch's
+    set_per_process_memory_fraction without memshim, and an OOM caught with the job continuing;
+  - torch.cuda.graph capture and replay giving the same values with other tensors allocated and
+    freed around it; torch.compile default and reduce-overhead; DDP with one process over NCCL;
+  - epoch reports written (3 epochs, reason dataloader) and memory_allocated/memory_stats answering.
+Each run is a subprocess of this script (`--worker NAME`): CUDA cannot be re-initialised.
+Writes every figure to a JSON file (--json PATH; default $OUT/gpu-torch.json when OUT is set,
+else gpu-torch.json) when a GPU is present. Ends with "N passed, N failed, N skipped"."""
+import argparse
+import glob
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
-import glob
+import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pyharness import BUILD, case, finish, skip  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from pyharness import BUILD, case, finish, results, skip  # noqa: E402
+
 LIB = os.path.join(BUILD, "libmemshim.so")
+GiB = 1 << 30
+DEADLINE_S = 450  # the whole script stays under 8 minutes: later items skip past this
 
 
+# =========================================================================================== workers
+# Run as `test_torch.py --worker NAME [args]`, in a process whose environment chooses the mode.
+# Each prints one line "RESULT <json>".
+
+def _det():
+    import torch
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.manual_seed(0)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return torch
 
 
-def py(code, env_extra=None, timeout=600):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSHIM_")}
+def _lm(torch, dim=256, layers=4, vocab=1000):
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(vocab, dim)
+            layer = torch.nn.TransformerEncoderLayer(dim, 4, 4 * dim, batch_first=True, dropout=0.0)
+            self.body = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.head = torch.nn.Linear(dim, vocab)
+
+        def forward(self, x):
+            mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
+            return self.head(self.body(self.emb(x), mask=mask, is_causal=True))
+    return LM()
+
+
+def _vit(torch, dim=192, layers=4, classes=10, patch=8, img=64):
+    class ViT(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.patch = torch.nn.Conv2d(3, dim, patch, patch)
+            self.pos = torch.nn.Parameter(torch.zeros(1, (img // patch) ** 2 + 1, dim))
+            self.cls = torch.nn.Parameter(torch.zeros(1, 1, dim))
+            layer = torch.nn.TransformerEncoderLayer(dim, 4, 4 * dim, batch_first=True, dropout=0.0)
+            self.body = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.head = torch.nn.Linear(dim, classes)
+
+        def forward(self, x):
+            p = self.patch(x).flatten(2).transpose(1, 2)
+            p = torch.cat([self.cls.expand(p.shape[0], -1, -1), p], 1) + self.pos
+            return self.head(self.body(p)[:, 0])
+    return ViT()
+
+
+def worker_train(which, steps, dev="cuda"):
+    """3 epochs over a DataLoader with a validation pass each; losses, step times, memory."""
+    torch = _det()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.data import DataLoader, TensorDataset
+    g = torch.Generator().manual_seed(1)
+    if which == "lm":
+        data = torch.randint(0, 1000, (steps * 16, 129), generator=g)
+        ds, model = TensorDataset(data), _lm(torch)
+
+        def loss_of(m, b):
+            (x,) = b
+            x = x.to(dev)
+            return torch.nn.functional.cross_entropy(m(x[:, :-1]).reshape(-1, 1000), x[:, 1:].reshape(-1))
+    else:
+        ds = TensorDataset(torch.randn(steps * 16, 3, 64, 64, generator=g), torch.randint(0, 10, (steps * 16,),
+                                                                                          generator=g))
+        model = _vit(torch)
+
+        def loss_of(m, b):
+            x, y = b
+            return torch.nn.functional.cross_entropy(m(x.to(dev)), y.to(dev))
+    model = model.to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    train = DataLoader(ds, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(2))
+    val = DataLoader(ds, batch_size=32)
+    losses, times = [], []
+    mem = {}
+    with sdpa_kernel(SDPBackend.MATH):  # deterministic attention kernels, forward and backward
+        for epoch in range(3):
+            for i, b in enumerate(train):
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                loss = loss_of(model, b)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())  # synchronizes
+                times.append(time.perf_counter() - t0)
+                if i == len(train) // 2:
+                    with torch.no_grad():
+                        for vb in list(val)[:2]:
+                            loss_of(model, vb)
+            if dev == "cuda":
+                mem[f"epoch{epoch}"] = {"allocated": torch.cuda.memory_allocated(),
+                                        "max_allocated": torch.cuda.max_memory_allocated()}
+    out = {"losses": losses, "step_s_median": sorted(times[5:])[len(times[5:]) // 2] if len(times) > 5 else None}
+    if dev == "cuda":
+        st = torch.cuda.memory_stats()
+        out.update(mem=mem, peak_reserved=torch.cuda.max_memory_reserved(), peak_allocated=torch.cuda.max_memory_allocated(),
+                   stats_keys=len(st), num_ooms=st.get("num_ooms"), allocator=_allocator_name(torch))
+    print("RESULT", json.dumps(out), flush=True)
+
+
+def _allocator_name(torch):
+    try:
+        from memshim import _torch as mt
+        return "memshim" if mt.state.tensor else "pytorch"
+    except ImportError:
+        return "pytorch"
+
+
+def worker_maxbatch(cap_mode, dev="cuda"):
+    """Largest batch of a bigger LM that trains one step under a 24 GiB cap; after the first OOM
+    the job continues with smaller batches (that is the OOM-continue check too)."""
+    torch = _det()
+    if cap_mode == "fraction":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, 24 * GiB / total))
+    model = _lm(torch, dim=1024, layers=8, vocab=8192).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    seq = 512
+
+    def fits(bs):
+        try:
+            x = torch.randint(0, 8192, (bs, seq + 1), device=dev)
+            loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, 8192), x[:, 1:].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            torch.cuda.synchronize()
+            return True, None
+        except torch.OutOfMemoryError as e:
+            return False, str(e)
+        finally:
+            opt.zero_grad(set_to_none=True)
+            x = loss = None  # noqa: F841
+            torch.cuda.empty_cache()
+    lo, hi, bs, first_oom = 0, None, 4, None
+    while hi is None and bs <= 4096:
+        ok, msg = fits(bs)
+        if ok:
+            lo, bs = bs, bs * 2
+        else:
+            hi, first_oom = bs, msg
+    while hi is not None and hi - lo > max(1, lo // 16):
+        mid = (lo + hi) // 2
+        ok, msg = fits(mid)
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    again, _ = fits(max(1, lo // 2))  # the job continues after OOMs with a smaller batch
+    print("RESULT", json.dumps({"largest_batch": lo, "first_oom": (first_oom or "")[:400], "continued": again,
+                                "peak_reserved": torch.cuda.max_memory_reserved(),
+                                "allocator": _allocator_name(torch)}), flush=True)
+
+
+def worker_graph(dev="cuda"):
+    """torch.cuda.graph capture and replay, with other allocations around it."""
+    torch = _det()
+    lin = torch.nn.Linear(1024, 1024).to(dev)
+    x = torch.randn(256, 1024, device=dev)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            lin(x).relu().sum()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(g):
+        tmp = lin(x) * 2.0          # a temporary freed inside the capture
+        y = (tmp.relu() + 1.0).sum(dim=1)
+        del tmp
+    results = []
+    for k in range(3):
+        junk = [torch.full((1 << 20,), float(k + 7), device=dev) for _ in range(64)]  # other tensors
+        x.copy_(torch.randn(256, 1024, device=dev))
+        g.replay()
+        torch.cuda.synchronize()
+        with torch.no_grad():
+            ref = ((lin(x) * 2.0).relu() + 1.0).sum(dim=1)
+        results.append(bool(torch.allclose(y, ref, rtol=1e-5, atol=1e-4)))
+        del junk
+    g.reset()
+    print("RESULT", json.dumps({"replays_equal": results, "allocator": _allocator_name(torch)}), flush=True)
+
+
+def worker_compile(mode, dev="cuda"):
+    torch = _det()
+    m = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512)).to(dev)
+    x = torch.randn(64, 512, device=dev)
+    with torch.no_grad():
+        ref = m(x)
+        cm = torch.compile(m, mode=None if mode == "default" else mode)
+        outs = [cm(x) for _ in range(4)]
+    ok = all(bool(torch.allclose(o, ref, rtol=1e-3, atol=1e-3)) for o in outs)
+    trees = None
+    try:
+        import torch._inductor.config as ic
+        trees = ic.triton.cudagraph_trees
+    except Exception:  # noqa: BLE001
+        pass
+    print("RESULT", json.dumps({"equal": ok, "cudagraph_trees": trees, "allocator": _allocator_name(torch)}),
+          flush=True)
+
+
+def worker_ddp(dev="cuda"):
+    torch = _det()
+    import socket
+    import torch.distributed as dist
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(256, 256).to(dev), device_ids=[0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    for _ in range(10):
+        x = torch.randn(64, 256, device=dev)
+        loss = (model(x) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    dist.destroy_process_group()
+    print("RESULT", json.dumps({"losses": losses, "allocator": _allocator_name(torch)}), flush=True)
+
+
+WORKERS = {"train": worker_train, "maxbatch": worker_maxbatch, "graph": worker_graph, "compile": worker_compile,
+           "ddp": worker_ddp}
+
+
+# =========================================================================================== driver
+def run(argv_or_code, env_extra=None, timeout=300, preload=False):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSHIM_") and k != "LD_PRELOAD"}
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if preload:
+        env["LD_PRELOAD"] = LIB
     env.update(env_extra or {})
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
-    return p.returncode, p.stdout, p.stderr
+    argv = [sys.executable, "-c", argv_or_code] if isinstance(argv_or_code, str) else argv_or_code
+    try:
+        p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+        return p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        return 124, (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""), \
+            f"timed out after {timeout} s"
 
 
-probe = py("import torch; print(torch.__version__, torch.cuda.is_available())")
-if probe[0] != 0:
-    for n in ["allocator API", "segment mode", "tensor mode"]:
-        skip(n, "PyTorch is not installed (bash scripts/setup.sh --with-torch installs it)")
-    finish()
-version, has_gpu = probe[1].split()[0], probe[1].split()[1] == "True"
-print(f"torch {version}, GPU available: {has_gpu}")
+def worker(name, *args, mode="native", env_extra=None, timeout=300):
+    """Run a worker natively, in segment mode or in tensor mode; its RESULT dict or None."""
+    extra = dict(env_extra or {})
+    if mode == "segment":
+        extra["MEMSHIM_MODE"] = "segment"
+    rc, out, err = run([sys.executable, os.path.abspath(__file__), "--worker", name, *map(str, args)], extra,
+                       timeout=timeout, preload=mode != "native")
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:]), err
+    return None, f"rc={rc}\n{out[-1500:]}\n{err[-2500:]}"
 
-API = f"""
+
+def rel_diff(a, b):
+    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=0.0)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker")
+    ap.add_argument("--json")
+    ap.add_argument("rest", nargs="*")
+    a = ap.parse_args()
+    if a.worker:
+        WORKERS[a.worker](*[int(x) if x.isdigit() else x for x in a.rest])
+        return
+    t_start = time.time()
+    rep = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "host": platform.node()}
+    probe = run("import torch; print('TORCH', torch.__version__, torch.cuda.is_available())")
+    if probe[0] != 0 or "TORCH" not in probe[1]:
+        for n in ("allocator API", "GPU checks"):
+            skip(n, "PyTorch is not installed (bash scripts/setup.sh --with-torch installs it)")
+        finish()
+    version, has_gpu = probe[1].split("TORCH ")[1].split()[:2]
+    has_gpu = has_gpu == "True"
+    rep["torch"] = version
+    print(f"torch {version}, GPU available: {has_gpu}")
+
+    # The allocator API as far as it runs without a GPU (and with one).
+    api = f"""
 import ctypes, torch
 from torch.cuda.memory import CUDAPluggableAllocator, change_current_allocator
 a = CUDAPluggableAllocator({LIB!r}, "memshim_malloc", "memshim_free")
 so = ctypes.CDLL({LIB!r})
-hooks = {{}}
-for setter, sym in [("set_reset_fn", "memshim_empty_cache"), ("set_record_stream_fn", "memshim_record_stream")]:
-    if hasattr(a._allocator, setter):
-        getattr(a._allocator, setter)(ctypes.cast(getattr(so, sym), ctypes.c_void_p).value)
-        hooks[setter] = True
+hooks = [s for s in ("set_reset_fn", "set_record_stream_fn", "set_init_fn", "set_memory_fraction_fn",
+         "set_base_alloc_fn", "set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool")
+         if hasattr(a._allocator, s)]
+a._allocator.set_reset_fn(ctypes.cast(so.memshim_empty_cache, ctypes.c_void_p).value)
 change_current_allocator(a)
-print("API-OK", sorted(hooks))
+print("API-OK", hooks)
 """
-rc, out, err = py(API, {"MEMSHIM_LOG": "warn"})
-case("CUDAPluggableAllocator over libmemshim.so, hooks set, allocator swapped before CUDA init",
-     rc == 0 and "API-OK" in out and "set_reset_fn" in out, (out + err)[-600:])
+    rc, out, err = run(api)
+    case("CUDAPluggableAllocator over libmemshim.so, hooks set, allocator swapped before CUDA init",
+         rc == 0 and "API-OK" in out, (out + err)[-600:])
+    if not has_gpu:
+        for n in ("VMM probe", "LM and ViT: native, segment, tensor", "largest batch under 24 GiB",
+                  "OOM caught and continuing", "CUDA graph capture and replay", "torch.compile default",
+                  "torch.compile reduce-overhead", "DDP over NCCL", "epoch reports", "memory API"):
+            skip(n, "no GPU on this machine")
+        finish()
 
-if not has_gpu:
-    rc, out, err = py(API + "\ntry:\n    torch.empty(1, device='cuda')\nexcept Exception as e:\n    print('NO-DEVICE', type(e).__name__)\n")
-    case("without a GPU a CUDA tensor fails cleanly in PyTorch, not in memshim", rc == 0 and "NO-DEVICE" in out,
-         (out + err)[-400:])
-    for n in ["segment mode training loop", "tensor mode training loop"]:
-        skip(n, "no GPU on this machine")
+    json_path = a.json or os.path.join(os.environ.get("OUT", "."), "gpu-torch.json")
+    rep["gpu"] = run("import torch; print(torch.cuda.get_device_name(0))")[1].strip()
+
+    # 1. Probe the VMM calls before relying on them: the device attribute, then memshim's pool.
+    vmm = """
+import ctypes
+cu = ctypes.CDLL("libcuda.so.1")
+assert cu.cuInit(0) == 0
+d = ctypes.c_int(); assert cu.cuDeviceGet(ctypes.byref(d), 0) == 0
+v = ctypes.c_int(); r = cu.cuDeviceGetAttribute(ctypes.byref(v), 102, d)  # VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+m = ctypes.CDLL(None)
+m.memshim_malloc.restype = ctypes.c_void_p
+m.memshim_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+p = m.memshim_malloc(8 << 20, 0, None)
+print("VMM", r, v.value, bool(p))
+"""
+    rc, out, err = run(vmm, preload=True)
+    vmm_ok = "VMM 0 1 True" in out
+    rep["vmm_probe"] = out.strip() or err[-300:]
+    case("the driver's VMM calls work (device attribute, memshim's pool maps memory)", vmm_ok, (out + err)[-800:])
+    if not vmm_ok:
+        skip("memshim GPU checks", "VMM is not usable on this device: memshim passes through")
+        json.dump(rep, open(json_path, "w"), indent=1)
+        finish()
+
+    # 2. LM and ViT, three modes each.
+    rep["train"] = {}
+    for model in ("lm", "vit"):
+        runs = {}
+        with tempfile.TemporaryDirectory() as rdir:
+            for mode in ("native", "segment", "tensor"):
+                extra = {"MEMSHIM_REPORT_DIR": os.path.join(rdir, mode)} if mode != "native" else {}
+                r, why = worker("train", model, 30, mode=mode, env_extra=extra)
+                runs[mode] = r
+                if r is None:
+                    case(f"{model}: {mode} run completes", False, why)
+            reps = {m: sorted(glob.glob(os.path.join(rdir, m, "*epoch*.json"))) for m in ("segment", "tensor")}
+            epochs_tensor = [json.load(open(f)) for f in reps["tensor"]]
+            summ = glob.glob(os.path.join(rdir, "tensor", "*summary.json"))
+            summary = json.load(open(summ[0])) if summ else {}
+        base = (runs.get("native") or {}).get("losses")
+        out = {}
+        for mode in ("segment", "tensor"):
+            r = runs.get(mode) or {}
+            if not base or not r.get("losses"):
+                continue
+            exact = r["losses"] == base
+            d = rel_diff(r["losses"], base)
+            out[mode] = {"bit_exact": exact, "max_rel_diff": d,
+                         "step_overhead": (r["step_s_median"] / runs["native"]["step_s_median"] - 1.0)
+                         if r.get("step_s_median") and runs["native"].get("step_s_median") else None,
+                         "peak_reserved": r.get("peak_reserved"), "allocator": r.get("allocator")}
+            # Deterministic kernels (math attention, no TF32, cuBLAS workspace config) should make
+            # the losses bit-exact; 1e-5 relative is allowed for cuBLAS heuristics that differ
+            # between processes, and the difference is recorded either way.
+            case(f"{model}: {mode} mode: same losses as without memshim (bit-exact: {exact}, max rel diff {d:.2e})",
+                 d <= 1e-5, (base[:5], r["losses"][:5]))
+        out["native"] = {"peak_reserved": (runs.get("native") or {}).get("peak_reserved"),
+                         "step_s_median": (runs.get("native") or {}).get("step_s_median")}
+        tr = runs.get("tensor") or {}
+        case(f"{model}: tensor mode: memshim is PyTorch's allocator", tr.get("allocator") == "memshim", tr)
+        case(f"{model}: tensor mode: memory_allocated and memory_stats answer",
+             bool(tr.get("mem")) and all(v["max_allocated"] > 0 for v in tr["mem"].values())
+             and (tr.get("stats_keys") or 0) > 50, tr.get("mem"))
+        case(f"{model}: tensor mode: 3 epoch reports (dataloader) and a summary",
+             [e["reason"] for e in epochs_tensor] == ["dataloader"] * 3 and bool(summary),
+             [(e.get("reason"), e.get("steps")) for e in epochs_tensor])
+        out["memshim_peak_reserved"] = (summary.get("memory") or {}).get("reserved_run_peak_bytes")
+        rep["train"][model] = out
+
+    # 3. Largest batch under 24 GiB: memshim's limit vs PyTorch's memory fraction.
+    if time.time() - t_start < DEADLINE_S:
+        nat, why_n = worker("maxbatch", "fraction", mode="native", timeout=240)
+        ten, why_t = worker("maxbatch", "limit", mode="tensor", env_extra={"MEMSHIM_LIMIT": "24G"}, timeout=240)
+        rep["max_batch_24GiB"] = {"pytorch_fraction": nat, "memshim_limit": ten}
+        case("largest batch under 24 GiB found with PyTorch's memory fraction and with MEMSHIM_LIMIT",
+             bool(nat and ten and nat["largest_batch"] and ten["largest_batch"]), (why_n, why_t))
+        case("OOM in tensor mode: torch.OutOfMemoryError with PyTorch's words and memshim's diagnosis, and the job "
+             "continues with a smaller batch",
+             bool(ten) and ten["first_oom"].startswith("CUDA out of memory. Tried to allocate") and
+             "memshim" in ten["first_oom"] and ten["continued"], ten or why_t)
+    else:
+        skip("largest batch under 24 GiB", "time budget")
+
+    # 4. CUDA graphs, torch.compile, DDP (tensor mode).
+    checks = [("graph", (), "CUDA graph capture and replay give the same values in tensor mode",
+               lambda r: r["replays_equal"] == [True, True, True]),
+              ("compile", ("default",), "torch.compile (default) in tensor mode", lambda r: r["equal"]),
+              ("compile", ("reduce-overhead",), "torch.compile (reduce-overhead, plain CUDA graphs) in tensor mode",
+               lambda r: r["equal"] and r["cudagraph_trees"] is False),
+              ("ddp", (), "DDP with one process over NCCL in tensor mode",
+               lambda r: len(r["losses"]) == 10 and all(x == x for x in r["losses"]))]
+    for name, args, title, ok in checks:
+        if time.time() - t_start > DEADLINE_S:
+            skip(title, "time budget")
+            continue
+        r, why = worker(name, *args, mode="tensor", timeout=180)
+        rep.setdefault("checks", {})[title] = r
+        case(title, r is not None and r.get("allocator") == "memshim" and ok(r), r or why)
+
+    rep["elapsed_s"] = round(time.time() - t_start, 1)
+    rep["summary"] = dict(results)
+    json.dump(rep, open(json_path, "w"), indent=1)
+    print(f"results written to {json_path} ({rep['elapsed_s']} s)")
     finish()
 
-TRAIN = """
-import torch, json, sys
-torch.manual_seed(0)
-dev = "cuda"
-model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).to(dev)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-side = torch.cuda.Stream()
-losses = []
-for step in range(40):
-    bs = 64 * (1 + step % 4)
-    x = torch.randn(bs, 1024, device=dev)
-    with torch.cuda.stream(side):
-        y = torch.randn(bs, 1024, device=dev)
-    torch.cuda.current_stream().wait_stream(side)
-    y.record_stream(torch.cuda.current_stream())
-    loss = ((model(x) - y) ** 2).mean()
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-    losses.append(round(loss.item(), 4))
-    if step % 10 == 9:
-        torch.cuda.empty_cache()
-torch.cuda.synchronize()
-print("LOSSES", json.dumps(losses))
-"""
 
-
-def same_losses(a, b):
-    """cuBLAS may pick other kernels between processes: equal to 1e-3 relative is the same run."""
-    return a is not None and b is not None and len(a) == len(b) and all(
-        abs(x - y) <= 1e-3 * max(1.0, abs(y)) for x, y in zip(a, b))
-
-
-def losses(out):
-    for line in out.splitlines():
-        if line.startswith("LOSSES "):
-            return json.loads(line[7:])
-    return None
-
-
-rc, out, err = py(TRAIN)
-base = losses(out)
-case("reference run without memshim", rc == 0 and base, err[-400:])
-with tempfile.TemporaryDirectory() as tmp:
-    rc, out, err = py(TRAIN + "\nimport ctypes\n", {"LD_PRELOAD": LIB, "MEMSHIM_REPORT_DIR": tmp, "MEMSHIM_LOG": "info"})
-    case("segment mode: same losses under LD_PRELOAD", rc == 0 and same_losses(losses(out), base), (out + err)[-800:])
-    summ = glob.glob(os.path.join(tmp, "*summary.json"))
-    ok = bool(summ) and json.load(open(summ[0]))["operations"]["allocs"] > 0
-    case("segment mode: the pool served PyTorch's segments and wrote a summary", ok, os.listdir(tmp))
-with tempfile.TemporaryDirectory() as tmp:
-    code = API + TRAIN + f"""
-import ctypes
-class S(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in "live peak_live reserved peak_reserved maps unmaps reclaimed allocs frees ooms".split()]
-s = S(); ctypes.CDLL({LIB!r}).memshim_get_stats(0, ctypes.byref(s))
-print("STATS", s.allocs, s.peak_live, s.peak_reserved)
-"""
-    rc, out, err = py(code, {"MEMSHIM_REPORT_DIR": tmp})
-    case("tensor mode: same losses with memshim as PyTorch's allocator", rc == 0 and same_losses(losses(out), base),
-         (out + err)[-800:])
-    st = [l for l in out.splitlines() if l.startswith("STATS")]
-    ok = bool(st) and int(st[0].split()[1]) > 100
-    case("tensor mode: every tensor came from the pool", ok, st)
-    if ok:
-        _, _, peak_live, peak_res = st[0].split()
-        print(f"    tensor mode: peak live {int(peak_live)/2**20:.1f} MiB, peak reserved {int(peak_res)/2**20:.1f} MiB")
-finish()
+if __name__ == "__main__":
+    main()

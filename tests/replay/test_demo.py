@@ -60,9 +60,9 @@ with tempfile.TemporaryDirectory() as tmp:
 
     # the summary script: a broken file beside good reports is named and skipped, never a traceback
     open(os.path.join(rdir, "memshim-broken.json"), "w").write('{"schema_version":1,"memory":{}}')
-    p = subprocess.run([sys.executable, os.path.join(os.path.dirname(BUILD), "scripts", "memshim_report.py"), rdir],
+    p = subprocess.run([sys.executable, os.path.join(os.path.dirname(BUILD), "scripts", "memshim-report"), rdir],
                        capture_output=True, text=True, timeout=60)
-    case("memshim_report.py tabulates the reports and skips a broken one by name",
+    case("memshim-report tabulates the reports and skips a broken one by name",
          p.returncode == 0 and "memshim-broken.json" in p.stderr and "Traceback" not in p.stderr
          and "trend" in p.stdout, (p.stdout + p.stderr)[-400:])
 

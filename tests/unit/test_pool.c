@@ -1446,6 +1446,7 @@ TEST(driver_calls_are_counted_by_kind_as_the_device_sees_them)
     CHECK(s.drv_calls[MSH_DRV_MALLOC] == 0 && s.drv_calls[MSH_DRV_FREE] == 0);
     CHECK(strcmp(msh_drv_call_names[MSH_DRV_SET_ACCESS], "set_access") == 0);
     msh_pool_destroy(pool);
+    free(f);
 }
 
 TEST(fault_injection_create_map_unmap_every_nth_call)
@@ -1758,6 +1759,38 @@ TEST(far_from_any_limit_the_open_end_is_mapped_in_chunks)
     struct msh_pool_stats s = stats(pool);
     CHECK(s.peak_mapped_bytes == 20 * MiB && s.handles == 1);
     msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST(pools_sharing_a_limit_never_hold_more_than_it_together)
+{
+    /* shim/torch.c's capture pools share the main pool's limit (struct msh_pool_share) */
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool_share sh = {.limit_bytes = 20 * MiB};
+    struct msh_pool_params p;
+    msh_pool_params_default(&p);
+    p.va_bytes = 8 * GiB;
+    p.limit_bytes = 2 * GiB; /* ignored: the share's limit applies */
+    p.share = &sh;
+    struct msh_pool *a = NULL, *b = NULL;
+    REQUIRE(msh_pool_create(&f->dev, &p, &a) == 0 && msh_pool_create(&f->dev, &p, &b) == 0);
+    uint64_t x, y, z;
+    REQUIRE(msh_pool_alloc(a, 12 * MiB, 1, &x) == 0);
+    CHECK(sh.handle_bytes == 12 * MiB);
+    CHECK(msh_pool_alloc(b, 10 * MiB, 1, &y) == ENOMEM); /* 12 + 10 > 20 */
+    REQUIRE(msh_pool_alloc(b, 8 * MiB, 1, &y) == 0);
+    CHECK(sh.handle_bytes == 20 * MiB);
+    CHECK(msh_pool_free(a, x, 1) == 0);
+    CHECK(msh_pool_alloc(b, 8 * MiB, 1, &z) == ENOMEM); /* a's pages are cached in a */
+    CHECK(msh_pool_empty_cache(a) == 12 * MiB);
+    CHECK(sh.handle_bytes == 8 * MiB);
+    REQUIRE(msh_pool_alloc(b, 8 * MiB, 1, &z) == 0);
+    CHECK(sh.handle_bytes == 16 * MiB);
+    CHECK(msh_pool_free(b, y, 1) == 0 && msh_pool_free(b, z, 1) == 0);
+    msh_pool_destroy(a);
+    msh_pool_destroy(b);
+    CHECK(sh.handle_bytes == 0);
     CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
     free(f);
 }

@@ -1,0 +1,279 @@
+"""memshim's Python side, PyTorch: the switch to memshim's pluggable allocator at PyTorch's lazy
+CUDA initialization (not at import: a program that sets its own allocator, or its allocator
+settings, keeps working and memshim stays in segment mode), the memory API answering from
+memshim's counters in tensor mode, and PyTorch's own figures for the epoch reports in segment
+mode. See docs/pytorch.md.
+
+Every hook is probed with hasattr: PyTorch versions differ. Nothing here runs before the program
+touches CUDA, except wrapping functions.
+"""
+import ctypes
+import functools
+import os
+import sys
+import threading
+
+from . import _boot, _epochs
+from ._boot import LOG_INFO, LOG_WARN, MODE_AUTO, MODE_OFF, MODE_SEGMENT, MODE_TENSOR, log, setting
+
+
+class _State:
+    decided = False       # the switch was considered (at the first lazy CUDA init)
+    tensor = False        # PyTorch allocates through memshim
+    user_choice = None    # why the program's own allocator choice keeps memshim out
+    allocator = None      # the CUDAPluggableAllocator (kept alive)
+    glue = None
+    why = None            # why memshim stayed in segment mode
+
+
+state = _State()
+_lock = threading.Lock()
+_torch = None
+
+# PyTorch's own memory_stats() keys carried by segment-mode epoch reports.
+EPOCH_KEYS = [f"{m}.all.{f}" for m in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes")
+              for f in ("current", "peak", "allocated", "freed")] + \
+             [f"inactive_split_bytes.all.{f}" for f in ("current", "peak")] + \
+             ["num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free"]
+
+
+def _replace(mods, name, orig, new):
+    """Put `new` wherever a module holds `orig` under `name` (modules bound it at import)."""
+    for m in mods:
+        if m is not None and getattr(m, name, None) is orig:
+            setattr(m, name, new)
+
+
+def _torch_modules():
+    return [m for n, m in list(sys.modules.items()) if n == "torch" or n.startswith("torch.")]
+
+
+def on_torch(torch):
+    """Right after `import torch` finished."""
+    global _torch
+    _torch = torch
+    _boot.lib().memshim_torch_set_version(str(torch.__version__).encode())
+    cuda = torch.cuda
+    mem = getattr(cuda, "memory", None)
+    orig_lazy = getattr(cuda, "_lazy_init", None)
+    if orig_lazy is not None and not getattr(orig_lazy, "_memshim", False):
+        @functools.wraps(orig_lazy)
+        def _lazy_init():
+            if not state.decided and not cuda.is_initialized():
+                _decide()
+            return orig_lazy()
+        _lazy_init._memshim = True
+        # torch.cuda.memory and torch.cuda.random bound it with `from . import _lazy_init`
+        _replace(_torch_modules(), "_lazy_init", orig_lazy, _lazy_init)
+
+    for name, why in (("change_current_allocator", "the program set its own allocator (change_current_allocator)"),
+                      ("_set_allocator_settings", "the program set PyTorch's allocator settings "
+                                                  "(_set_allocator_settings)")):
+        orig = getattr(mem, name, None)
+        if orig is None:
+            continue
+
+        def wrapper(*a, __orig=orig, __why=why, **k):
+            if not state.decided:
+                state.user_choice = __why
+            return __orig(*a, **k)
+        functools.update_wrapper(wrapper, orig)
+        _replace([mem, cuda], name, orig, wrapper)
+    state.orig_change = getattr(mem, "change_current_allocator", None)
+    if state.orig_change is not None and hasattr(state.orig_change, "__wrapped__"):
+        state.orig_change = state.orig_change.__wrapped__
+    _epochs.install(torch)
+    if cuda.is_initialized():  # `import memshim` after the program's first CUDA use
+        state.decided = True
+        state.why = "CUDA was initialized before memshim's hook could switch the allocator"
+        if setting("mode") not in (MODE_SEGMENT, MODE_OFF):
+            log(LOG_INFO, f"memshim stays in segment mode: {state.why}")
+    import atexit
+    atexit.register(_at_exit)
+
+
+def _decide():
+    with _lock:
+        if state.decided:
+            return
+        state.decided = True
+        mode = setting("mode")
+        if mode in (MODE_SEGMENT, MODE_OFF):
+            return
+        why = _why_not(mode)
+        if why:
+            state.why = why
+            log(LOG_WARN if mode == MODE_TENSOR else LOG_INFO, f"memshim stays in segment mode: {why}")
+            return
+        try:
+            _switch()
+        except Exception as exc:  # noqa: BLE001
+            state.why = f"the switch failed ({type(exc).__name__}: {exc})"
+            log(LOG_WARN, f"memshim stays in segment mode: {state.why}")
+
+
+def _why_not(mode):
+    """Why memshim must not become PyTorch's allocator here, or None."""
+    torch = _torch
+    if state.user_choice:
+        return state.user_choice
+    if mode == MODE_AUTO:
+        for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+            if os.environ.get(var):
+                return f"{var} configures PyTorch's own allocator (MEMSHIM_MODE=tensor overrides)"
+    if torch.cuda.is_initialized():
+        return "CUDA was initialized before memshim's hook could switch the allocator"
+    if not setting("enabled"):
+        return "memshim has no usable CUDA driver"
+    lib_dir = os.path.dirname(_boot.lib_path() or "")
+    glue_path = os.path.join(lib_dir, "libmemshim_torch.so")
+    if not os.path.exists(glue_path):
+        return (f"{glue_path} is missing (it is built only where python3 can import torch: run make there)")
+    try:
+        glue = ctypes.CDLL(glue_path)
+        glue.memshim_glue_torch_version.restype = ctypes.c_char_p
+        built = glue.memshim_glue_torch_version().decode()
+    except (OSError, AttributeError) as exc:
+        return f"cannot load {glue_path} ({exc})"
+    if built.split("+")[0] != torch.__version__.split("+")[0]:
+        return f"{glue_path} was built for PyTorch {built}, this is {torch.__version__} (rebuild with make)"
+    if not glue.memshim_glue_ready():
+        return f"{glue_path} cannot find libmemshim.so's entry points"
+    state.glue = (glue_path, glue)
+    return None
+
+
+def _switch():
+    torch = _torch
+    from torch.cuda.memory import CUDAPluggableAllocator
+    glue_path, glue = state.glue
+    lib = _boot.lib()
+    alloc = CUDAPluggableAllocator(glue_path, "memshim_glue_malloc", "memshim_glue_free")
+    a = alloc._allocator
+    hooks = [("set_init_fn", lib, "memshim_torch_init"),
+             ("set_reset_fn", lib, "memshim_empty_cache"),
+             ("set_memory_fraction_fn", lib, "memshim_torch_set_memory_fraction"),
+             ("set_base_alloc_fn", lib, "memshim_torch_base_alloc"),
+             ("set_record_stream_fn", lib, "memshim_torch_record_stream"),
+             ("set_begin_allocate_to_pool", glue, "memshim_glue_begin_allocate_to_pool"),
+             ("set_end_allocate_to_pool_fn", glue, "memshim_glue_end_allocate_to_pool"),
+             ("set_release_pool", glue, "memshim_glue_release_pool")]
+    missing = []
+    for setter, so, sym in hooks:
+        if hasattr(a, setter):
+            getattr(a, setter)(ctypes.cast(getattr(so, sym), ctypes.c_void_p).value)
+        else:
+            missing.append(setter)
+    if "set_begin_allocate_to_pool" in missing or "set_release_pool" in missing:
+        log(LOG_INFO, "this PyTorch has no capture-pool hooks: allocations during CUDA-graph capture go to "
+                      "memshim's capture-only pool (backstop)")
+    (state.orig_change or torch.cuda.memory.change_current_allocator)(alloc)
+    state.allocator, state.tensor = alloc, True
+    _patch_memory_api(torch)
+    try:
+        from . import _history  # issue 11: memory snapshots in tensor mode
+    except ImportError:
+        _history = None
+    if _history is not None:
+        try:
+            _history.install(torch, lib)
+        except Exception as exc:  # noqa: BLE001
+            log(LOG_WARN, f"memory history under memshim is unavailable ({type(exc).__name__}: {exc})")
+    _boot.watch("torch._inductor.config", _no_cudagraph_trees)
+    log(LOG_INFO, "tensor mode: PyTorch allocates every tensor through memshim"
+        + (f" (hooks this PyTorch lacks: {', '.join(missing)})" if missing else ""))
+
+
+def _no_cudagraph_trees(cfg):
+    """torch.compile(mode="reduce-overhead") uses cudagraph trees, which fail under any pluggable
+    allocator; plain CUDA graphs use memshim's capture pools."""
+    triton = getattr(cfg, "triton", None)
+    if triton is not None and getattr(triton, "cudagraph_trees", False):
+        triton.cudagraph_trees = False
+        log(LOG_INFO, "torch._inductor.config.triton.cudagraph_trees = False (graph trees need PyTorch's own "
+                      "allocator; compiled graphs use plain CUDA graphs over memshim's capture pools)")
+
+
+# ---- the memory API in tensor mode ------------------------------------------------------------
+def stat_names():
+    lib = _boot.lib()
+    n = lib.memshim_torch_stats(0, None, 0)
+    return [lib.memshim_torch_stat_name(i).decode() for i in range(n)]
+
+
+def flat_stats(device):
+    lib = _boot.lib()
+    names = stat_names()
+    vals = (ctypes.c_longlong * len(names))()
+    lib.memshim_torch_stats(int(device), vals, len(names))
+    return dict(zip(names, vals))
+
+
+def nested_stats(device):
+    out = {}
+    for key, val in flat_stats(device).items():
+        d = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+        d[parts[-1]] = val
+    return out
+
+
+def _patch_memory_api(torch):
+    cuda, mem, lib = torch.cuda, torch.cuda.memory, _boot.lib()
+
+    def dev(device):
+        return cuda._get_device_index(device, optional=True)
+
+    def memory_stats_as_nested_dict(device=None):
+        return nested_stats(dev(device))
+
+    def reset_peak_memory_stats(device=None):
+        lib.memshim_torch_reset_peak(dev(device))
+
+    def reset_accumulated_memory_stats(device=None):
+        lib.memshim_torch_reset_accumulated(dev(device))
+
+    def get_per_process_memory_fraction(device=None):
+        return lib.memshim_torch_get_memory_fraction(dev(device))
+
+    # memory_stats, memory_allocated, max_memory_*, memory_reserved, memory_summary and
+    # reset_max_memory_* reach these through torch.cuda.memory's globals.
+    for new in (memory_stats_as_nested_dict, reset_peak_memory_stats, reset_accumulated_memory_stats,
+                get_per_process_memory_fraction):
+        orig = getattr(mem, new.__name__, None)
+        if orig is None:
+            continue
+        functools.update_wrapper(new, orig)
+        new.__doc__ = (orig.__doc__ or "") + "\n\n(memshim tensor mode: answered from memshim's counters.)"
+        _replace([mem, cuda], new.__name__, orig, new)
+
+
+# ---- segment mode: PyTorch's own figures for the reports -------------------------------------
+def hand_epoch_stats():
+    """Segment mode, CUDA initialized: copy torch.cuda.memory_stats() of each device to memshim
+    for the report being written. Returns whether any was handed over."""
+    torch, lib = _torch, _boot.lib()
+    if torch is None or lib is None or state.tensor or not torch.cuda.is_initialized():
+        return False
+    handed = False
+    for d in range(torch.cuda.device_count()):
+        try:
+            s = torch.cuda.memory_stats(d)
+        except Exception:  # noqa: BLE001 - a device PyTorch never used, or an allocator without stats
+            continue
+        for k in EPOCH_KEYS:
+            if k in s:
+                lib.memshim_torch_epoch_stat(d, k.encode(), int(s[k]))
+                handed = True
+    return handed
+
+
+def _at_exit():
+    """The summary (written by libmemshim.so's exit handler, after Python's) carries them too."""
+    try:
+        if setting("started") == 1:
+            hand_epoch_stats()
+    except Exception:  # noqa: BLE001
+        pass

@@ -1,0 +1,989 @@
+/*
+ * torch.c: memshim as PyTorch's allocator (docs/pytorch.md). The library constructor that lets a
+ * preloaded memshim reach Python (its start-up hook directory first on PYTHONPATH), the C entry
+ * points behind every hook of torch._C._CUDAPluggableAllocator (init, memory fraction, base
+ * allocation, record stream, CUDA-graph capture pools), PyTorch-named statistics with peaks that
+ * reset, the out-of-memory diagnosis the C++ glue throws, and what the Python side hands to the
+ * epoch reports.
+ *
+ * It must never make the host fail: the constructor only edits the environment of a CPython
+ * process that has not started yet, and any problem leaves memshim in segment mode. Memory
+ * allocated into a capture pool is never handed to an allocation outside that pool. Nothing
+ * here calls a CUDA hook or Python; the capture pools' lock is never held while a report is
+ * written.
+ */
+#include "torch.h"
+
+#include <dlfcn.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core.h"
+#include "cuda_real.h"
+#include "device.h"
+#include "memshim.h"
+#include "msh.h"
+
+/* ---- the Python start-up hook ---------------------------------------------------------------
+ * glibc passes (argc, argv, envp) to constructors. Before CPython reads its environment, the
+ * directory holding memshim's sitecustomize.py goes first on PYTHONPATH; the user's value is
+ * kept in _MEMSHIM_PYTHONPATH ("1:" + value, or "0:" when unset) for sitecustomize to restore.
+ * Not MEMSHIM_*: those names are settings. */
+
+static char lib_path[PATH_MAX];
+static pthread_mutex_t tlock_early = PTHREAD_MUTEX_INITIALIZER;
+
+static void find_lib_path(void)
+{
+    Dl_info di;
+    if (!dladdr((void *)find_lib_path, &di) || !di.dli_fname) return;
+    if (!realpath(di.dli_fname, lib_path)) lib_path[0] = 0;
+}
+
+MSH_EXPORT const char *memshim_library_path(void)
+{
+    if (!lib_path[0]) find_lib_path();
+    return lib_path;
+}
+
+/* The directory with sitecustomize.py: installed beside the library (lib/memshim-python), or in
+ * the source tree above a build directory (build/../hooks/python). */
+static int find_python_dir(char *out, size_t len)
+{
+    if (!lib_path[0]) find_lib_path();
+    if (!lib_path[0]) return ENOENT;
+    char dir[PATH_MAX];
+    snprintf(dir, sizeof dir, "%s", lib_path);
+    char *slash = strrchr(dir, '/');
+    if (!slash) return ENOENT;
+    *slash = 0;
+    const char *cands[] = {"%s/memshim-python", "%s/../hooks/python"};
+    for (size_t i = 0; i < sizeof cands / sizeof *cands; i++) {
+        char cand[PATH_MAX], site[PATH_MAX + 32], real[PATH_MAX];
+        if (snprintf(cand, sizeof cand, cands[i], dir) >= (int)sizeof cand) continue;
+        if (snprintf(site, sizeof site, "%s/sitecustomize.py", cand) >= (int)sizeof site) continue;
+        if (access(site, R_OK) != 0 || !realpath(cand, real)) continue;
+        if (strlen(real) >= len) return ENAMETOOLONG;
+        strcpy(out, real);
+        return 0;
+    }
+    return ENOENT;
+}
+
+/* The interpreter options that make CPython ignore PYTHONPATH or skip site: -I, -E, -S, alone
+ * or grouped ("-IS"), before the script, -c or -m. Returns the first one found, or 0. */
+static char python_blocking_option(int argc, char **argv)
+{
+    for (int i = 1; i < argc && argv && argv[i]; i++) {
+        const char *a = argv[i];
+        if (a[0] != '-' || !a[1] || !strcmp(a, "--")) return 0;
+        if (a[1] == '-') {
+            if (!strcmp(a, "--check-hash-based-pycs")) i++;
+            continue;
+        }
+        for (int j = 1; a[j]; j++) {
+            char c = a[j];
+            if (c == 'I' || c == 'E' || c == 'S') return c;
+            if (c == 'c' || c == 'm') return 0;
+            if (c == 'W' || c == 'X') {
+                if (!a[j + 1]) i++; /* the option's value is the next argument */
+                break;
+            }
+        }
+    }
+    return 0;
+}
+
+__attribute__((constructor)) static void msh_torch_ctor(int argc, char **argv, char **envp)
+{
+    (void)envp;
+    /* CPython only: shells, env and CUDA programs stay untouched. */
+    if (!dlsym(RTLD_DEFAULT, "Py_BytesMain")) return;
+    int (*is_init)(void);
+    *(void **)&is_init = dlsym(RTLD_DEFAULT, "Py_IsInitialized");
+    if (is_init && is_init()) return; /* loaded into a running interpreter (ctypes) */
+    msh_config_load();
+    if (msh_cfg.mode == MSH_MODE_OFF) return;
+    char opt = python_blocking_option(argc, argv);
+    if (opt) {
+        if (msh_cfg.log_file[0]) msh_log_open(msh_cfg.log_file);
+        msh_info("python -%c ignores PYTHONPATH or skips site, so memshim's start-up hook cannot run: memshim stays in "
+                 "segment mode. For tensor mode put `import memshim` at the top of the script, or run `make "
+                 "install-python` (a .pth file)", opt);
+        return;
+    }
+    char dir[PATH_MAX];
+    if (find_python_dir(dir, sizeof dir)) return; /* no Python part installed: segment mode */
+    const char *old = getenv("PYTHONPATH");
+    size_t dl = strlen(dir);
+    if (old && !strncmp(old, dir, dl) && (old[dl] == ':' || !old[dl])) return; /* already first */
+    if (getenv("_MEMSHIM_PYTHONPATH")) return; /* a parent set it and its hook never ran: leave it */
+    size_t ol = old ? strlen(old) : 0;
+    char *saved = malloc(ol + 3), *now = malloc(dl + ol + 2);
+    if (!saved || !now) {
+        free(saved);
+        free(now);
+        return;
+    }
+    snprintf(saved, ol + 3, "%s%s", old ? "1:" : "0:", old ? old : "");
+    snprintf(now, dl + ol + 2, "%s%s%s", dir, old && *old ? ":" : "", old && *old ? old : "");
+    if (setenv("_MEMSHIM_PYTHONPATH", saved, 1) == 0) setenv("PYTHONPATH", now, 1);
+    free(saved);
+    free(now);
+}
+
+/* ---- logging and settings for the Python side ------------------------------------------------- */
+
+MSH_EXPORT void memshim_torch_log(int level, const char *msg)
+{
+    if (!msg) return;
+    msh_config_load();
+    if (level < MSH_LOG_ERROR) level = MSH_LOG_ERROR;
+    if (level > msh_log_level) return;
+    msh_log(level, "%s", msg);
+}
+
+MSH_EXPORT long memshim_torch_setting(const char *name)
+{
+    if (!name) return -1;
+    msh_config_load();
+    if (!strcmp(name, "mode")) return msh_cfg.mode;
+    if (!strcmp(name, "started")) return msh_core_started();
+    if (!strcmp(name, "enabled")) return msh_core_init();
+    if (!strcmp(name, "tensor")) return msh_core_started() && msh_core_mode() == MSH_MODE_TENSOR;
+    if (!strcmp(name, "epoch_detect")) return msh_core_epoch_detect();
+    if (!strcmp(name, "gc")) return msh_cfg.gc;
+    if (!strcmp(name, "empty_cache")) return msh_cfg.empty_cache;
+    if (!strcmp(name, "log")) return msh_log_level;
+    return -1;
+}
+
+MSH_EXPORT int memshim_epoch_from(const char *reason)
+{
+    static const char *const reasons[] = {"manual", "dataloader", "hf_trainer", "lightning"};
+    const char *r = NULL;
+    for (size_t i = 0; reason && i < sizeof reasons / sizeof *reasons; i++)
+        if (!strcmp(reason, reasons[i])) r = reasons[i]; /* a static string for the report */
+    if (!r) return EINVAL;
+    if (!msh_core_started()) return ENODEV;
+    msh_core_epoch(r);
+    return 0;
+}
+
+/* The PyTorch version the Python side found (for the reports' versions.torch), or NULL. */
+static char torch_version[64];
+
+MSH_EXPORT void memshim_torch_set_version(const char *v)
+{
+    if (v && strlen(v) < sizeof torch_version) {
+        pthread_mutex_lock(&tlock_early);
+        strcpy(torch_version, v);
+        pthread_mutex_unlock(&tlock_early);
+    }
+}
+
+const char *msh_torch_version(void)
+{
+    return torch_version[0] ? torch_version : NULL;
+}
+
+MSH_EXPORT void memshim_step_if_started(void)
+{
+    if (msh_core_started()) memshim_step();
+}
+
+/* ---- per-device state --------------------------------------------------------------------------
+ * PyTorch's statistics count what PyTorch allocated through the pluggable entry points, apart
+ * from the epoch reports' own peaks, so resetting one never disturbs the other. "small" is
+ * PyTorch's small pool: requests up to 1 MiB. */
+enum { SP_ALL, SP_LARGE, SP_SMALL, SP_N };
+struct tcount {
+    _Atomic uint64_t cur, peak, allocated, freed;
+};
+struct tdev {
+    struct tcount bytes[SP_N], req[SP_N], count[SP_N];
+    _Atomic uint64_t reserved_peak, segments_peak;
+    _Atomic uint64_t ooms;
+    /* cumulative pool figures at the last reset_accumulated */
+    _Atomic uint64_t base_created, base_released, base_create_ops, base_release_ops, base_retries, base_syncs;
+    size_t total, cfg_limit, gran;
+    double fraction; /* set_per_process_memory_fraction; 0 = not set */
+    bool params_done;
+};
+static struct tdev tdevs[MSH_MAX_DEVICES];
+static struct msh_pool_share shares[MSH_MAX_DEVICES];
+static struct msh_pool_params tmpl[MSH_MAX_DEVICES]; /* the main pool's parameters, for capture pools */
+static pthread_mutex_t tlock = PTHREAD_MUTEX_INITIALIZER;
+
+static bool dev_ok(int device)
+{
+    return device >= 0 && device < MSH_MAX_DEVICES;
+}
+
+static void update_max(_Atomic uint64_t *m, uint64_t v)
+{
+    uint64_t cur = atomic_load_explicit(m, memory_order_relaxed);
+    while (v > cur && !atomic_compare_exchange_weak_explicit(m, &cur, v, memory_order_relaxed, memory_order_relaxed)) {
+    }
+}
+
+static void count_add(struct tcount *c, uint64_t v)
+{
+    uint64_t now = atomic_fetch_add_explicit(&c->cur, v, memory_order_relaxed) + v;
+    atomic_fetch_add_explicit(&c->allocated, v, memory_order_relaxed);
+    update_max(&c->peak, now);
+}
+
+static void count_sub(struct tcount *c, uint64_t v)
+{
+    uint64_t cur = atomic_load_explicit(&c->cur, memory_order_relaxed);
+    /* never below zero, even for a free PyTorch reports with another size than it allocated */
+    while (!atomic_compare_exchange_weak_explicit(&c->cur, &cur, cur > v ? cur - v : 0, memory_order_relaxed,
+                                                  memory_order_relaxed)) {
+    }
+    atomic_fetch_add_explicit(&c->freed, v, memory_order_relaxed);
+}
+
+static uint64_t rounded(size_t size)
+{
+    return ((uint64_t)(size ? size : 1) + 511) / 512 * 512; /* the pool's block alignment */
+}
+
+static void note_alloc(int device, size_t size)
+{
+    struct tdev *t = &tdevs[device];
+    int sp = size <= MSH_MiB ? SP_SMALL : SP_LARGE;
+    count_add(&t->bytes[SP_ALL], rounded(size));
+    count_add(&t->bytes[sp], rounded(size));
+    count_add(&t->req[SP_ALL], size);
+    count_add(&t->req[sp], size);
+    count_add(&t->count[SP_ALL], 1);
+    count_add(&t->count[sp], 1);
+    size_t held = __atomic_load_n(&shares[device].handle_bytes, __ATOMIC_RELAXED);
+    update_max(&t->reserved_peak, held);
+    if (t->gran) update_max(&t->segments_peak, held / t->gran);
+}
+
+static void note_free(int device, size_t size)
+{
+    struct tdev *t = &tdevs[device];
+    int sp = size <= MSH_MiB ? SP_SMALL : SP_LARGE;
+    count_sub(&t->bytes[SP_ALL], rounded(size));
+    count_sub(&t->bytes[sp], rounded(size));
+    count_sub(&t->req[SP_ALL], size);
+    count_sub(&t->req[sp], size);
+    count_sub(&t->count[SP_ALL], 1);
+    count_sub(&t->count[sp], 1);
+}
+
+/* ---- limits ------------------------------------------------------------------------------------ */
+
+static size_t limit_for(const struct tdev *t)
+{
+    size_t lim = t->cfg_limit;
+    if (t->fraction > 0 && t->total) {
+        size_t f = (size_t)(t->fraction * (double)t->total);
+        if (!lim || f < lim) lim = f;
+    }
+    return lim;
+}
+
+void msh_torch_pool_params(int device, size_t total, struct msh_pool_params *prm)
+{
+    if (!dev_ok(device)) return;
+    pthread_mutex_lock(&tlock);
+    struct tdev *t = &tdevs[device];
+    t->total = total;
+    t->cfg_limit = prm->limit_bytes;
+    __atomic_store_n(&shares[device].limit_bytes, limit_for(t), __ATOMIC_RELAXED);
+    prm->share = &shares[device];
+    tmpl[device] = *prm;
+    t->params_done = true;
+    pthread_mutex_unlock(&tlock);
+}
+
+size_t msh_torch_limit(int device)
+{
+    if (!dev_ok(device)) return 0;
+    pthread_mutex_lock(&tlock);
+    size_t l = tdevs[device].params_done ? __atomic_load_n(&shares[device].limit_bytes, __ATOMIC_RELAXED)
+                                         : msh_cfg.limit_bytes;
+    pthread_mutex_unlock(&tlock);
+    return l;
+}
+
+MSH_EXPORT void memshim_torch_set_memory_fraction(double fraction, int device)
+{
+    if (!dev_ok(device)) return;
+    if (!(fraction > 0.0 && fraction <= 1.0)) {
+        msh_warn("set_per_process_memory_fraction(%g) on device %d: not in (0, 1]; the limit is unchanged",
+                 fraction, device);
+        return;
+    }
+    pthread_mutex_lock(&tlock);
+    struct tdev *t = &tdevs[device];
+    t->fraction = fraction;
+    if (t->params_done) __atomic_store_n(&shares[device].limit_bytes, limit_for(t), __ATOMIC_RELAXED);
+    size_t lim = limit_for(t);
+    pthread_mutex_unlock(&tlock);
+    msh_info("device %d: PyTorch set the memory fraction to %g: limit %zu bytes%s", device, fraction, lim,
+             t->params_done ? "" : " (once the pool starts)");
+}
+
+MSH_EXPORT double memshim_torch_get_memory_fraction(int device)
+{
+    if (!dev_ok(device)) return 1.0;
+    pthread_mutex_lock(&tlock);
+    struct tdev *t = &tdevs[device];
+    double f = t->fraction > 0 ? t->fraction : 1.0;
+    size_t lim = limit_for(t);
+    if (t->total && lim && (double)lim / (double)t->total < f) f = (double)lim / (double)t->total;
+    pthread_mutex_unlock(&tlock);
+    return f;
+}
+
+/* ---- capture pools -----------------------------------------------------------------------------
+ * A capture pool is one PyTorch MempoolId_t of a device: "active" between begin and end, and
+ * after release_pool destroyed as soon as its last block is freed. Inside it, one msh_pool per
+ * stream, all sharing the device's limit: a block freed on one stream is reused only by
+ * allocations on that stream, as in PyTorch's own private pools. Reuse across streams would need
+ * an event recorded outside the capture and waited on inside it, which the driver refuses while
+ * capturing (and which would invalidate the graph). The backstop pool (ids all ones) takes
+ * allocations on a capturing stream that no begun pool claimed; its memory is only ever reused
+ * by such allocations. */
+#define CAPG_MAX 32
+#define CAP_MAX 64
+#define BACKSTOP_ID UINT64_MAX
+struct capgroup {
+    bool used, released;
+    int device, active;
+    uint64_t id0, id1, seq;
+};
+struct cap { /* one stream's pool inside a group */
+    bool used;
+    int g, device;
+    uint64_t stream;
+    size_t live;
+    struct msh_pool *pool;
+};
+static pthread_mutex_t caps_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct capgroup groups[CAPG_MAX];
+static struct cap caps[CAP_MAX];
+static _Atomic int caps_alive; /* groups in use: frees look at capture pools only when > 0 */
+static uint64_t caps_seq;
+
+static struct capgroup *group_find_locked(int device, uint64_t id0, uint64_t id1)
+{
+    for (int i = 0; i < CAPG_MAX; i++)
+        if (groups[i].used && !groups[i].released && groups[i].device == device && groups[i].id0 == id0 &&
+            groups[i].id1 == id1)
+            return &groups[i];
+    return NULL;
+}
+
+static struct capgroup *group_create_locked(int device, uint64_t id0, uint64_t id1)
+{
+    if (!msh_core_pool(device) || !msh_core_device(device)) return NULL; /* the main pool sets the limit up */
+    for (int i = 0; i < CAPG_MAX; i++) {
+        if (groups[i].used) continue;
+        groups[i] = (struct capgroup){.used = true, .device = device, .id0 = id0, .id1 = id1};
+        atomic_fetch_add(&caps_alive, 1);
+        return &groups[i];
+    }
+    msh_warn("device %d: more than %d CUDA-graph capture pools alive; this one is refused", device, CAPG_MAX);
+    return NULL;
+}
+
+/* The pool of group g for `stream`, created on first use. */
+static struct cap *cap_get_locked(struct capgroup *g, uint64_t stream)
+{
+    int gi = (int)(g - groups);
+    for (int i = 0; i < CAP_MAX; i++)
+        if (caps[i].used && caps[i].g == gi && caps[i].stream == stream) return &caps[i];
+    for (int i = 0; i < CAP_MAX; i++) {
+        if (caps[i].used) continue;
+        struct msh_pool_params prm = tmpl[g->device];
+        /* A graph replays into every address its capture touched, freed blocks included: no page
+         * of a capture pool may be unmapped, moved or given back before the pool is released. */
+        prm.defrag = false;
+        prm.no_release_on_oom = true;
+        prm.release_threshold = 0;
+        struct msh_pool *p = NULL;
+        int rc = msh_pool_create(msh_core_device(g->device), &prm, &p);
+        if (rc) {
+            msh_warn("device %d: cannot create a CUDA-graph capture pool (error %d)", g->device, rc);
+            return NULL;
+        }
+        msh_pool_set_timing(p, true);
+        caps[i] = (struct cap){.used = true, .g = gi, .device = g->device, .stream = stream, .pool = p};
+        return &caps[i];
+    }
+    msh_warn("device %d: more than %d CUDA-graph capture pools (per stream) alive; this one is refused",
+             g->device, CAP_MAX);
+    return NULL;
+}
+
+/* A released group whose blocks are all freed goes, with every page of every stream's pool. */
+static void group_maybe_destroy_locked(struct capgroup *g)
+{
+    if (!g->released) return;
+    int gi = (int)(g - groups);
+    for (int i = 0; i < CAP_MAX; i++)
+        if (caps[i].used && caps[i].g == gi && caps[i].live) return;
+    for (int i = 0; i < CAP_MAX; i++) {
+        if (!caps[i].used || caps[i].g != gi) continue;
+        msh_pool_destroy(caps[i].pool);
+        memset(&caps[i], 0, sizeof caps[i]);
+    }
+    memset(g, 0, sizeof *g);
+    atomic_fetch_sub(&caps_alive, 1);
+}
+
+MSH_EXPORT void memshim_torch_begin_allocate_to_pool(int device, unsigned long long id0, unsigned long long id1,
+                                                     void *filter)
+{
+    (void)filter; /* a C++ std::function: the glue evaluates it */
+    if (!dev_ok(device) || !msh_core_init()) return;
+    msh_in_hook++;
+    pthread_mutex_lock(&caps_lock);
+    struct capgroup *g = group_find_locked(device, id0, id1);
+    if (!g) g = group_create_locked(device, id0, id1);
+    if (g) {
+        g->active++;
+        g->seq = ++caps_seq;
+    }
+    pthread_mutex_unlock(&caps_lock);
+    msh_in_hook--;
+    msh_debug("device %d: allocations go to capture pool (%llu, %llu)", device, id0, id1);
+}
+
+MSH_EXPORT void memshim_torch_end_allocate_to_pool(int device, unsigned long long id0, unsigned long long id1)
+{
+    pthread_mutex_lock(&caps_lock);
+    struct capgroup *g = group_find_locked(device, id0, id1);
+    if (g && g->active > 0) g->active--;
+    pthread_mutex_unlock(&caps_lock);
+}
+
+MSH_EXPORT void memshim_torch_release_pool(int device, unsigned long long id0, unsigned long long id1)
+{
+    msh_in_hook++;
+    pthread_mutex_lock(&caps_lock);
+    struct capgroup *g = group_find_locked(device, id0, id1);
+    if (g) {
+        g->active = 0;
+        g->released = true;
+        group_maybe_destroy_locked(g);
+    }
+    pthread_mutex_unlock(&caps_lock);
+    msh_in_hook--;
+}
+
+/* Whether `stream` is capturing: the driver's cuStreamIsCapturing (resolved once), or a test's. */
+static int (*capture_query_override)(void *stream);
+static CUresult (*is_capturing)(CUstream, CUstreamCaptureStatus *);
+static pthread_once_t capq_once = PTHREAD_ONCE_INIT;
+
+static CUresult (*exchange_capture_mode)(CUstreamCaptureMode *);
+
+static void capq_resolve(void)
+{
+    if (msh_cuda_load() || !msh_cu.handle) return;
+    *(void **)&is_capturing = dlsym(msh_cu.handle, "cuStreamIsCapturing");
+    *(void **)&exchange_capture_mode = dlsym(msh_cu.handle, "cuThreadExchangeStreamCaptureMode");
+}
+
+/* While a graph is being captured, the driver refuses "unsafe" calls (memory creation and
+ * mapping among them) from any thread in the default global capture mode. Like PyTorch's own
+ * allocator around cudaMalloc, memshim's pool calls run in relaxed mode then. Returns the mode
+ * to restore (or -1). */
+static int relaxed_begin(void)
+{
+    if (!atomic_load_explicit(&caps_alive, memory_order_relaxed)) return -1;
+    pthread_once(&capq_once, capq_resolve);
+    if (!exchange_capture_mode) return -1;
+    CUstreamCaptureMode m = CU_STREAM_CAPTURE_MODE_RELAXED;
+    return exchange_capture_mode(&m) == CUDA_SUCCESS ? (int)m : -1;
+}
+
+static void relaxed_end(int saved)
+{
+    if (saved < 0 || !exchange_capture_mode) return;
+    CUstreamCaptureMode m = (CUstreamCaptureMode)saved;
+    exchange_capture_mode(&m);
+}
+
+void msh_torch_set_capture_query(int (*fn)(void *stream))
+{
+    capture_query_override = fn;
+}
+
+static int stream_capturing(void *stream)
+{
+    if (capture_query_override) return capture_query_override(stream);
+    /* The legacy default stream cannot capture; PyTorch's default stream is that stream. */
+    if (!stream) return 0;
+    pthread_once(&capq_once, capq_resolve);
+    if (!is_capturing) return -1;
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (is_capturing((CUstream)stream, &st) != CUDA_SUCCESS) return -1;
+    return st != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+/* ---- allocation entry points ------------------------------------------------------------------ */
+
+static __thread struct msh_pool *last_oom_pool; /* the pool whose request failed last (this thread) */
+static __thread bool last_oom_capture;
+
+static void *cap_alloc_locked(struct cap *c, size_t size, void *stream)
+{
+    uint64_t a = 0;
+    int saved = relaxed_begin();
+    int rc = msh_pool_alloc(c->pool, size, (uint64_t)(uintptr_t)stream, &a);
+    if (rc == ENOMEM) {
+        /* The limit is shared: the main pool's cached pages may be what stands in the way. */
+        struct msh_pool *main_pool = msh_core_pool(c->device);
+        if (main_pool && msh_pool_empty_cache(main_pool))
+            rc = msh_pool_alloc(c->pool, size, (uint64_t)(uintptr_t)stream, &a);
+    }
+    relaxed_end(saved);
+    if (rc) {
+        last_oom_pool = c->pool;
+        last_oom_capture = true;
+        return NULL;
+    }
+    c->live++;
+    msh_core_trace('a', c->device, (uint64_t)(uintptr_t)stream, a, size);
+    return (void *)(uintptr_t)a;
+}
+
+static void *alloc_in_cap(int device, size_t size, void *stream, uint64_t id0, uint64_t id1, bool backstop)
+{
+    msh_in_hook++;
+    pthread_mutex_lock(&caps_lock);
+    struct capgroup *g = NULL;
+    if (!backstop) {
+        g = group_find_locked(device, id0, id1);
+        if (!g) g = group_create_locked(device, id0, id1); /* a pool used without begin */
+    } else { /* the most recently begun active pool of the device, else the backstop pool */
+        for (int i = 0; i < CAPG_MAX; i++)
+            if (groups[i].used && !groups[i].released && groups[i].device == device && groups[i].active &&
+                (!g || groups[i].seq > g->seq))
+                g = &groups[i];
+        if (!g) {
+            g = group_find_locked(device, BACKSTOP_ID, BACKSTOP_ID);
+            if (!g) {
+                g = group_create_locked(device, BACKSTOP_ID, BACKSTOP_ID);
+                if (g)
+                    msh_info("device %d: an allocation on a capturing stream came with no capture pool begun; "
+                             "it goes to a capture-only pool whose memory is never reused outside captures",
+                             device);
+            }
+        }
+    }
+    struct cap *c = g ? cap_get_locked(g, (uint64_t)(uintptr_t)stream) : NULL;
+    void *p = c ? cap_alloc_locked(c, size, stream) : NULL;
+    pthread_mutex_unlock(&caps_lock);
+    if (p) note_alloc(device, size);
+    else tdevs[device].ooms++;
+    msh_in_hook--;
+    return p;
+}
+
+MSH_EXPORT void *memshim_torch_alloc_in_pool(ssize_t size, int device, memshim_stream_t stream,
+                                             unsigned long long id0, unsigned long long id1)
+{
+    if (size < 0 || !dev_ok(device) || !msh_core_init()) return NULL;
+    return alloc_in_cap(device, (size_t)size, stream, id0, id1, false);
+}
+
+MSH_EXPORT void *memshim_torch_alloc(ssize_t size, int device, memshim_stream_t stream)
+{
+    if (size < 0 || !dev_ok(device)) return NULL;
+    if (stream && stream_capturing(stream) == 1) return alloc_in_cap(device, (size_t)size, stream, 0, 0, true);
+    int saved = relaxed_begin(); /* another thread may be capturing a graph */
+    void *p = memshim_malloc(size, device, stream);
+    relaxed_end(saved);
+    struct tdev *t = &tdevs[device];
+    if (MSH_UNLIKELY(!t->gran)) {
+        struct msh_device *dev = msh_core_device(device);
+        size_t g = 0;
+        if (dev && dev->ops->granularity(dev, &g) == 0) t->gran = g;
+    }
+    if (p) {
+        note_alloc(device, (size_t)size);
+    } else {
+        t->ooms++;
+        last_oom_pool = msh_core_pool(device);
+        last_oom_capture = false;
+    }
+    return p;
+}
+
+/* A block in a capture pool: freed there (and the pool destroyed when released and empty). */
+static bool cap_free(void *ptr, void *stream)
+{
+    if (!atomic_load_explicit(&caps_alive, memory_order_relaxed)) return false;
+    bool done = false;
+    msh_in_hook++;
+    pthread_mutex_lock(&caps_lock);
+    for (int i = 0; i < CAP_MAX && !done; i++) {
+        struct cap *c = &caps[i];
+        if (!c->used || !msh_pool_owns(c->pool, (uint64_t)(uintptr_t)ptr)) continue;
+        if (msh_core_tracing())
+            msh_core_trace('f', c->device, (uint64_t)(uintptr_t)stream, (uint64_t)(uintptr_t)ptr,
+                           msh_pool_block_size(c->pool, (uint64_t)(uintptr_t)ptr));
+        if (msh_pool_free(c->pool, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream) == 0) {
+            c->live--;
+            group_maybe_destroy_locked(&groups[c->g]);
+        }
+        done = true;
+    }
+    pthread_mutex_unlock(&caps_lock);
+    msh_in_hook--;
+    return done;
+}
+
+MSH_EXPORT void memshim_torch_free(void *ptr, ssize_t size, int device, memshim_stream_t stream)
+{
+    if (!ptr) return;
+    if (dev_ok(device) && size >= 0) note_free(device, (size_t)size);
+    if (cap_free(ptr, stream)) return;
+    memshim_free(ptr, size, device, stream);
+}
+
+MSH_EXPORT void memshim_torch_record_stream(void *ptr, memshim_stream_t stream)
+{
+    if (atomic_load_explicit(&caps_alive, memory_order_relaxed)) {
+        bool done = false;
+        pthread_mutex_lock(&caps_lock);
+        for (int i = 0; i < CAP_MAX && !done; i++)
+            if (caps[i].used && msh_pool_record_stream(caps[i].pool, (uint64_t)(uintptr_t)ptr,
+                                                       (uint64_t)(uintptr_t)stream) == 0)
+                done = true;
+        pthread_mutex_unlock(&caps_lock);
+        if (done) return;
+    }
+    memshim_record_stream(ptr, stream);
+}
+
+MSH_EXPORT void memshim_torch_init(int device_count)
+{
+    msh_core_init();
+    msh_info("PyTorch initialized CUDA with memshim as its allocator (%d device%s)", device_count,
+             device_count == 1 ? "" : "s");
+}
+
+struct find_ctx {
+    uint64_t addr, base;
+    size_t size;
+};
+
+static void find_containing(void *arg, uint64_t addr, size_t size, uint64_t stream)
+{
+    (void)stream;
+    struct find_ctx *f = arg;
+    if (f->addr >= addr && f->addr < addr + (size ? size : 1)) {
+        f->base = addr;
+        f->size = size;
+    }
+}
+
+static bool base_in(struct msh_pool *p, struct find_ctx *f)
+{
+    size_t s = msh_pool_block_size(p, f->addr);
+    if (s) {
+        f->base = f->addr;
+        f->size = s;
+        return true;
+    }
+    msh_pool_for_each_live(p, find_containing, f);
+    return f->base != 0;
+}
+
+MSH_EXPORT void *memshim_torch_base_alloc(void *ptr, size_t *size)
+{
+    struct find_ctx f = {(uint64_t)(uintptr_t)ptr, 0, 0};
+    bool found = false;
+    for (int d = 0; d < MSH_MAX_DEVICES && !found; d++) {
+        struct msh_pool *p = msh_core_started() && msh_core_device(d) ? msh_core_pool(d) : NULL;
+        if (p) found = base_in(p, &f);
+    }
+    if (!found && atomic_load(&caps_alive)) {
+        pthread_mutex_lock(&caps_lock);
+        for (int i = 0; i < CAP_MAX && !found; i++)
+            if (caps[i].used) found = base_in(caps[i].pool, &f);
+        pthread_mutex_unlock(&caps_lock);
+    }
+    if (!found) return ptr;
+    if (size) *size = f.size;
+    return (void *)(uintptr_t)f.base;
+}
+
+/* ---- PyTorch-named statistics ------------------------------------------------------------------ */
+
+struct pool_sum {
+    uint64_t mapped, free_bytes, created, released, create_ops, release_ops, retries, syncs;
+};
+
+static void sum_pool(struct msh_pool *p, struct pool_sum *s)
+{
+    struct msh_pool_stats st;
+    msh_pool_get_stats(p, &st);
+    s->mapped += st.mapped_bytes;
+    s->free_bytes += st.free_bytes;
+    s->created += st.drv_bytes[MSH_DRV_CREATE];
+    s->released += st.drv_bytes[MSH_DRV_RELEASE];
+    s->create_ops += st.create_ops;
+    s->release_ops += st.release_ops;
+    s->retries += st.rescue_reclaim + st.rescue_gc + st.rescue_empty_cache;
+    s->syncs += st.drv_calls[MSH_DRV_SYNCHRONIZE];
+}
+
+static void sum_device(int device, struct pool_sum *s)
+{
+    memset(s, 0, sizeof *s);
+    if (msh_core_started() && msh_core_device(device)) sum_pool(msh_core_pool(device), s);
+    if (atomic_load(&caps_alive)) {
+        pthread_mutex_lock(&caps_lock);
+        for (int i = 0; i < CAP_MAX; i++)
+            if (caps[i].used && caps[i].device == device) sum_pool(caps[i].pool, s);
+        pthread_mutex_unlock(&caps_lock);
+    }
+}
+
+/* The flat key list: 9 metrics x {all, large_pool, small_pool} x {current, peak, allocated,
+ * freed}, then 2 x 4 oversize figures, then scalars. */
+static const char *const metrics[] = {"allocated_bytes", "active_bytes", "requested_bytes", "reserved_bytes",
+                                      "inactive_split_bytes", "allocation", "active", "segment", "inactive_split"};
+static const char *const subpools[] = {"all", "large_pool", "small_pool"};
+static const char *const fields[] = {"current", "peak", "allocated", "freed"};
+static const char *const scalars[] = {"num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc",
+                                      "num_device_free", "max_split_size"};
+#define NMETRIC (int)(sizeof metrics / sizeof *metrics)
+#define NSTAT (NMETRIC * 12 + 8 + (int)(sizeof scalars / sizeof *scalars))
+
+static char stat_names[NSTAT][48];
+static pthread_once_t names_once = PTHREAD_ONCE_INIT;
+
+static void names_build(void)
+{
+    int k = 0;
+    for (int m = 0; m < NMETRIC; m++)
+        for (int sp = 0; sp < SP_N; sp++)
+            for (int j = 0; j < 4; j++)
+                snprintf(stat_names[k++], sizeof stat_names[0], "%s.%s.%s", metrics[m], subpools[sp], fields[j]);
+    for (int o = 0; o < 2; o++)
+        for (int j = 0; j < 4; j++)
+            snprintf(stat_names[k++], sizeof stat_names[0], "%s.%s", o ? "oversize_segments" : "oversize_allocations",
+                     fields[j]);
+    for (size_t j = 0; j < sizeof scalars / sizeof *scalars; j++)
+        snprintf(stat_names[k++], sizeof stat_names[0], "%s", scalars[j]);
+}
+
+MSH_EXPORT const char *memshim_torch_stat_name(int i)
+{
+    if (i < 0 || i >= NSTAT) return NULL;
+    pthread_once(&names_once, names_build);
+    return stat_names[i];
+}
+
+MSH_EXPORT int memshim_torch_stats(int device, long long *vals, int n)
+{
+    if (!dev_ok(device)) return 0;
+    if (!vals || n <= 0) return NSTAT;
+    struct tdev *t = &tdevs[device];
+    struct pool_sum ps;
+    sum_device(device, &ps);
+    uint64_t segs = t->gran ? ps.mapped / t->gran : 0;
+    update_max(&t->reserved_peak, ps.mapped);
+    update_max(&t->segments_peak, segs);
+    long long v[NSTAT];
+    memset(v, 0, sizeof v);
+    int k = 0;
+    for (int m = 0; m < NMETRIC; m++) {
+        for (int sp = 0; sp < SP_N; sp++) {
+            uint64_t f[4] = {0, 0, 0, 0};
+            const struct tcount *c = NULL;
+            if (m == 0 || m == 1) c = &t->bytes[sp]; /* active = allocated: a free is immediate */
+            else if (m == 2) c = &t->req[sp];
+            else if (m == 5 || m == 6) c = &t->count[sp];
+            if (c) {
+                f[0] = atomic_load(&c->cur);
+                f[1] = atomic_load(&c->peak);
+                f[2] = atomic_load(&c->allocated);
+                f[3] = atomic_load(&c->freed);
+            } else if (sp != SP_SMALL) { /* pages are not split by PyTorch's pools: all under large */
+                if (m == 3) {
+                    f[0] = ps.mapped;
+                    f[1] = atomic_load(&t->reserved_peak);
+                    f[2] = ps.created - atomic_load(&t->base_created);
+                    f[3] = ps.released - atomic_load(&t->base_released);
+                } else if (m == 7) {
+                    f[0] = segs;
+                    f[1] = atomic_load(&t->segments_peak);
+                    f[2] = ps.create_ops - atomic_load(&t->base_create_ops);
+                    f[3] = ps.release_ops - atomic_load(&t->base_release_ops);
+                } else if (m == 4) { /* free bytes inside mapped pages: held, not usable by others */
+                    f[0] = f[1] = ps.free_bytes;
+                }
+            }
+            for (int j = 0; j < 4; j++) v[k++] = (long long)f[j];
+        }
+    }
+    k += 8; /* oversize_allocations, oversize_segments: memshim has no oversize class */
+    v[k++] = (long long)(ps.retries - atomic_load(&t->base_retries));
+    v[k++] = (long long)atomic_load(&t->ooms);
+    v[k++] = (long long)(ps.syncs - atomic_load(&t->base_syncs));
+    v[k++] = (long long)(ps.create_ops - atomic_load(&t->base_create_ops));
+    v[k++] = (long long)(ps.release_ops - atomic_load(&t->base_release_ops));
+    v[k++] = -1; /* max_split_size: no split limit */
+    int out = n < NSTAT ? n : NSTAT;
+    memcpy(vals, v, (size_t)out * sizeof *vals);
+    return NSTAT;
+}
+
+static void reset_peak_one(int device)
+{
+    struct tdev *t = &tdevs[device];
+    for (int sp = 0; sp < SP_N; sp++) {
+        atomic_store(&t->bytes[sp].peak, atomic_load(&t->bytes[sp].cur));
+        atomic_store(&t->req[sp].peak, atomic_load(&t->req[sp].cur));
+        atomic_store(&t->count[sp].peak, atomic_load(&t->count[sp].cur));
+    }
+    size_t held = __atomic_load_n(&shares[device].handle_bytes, __ATOMIC_RELAXED);
+    atomic_store(&t->reserved_peak, held);
+    atomic_store(&t->segments_peak, t->gran ? held / t->gran : 0);
+}
+
+MSH_EXPORT void memshim_torch_reset_peak(int device)
+{
+    for (int d = 0; d < MSH_MAX_DEVICES; d++)
+        if (device < 0 || d == device) reset_peak_one(d);
+}
+
+static void reset_accumulated_one(int device)
+{
+    struct tdev *t = &tdevs[device];
+    for (int sp = 0; sp < SP_N; sp++) {
+        struct tcount *cs[3] = {&t->bytes[sp], &t->req[sp], &t->count[sp]};
+        for (int i = 0; i < 3; i++) {
+            atomic_store(&cs[i]->allocated, 0);
+            atomic_store(&cs[i]->freed, 0);
+        }
+    }
+    struct pool_sum ps;
+    sum_device(device, &ps);
+    atomic_store(&t->base_created, ps.created);
+    atomic_store(&t->base_released, ps.released);
+    atomic_store(&t->base_create_ops, ps.create_ops);
+    atomic_store(&t->base_release_ops, ps.release_ops);
+    atomic_store(&t->base_retries, ps.retries);
+    atomic_store(&t->base_syncs, ps.syncs);
+    atomic_store(&t->ooms, 0);
+}
+
+MSH_EXPORT void memshim_torch_reset_accumulated(int device)
+{
+    for (int d = 0; d < MSH_MAX_DEVICES; d++)
+        if (device < 0 || d == device) reset_accumulated_one(d);
+}
+
+/* ---- the out-of-memory message ----------------------------------------------------------------- */
+
+static void fmt_size(char *out, size_t len, uint64_t b)
+{
+    if (b >= MSH_GiB) snprintf(out, len, "%.2f GiB", (double)b / (double)MSH_GiB);
+    else if (b >= MSH_MiB) snprintf(out, len, "%.2f MiB", (double)b / (double)MSH_MiB);
+    else if (b >= MSH_KiB) snprintf(out, len, "%.2f KiB", (double)b / (double)MSH_KiB);
+    else snprintf(out, len, "%llu bytes", (unsigned long long)b);
+}
+
+MSH_EXPORT int memshim_torch_oom_message(int device, size_t size, char *buf, size_t len)
+{
+    if (!buf || !len) return 0;
+    struct msh_pool *p = last_oom_pool;
+    struct msh_pool_oom o;
+    memset(&o, 0, sizeof o);
+    if (p) msh_pool_last_oom(p, &o);
+    char req[32], tot[32], fre[32], live[32], resv[32], lim[32], ext[32], torch_live[32];
+    fmt_size(req, sizeof req, size);
+    fmt_size(tot, sizeof tot, o.device_total);
+    fmt_size(fre, sizeof fre, o.device_free);
+    fmt_size(live, sizeof live, o.live_bytes);
+    fmt_size(resv, sizeof resv, o.mapped_bytes);
+    fmt_size(lim, sizeof lim, o.limit_bytes);
+    fmt_size(ext, sizeof ext, o.largest_free);
+    fmt_size(torch_live, sizeof torch_live, dev_ok(device) ? atomic_load(&tdevs[device].req[SP_ALL].cur) : 0);
+    const char *gc = msh_cfg.gc == MSH_GC_NEVER ? "no gc.collect() (MEMSHIM_GC=never)"
+                     : msh_cfg.gc == MSH_GC_EPOCH ? "no gc.collect() (MEMSHIM_GC=epoch runs it only at epoch ends)"
+                                                  : "gc.collect() where this thread holds the GIL";
+    int n = snprintf(buf, len,
+                     "CUDA out of memory. Tried to allocate %s. GPU %d has a total capacity of %s of which %s is "
+                     "free. Of the allocated memory %s is allocated by PyTorch. memshim (tensor mode%s): %s; limit %s, "
+                     "live %s, reserved %s, largest free extent %s. memshim tried: reuse of free blocks, new pages "
+                     "up to the limit, %s, %s, %s.",
+                     req, device, tot, fre, torch_live, last_oom_capture ? ", CUDA-graph capture pool" : "",
+                     !p ? "no pool for this device"
+                     : o.fragmentation ? "fragmentation (enough bytes are free, but not in usable pages)"
+                                       : "capacity (the live set does not fit)",
+                     o.limit_bytes ? lim : "none", live, resv, ext,
+                     msh_cfg.defrag ? "reclaim and remap of cached pages" : "no remap (MEMSHIM_DEFRAG=0)", gc,
+                     msh_cfg.empty_cache == MSH_EC_NEVER ? "no release to the driver (MEMSHIM_EMPTY_CACHE=never)"
+                                                         : "release of cached pages to the driver");
+    if (n < 0) {
+        buf[0] = 0;
+        return 0;
+    }
+    return (size_t)n < len ? n : (int)len - 1;
+}
+
+/* ---- PyTorch's own figures for the epoch report (segment mode) ---------------------------------- */
+
+#define ESTAT_MAX 48
+static struct {
+    char key[64];
+    int64_t val;
+} estats[MSH_MAX_DEVICES][ESTAT_MAX];
+static int nestats[MSH_MAX_DEVICES];
+static pthread_mutex_t estat_lock = PTHREAD_MUTEX_INITIALIZER;
+
+MSH_EXPORT void memshim_torch_epoch_stat(int device, const char *key, long long value)
+{
+    if (!dev_ok(device) || !key || !*key || strlen(key) >= sizeof estats[0][0].key) return;
+    pthread_mutex_lock(&estat_lock);
+    int i = 0;
+    while (i < nestats[device] && strcmp(estats[device][i].key, key)) i++;
+    if (i < ESTAT_MAX) {
+        if (i == nestats[device]) {
+            strcpy(estats[device][i].key, key);
+            nestats[device]++;
+        }
+        estats[device][i].val = value;
+    }
+    pthread_mutex_unlock(&estat_lock);
+}
+
+MSH_EXPORT void memshim_torch_epoch_stats_clear(void)
+{
+    pthread_mutex_lock(&estat_lock);
+    memset(nestats, 0, sizeof nestats);
+    pthread_mutex_unlock(&estat_lock);
+}
+
+int msh_torch_report_stat(int device, int i, const char **key, int64_t *val)
+{
+    if (!dev_ok(device) || i < 0) return 0;
+    pthread_mutex_lock(&estat_lock);
+    int ok = i < nestats[device];
+    if (ok) {
+        *key = estats[device][i].key; /* stable until the Python side clears them after the report */
+        *val = estats[device][i].val;
+    }
+    pthread_mutex_unlock(&estat_lock);
+    return ok;
+}

@@ -1,0 +1,356 @@
+#!/usr/bin/env python3
+"""memshim and real PyTorch without a GPU (issue 9; docs/pytorch.md). Runs in make check.
+
+Every case runs real python3 processes under LD_PRELOAD=libmemshim.so, on the CUDA driver double
+(build/double) where memshim needs a driver. Cases are grouped so each PyTorch import (seconds on
+a loaded machine) serves many checks:
+  - the start-up hook without PyTorch: plain, venv, a user sitecustomize, -I/-E/-S, subprocess,
+    spawn and shell children, ctypes loading, non-Python programs;
+  - the switch at PyTorch's lazy CUDA initialization, the memory API answering from memshim's
+    counters, the OOM that PyTorch turns into torch.OutOfMemoryError, graph trees off;
+  - the program's own allocator choice respected (change_current_allocator, _set_allocator_settings);
+  - epoch detection on CPU training loops; HF Trainer and Lightning when installed;
+  - the done-when script: 3 epoch reports and a summary, output unchanged.
+Without PyTorch every PyTorch case skips. Ends with "N passed, N failed, N skipped"."""
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from pyharness import BUILD, ROOT, case, finish, skip  # noqa: E402
+
+LIB = os.path.join(BUILD, "libmemshim.so")
+GLUE = os.path.join(BUILD, "libmemshim_torch.so")
+DOUBLE = os.path.join(BUILD, "double")
+PYDIR = os.path.join(ROOT, "hooks", "python")
+
+
+def env(extra=None, preload=True, double=True):
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith(("MEMSHIM_", "_MEMSHIM_", "CUDBL_")) and k not in ("PYTHONPATH", "LD_PRELOAD")}
+    if preload:
+        e["LD_PRELOAD"] = LIB
+    if double:
+        e["LD_LIBRARY_PATH"] = DOUBLE
+    e.update(extra or {})
+    return e
+
+
+def run(argv, extra=None, timeout=300, **kw):
+    p = subprocess.run(argv, env=env(extra, **kw), capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+def py(code, extra=None, args=(), flags=(), **kw):
+    return run([sys.executable, *flags, "-c", code, *args], extra, **kw)
+
+
+def lines(out, tag):
+    return [l[len(tag) + 1:] for l in out.splitlines() if l.startswith(tag + " ")]
+
+
+# ---- 1. the start-up hook, no PyTorch -----------------------------------------------------------
+PROBE = "import os, sys; print('HOOK', 'memshim' in sys.modules, repr(os.environ.get('PYTHONPATH')), " \
+        "'_MEMSHIM_PYTHONPATH' in os.environ)"
+rc, out, err = py(PROBE)
+case("plain python3 under LD_PRELOAD: memshim's hook ran, PYTHONPATH unset again, no trace in os.environ",
+     rc == 0 and lines(out, "HOOK") == ["True None False"], out + err)
+rc, out, err = py(PROBE, {"PYTHONPATH": "/nonexistent/a:/nonexistent/b"})
+case("the user's PYTHONPATH is restored in os.environ", rc == 0 and
+     lines(out, "HOOK") == ["True '/nonexistent/a:/nonexistent/b' False"], out + err)
+rc, out, err = py("import sys; print('LAST', sys.path[-1], sys.path.count(sys.path[-1]))")
+case("memshim's directory moves to the end of sys.path (it shadows none of the program's modules)",
+     rc == 0 and lines(out, "LAST") == [f"{PYDIR} 1"], out + err)
+
+with tempfile.TemporaryDirectory(prefix="memshim-t9-") as tmp:
+    user = os.path.join(tmp, "user")
+    os.makedirs(user)
+    with open(os.path.join(user, "sitecustomize.py"), "w") as f:
+        f.write("import builtins\nbuiltins.USER_SITECUSTOMIZE = 'ran'\n")
+    rc, out, err = py("import builtins, sys; print('USER', getattr(builtins, 'USER_SITECUSTOMIZE', None), "
+                      "'memshim' in sys.modules)", {"PYTHONPATH": user})
+    case("a user sitecustomize that memshim's shadows still runs", rc == 0 and lines(out, "USER") == ["ran True"],
+         out + err)
+
+    venv = os.path.join(tmp, "venv")
+    vrc = subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], capture_output=True, text=True)
+    if vrc.returncode != 0:
+        skip("a venv's python3 gets the hook", f"python3 -m venv failed: {vrc.stderr.strip()[-120:]}")
+    else:
+        rc, out, err = run([os.path.join(venv, "bin", "python"), "-c",
+                            "import sys; print('VENV', sys.prefix != sys.base_prefix, 'memshim' in sys.modules)"])
+        case("a venv's python3 gets the hook", rc == 0 and lines(out, "VENV") == ["True True"], out + err)
+
+    for flag in ("-I", "-E", "-S", "-IS"):
+        rc, out, err = py("import sys; print('FLAG', 'memshim' in sys.modules)", {"MEMSHIM_LOG": "info"},
+                          flags=(flag,))
+        case(f"python3 {flag}: no hook, segment mode, and one info line saying how to get tensor mode",
+             rc == 0 and lines(out, "FLAG") == ["False"] and "import memshim" in err and "install-python" in err,
+             out + err)
+    rc, out, err = py("import sys; print('FLAG', 'memshim' in sys.modules)", {"MEMSHIM_LOG": "info"},
+                      flags=("-W", "ignore", "-X", "utf8"))
+    case("options with values (-W x, -X y) are not taken for -I/-E/-S",
+         rc == 0 and lines(out, "FLAG") == ["True"] and "ignores PYTHONPATH" not in err, out + err)
+
+    child = ("import os, subprocess, sys; print('PARENT', 'memshim' in sys.modules);"
+             "subprocess.run([sys.executable, '-c', \"import os, sys; print('CHILD', 'memshim' in sys.modules, "
+             "repr(os.environ.get('PYTHONPATH')))\"]);"
+             "subprocess.run(['sh', '-c', 'echo SHELL \"${PYTHONPATH-unset}\"'])")
+    rc, out, err = py(child, {"PYTHONPATH": "/nonexistent/u"})
+    case("a python3 subprocess gets the hook and the user's PYTHONPATH",
+         rc == 0 and lines(out, "CHILD") == ["True '/nonexistent/u'"], out + err)
+    case("a shell child sees the user's PYTHONPATH, untouched", lines(out, "SHELL") == ["/nonexistent/u"], out + err)
+    rc, out, err = py(child)
+    case("a shell child of a program without PYTHONPATH sees none", lines(out, "SHELL") == ["unset"], out + err)
+
+    spawn = os.path.join(tmp, "spawn_child.py")
+    with open(spawn, "w") as f:
+        f.write("import multiprocessing as mp, sys\n"
+                "def f(q):\n    q.put('memshim' in sys.modules)\n"
+                "if __name__ == '__main__':\n"
+                "    for m in ('spawn', 'forkserver'):\n"
+                "        ctx = mp.get_context(m); q = ctx.Queue(); p = ctx.Process(target=f, args=(q,)); p.start()\n"
+                "        print('MP', m, q.get(timeout=60)); p.join()\n")
+    rc, out, err = run([sys.executable, spawn])
+    case("spawn and forkserver children get the hook as the parent does",
+         rc == 0 and lines(out, "MP") == ["spawn True", "forkserver True"], out + err)
+
+    rc, out, err = run(["sh", "-c", "echo SH \"${PYTHONPATH-unset}\""])
+    case("a non-Python program under LD_PRELOAD keeps its environment", lines(out, "SH") == ["unset"], out + err)
+    rc, out, err = py(f"import ctypes, os; ctypes.CDLL({LIB!r}); print('CT', repr(os.environ.get('PYTHONPATH')), "
+                      "'_MEMSHIM_PYTHONPATH' in os.environ)", preload=False)
+    case("libmemshim.so loaded into a running interpreter (ctypes) changes nothing",
+         rc == 0 and lines(out, "CT") == ["None False"], out + err)
+    # make install puts the hook beside the library, where the library looks for it; make
+    # install-python's .pth boots it where PYTHONPATH is ignored (python -I).
+    prefix, dest = os.path.join(tmp, "prefix"), os.path.join(tmp, "dest")
+    mk = subprocess.run(["make", "-s", f"BUILD={os.path.relpath(BUILD, ROOT)}", f"PREFIX={prefix}", "install"],
+                        cwd=ROOT, capture_output=True, text=True)
+    mk2 = subprocess.run(["make", "-s", f"BUILD={os.path.relpath(BUILD, ROOT)}", f"PREFIX={prefix}",
+                          f"DESTDIR={dest}", "install-python"], cwd=ROOT, capture_output=True, text=True)
+    inst_lib = os.path.join(prefix, "lib", "libmemshim.so")
+    rc, out, err = run([sys.executable, "-c", "import memshim; print('INST', memshim.__file__)"],
+                       {"LD_PRELOAD": inst_lib})
+    case("make install: the installed library finds its Python hook beside it",
+         mk.returncode == 0 and lines(out, "INST") == [os.path.join(prefix, "lib", "memshim-python", "memshim",
+                                                                    "__init__.py")], mk.stderr + out + err)
+    pth = [os.path.join(d, "memshim.pth") for d, _, fs in os.walk(dest) if "memshim.pth" in fs]  # (.pyenv: hidden)
+    rc, out, err = run([sys.executable, "-I", "-c", "import site, sys; before = 'memshim' in sys.modules; "
+                        f"site.addsitedir({os.path.dirname(pth[0]) if pth else tmp!r}); "
+                        "print('PTH', before, 'memshim' in sys.modules)"], {"LD_PRELOAD": inst_lib})
+    case("make install-python: its .pth boots memshim under python -I", mk2.returncode == 0 and bool(pth)
+         and lines(out, "PTH") == ["False True"], (pth, mk2.stderr + out + err))
+    rc, out, err = run([sys.executable, "-I", "-c", "import site, sys; "
+                        f"site.addsitedir({os.path.dirname(pth[0]) if pth else tmp!r}); "
+                        "print('PTH', 'memshim' in sys.modules)"], preload=False)
+    case("the .pth does nothing without libmemshim.so preloaded", lines(out, "PTH") == ["False"], out + err)
+
+    rc, out, err = py(PROBE, {"MEMSHIM_MODE": "off"})
+    case("MEMSHIM_MODE=off: no hook", rc == 0 and lines(out, "HOOK") == ["False None False"], out + err)
+
+# ---- PyTorch ---------------------------------------------------------------------------------------
+probe = py("import torch; print('TORCH', torch.__version__)", preload=False)
+if probe[0] != 0 or not lines(probe[1], "TORCH"):
+    for n in ("switch at lazy CUDA init", "memory API", "OOM", "own allocator respected", "epochs",
+              "HF Trainer", "Lightning", "done-when script"):
+        skip(n, "PyTorch is not installed (bash scripts/setup.sh --with-torch installs it)")
+    finish()
+print(f"torch {lines(probe[1], 'TORCH')[0]}")
+if not os.path.exists(GLUE):
+    skip("switch, memory API and OOM", f"{GLUE} was not built (make builds it where torch imports)")
+else:
+    probes = glob.glob(os.path.join(BUILD, "tests", "torch", "memshim_oom_probe*.so"))
+    # ---- 2. switch at lazy init, memory API, OOM: one process -----------------------------------
+    code = r'''
+import ctypes, importlib.util, json, sys
+import torch
+from memshim import _torch as mt
+print("BEFORE", mt.state.decided, torch.cuda.memory._get_current_allocator() is not None)
+# a switch of its own right after import still works: memshim did not switch at import
+try:
+    torch.empty(1, device="cuda")
+except Exception as exc:
+    print("CUDA", type(exc).__name__)
+print("AFTER", mt.state.decided, mt.state.tensor, mt.state.why)
+import torch._inductor.config as ic
+print("TREES", ic.triton.cudagraph_trees)
+glue = ctypes.CDLL(sys.argv[1])
+spec = importlib.util.spec_from_file_location("memshim_oom_probe", sys.argv[2])
+probe = importlib.util.module_from_spec(spec); spec.loader.exec_module(probe)
+fa = ctypes.cast(glue.memshim_glue_malloc, ctypes.c_void_p).value
+ff = ctypes.cast(glue.memshim_glue_free, ctypes.c_void_p).value
+MiB = 1 << 20
+a = probe.alloc(fa, 3 * MiB, 0); b = probe.alloc(fa, 1000, 0); c = probe.alloc(fa, 5 * MiB, 0)
+s = torch.cuda.memory_stats(0)
+print("ALLOC", torch.cuda.memory_allocated(0), torch.cuda.memory_allocated("cuda:0"), s["allocation.all.current"],
+      s["requested_bytes.all.current"], s["allocated_bytes.small_pool.current"], s["allocated_bytes.large_pool.current"],
+      torch.cuda.memory_reserved(0) >= torch.cuda.memory_allocated(0) > 0)
+probe.free(ff, c, 5 * MiB, 0)
+print("FREE", torch.cuda.memory_allocated(0), torch.cuda.max_memory_allocated(0), s["allocated_bytes.all.allocated"])
+torch.cuda.reset_peak_memory_stats(0)
+print("RESET", torch.cuda.max_memory_allocated(0), torch.cuda.max_memory_reserved(0) == torch.cuda.memory_reserved(0))
+torch.cuda.reset_accumulated_memory_stats(0)
+s2 = torch.cuda.memory_stats(0)
+print("ACCUM", s2["allocated_bytes.all.allocated"], s2["allocated_bytes.all.freed"], s2["allocated_bytes.all.current"])
+summ = torch.cuda.memory_summary(0)
+print("SUMMARY", "PyTorch CUDA memory summary" in summ and "Allocated memory" in summ)
+lib = ctypes.CDLL(None)
+lib.memshim_torch_set_memory_fraction(ctypes.c_double(0.25), 0)
+print("FRACTION", round(torch.cuda.get_per_process_memory_fraction(0), 6))
+try:
+    probe.alloc(fa, 3 * 1024 * MiB, 0)
+    print("OOM none")
+except torch.OutOfMemoryError as e:
+    msg = str(e)
+    print("OOM", json.dumps(msg))
+print("OOMS", torch.cuda.memory_stats(0)["num_ooms"])
+d = probe.alloc(fa, 64 * MiB, 0)
+print("CONTINUE", d != 0)
+import memshim
+st = memshim.stats(0)
+print("STATS", st["mode"], st["torch"]["allocated_bytes.all.current"] == torch.cuda.memory_allocated(0))
+'''
+    rc, out, err = py(code, {"CUDBL_CAPACITY": "4G", "MEMSHIM_LOG": "info"}, args=(GLUE, probes[0] if probes else ""))
+    o = {}
+    for l in out.splitlines():
+        k, _, v = l.partition(" ")
+        o[k] = v
+    case("import torch does not switch the allocator (the program could still switch its own)",
+         o.get("BEFORE") == "False True", out + err[-2000:])
+    case("the switch happens at PyTorch's lazy CUDA initialization (tensor mode)",
+         o.get("AFTER") == "True True None" and "tensor mode: PyTorch allocates every tensor through memshim" in err,
+         out + err[-2000:])
+    case("tensor mode turns cudagraph trees off for torch.compile", o.get("TREES") == "False", out + err[-1500:])
+    if not probes:
+        skip("memory API and OOM", "the PyTorch test extension was not built (make tests)")
+    else:
+        MiB = 1 << 20
+        r3, r5, r1 = 3 * MiB, 5 * MiB, 1024  # 1000 bytes round to 1024 (512-byte blocks)
+        case("memory_allocated/memory_stats answer from memshim's counters, PyTorch's key names, small/large pools",
+             o.get("ALLOC") == f"{r3 + r5 + r1} {r3 + r5 + r1} 3 {r3 + r5 + 1000} {r1} {r3 + r5} True",
+             out + err[-1500:])
+        case("a free lowers allocated, the peak stays", o.get("FREE") == f"{r3 + r1} {r3 + r5 + r1} {r3 + r5 + r1}",
+             out + err[-1500:])
+        case("reset_peak_memory_stats resets the peaks", o.get("RESET") == f"{r3 + r1} True", out + err[-1500:])
+        case("reset_accumulated_memory_stats resets the cumulative figures only",
+             o.get("ACCUM") == f"0 0 {r3 + r1}", out + err[-1500:])
+        case("memory_summary works", o.get("SUMMARY") == "True", out + err[-1500:])
+        case("set_per_process_memory_fraction's hook sets the limit; get_per_process_memory_fraction answers",
+             o.get("FRACTION") == "0.25", out + err[-1500:])
+        msg = json.loads(o["OOM"]) if o.get("OOM", "none") != "none" else ""
+        case("OOM: the glue's exception becomes torch.OutOfMemoryError through PyTorch's translation, with "
+             "PyTorch's opening words and memshim's diagnosis",
+             msg.startswith("CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 ")
+             and "memshim (tensor mode): capacity" in msg and "limit 1.00 GiB" in msg
+             and "largest free extent" in msg and "memshim tried:" in msg, out + err[-1500:])
+        case("num_ooms counts it, and the job continues with a smaller request",
+             o.get("OOMS") == "1" and o.get("CONTINUE") == "True", out + err[-1500:])
+        case("memshim.stats() reports tensor mode and the same figures", o.get("STATS") == "tensor True",
+             out + err[-1500:])
+
+# ---- 3. the program's own allocator choices are respected ----------------------------------------
+own = f'''
+import torch
+from torch.cuda.memory import CUDAPluggableAllocator, change_current_allocator
+change_current_allocator(CUDAPluggableAllocator({LIB!r}, "memshim_malloc", "memshim_free"))
+try:
+    torch.empty(1, device="cuda")
+except Exception as exc:
+    print("CUDA", type(exc).__name__, "swap" in str(exc))
+from memshim import _torch as mt
+print("OWN", mt.state.decided, mt.state.tensor)
+'''
+rc, out, err = py(own, {"MEMSHIM_LOG": "info"})
+case("a program that switches the allocator itself keeps it; memshim says so once at info level",
+     rc == 0 and lines(out, "OWN") == ["True False"] and err.count("memshim stays in segment mode") == 1
+     and "change_current_allocator" in err and "Can't swap" not in out + err, out + err[-1500:])
+rc, out, err = py("import torch\ntorch.cuda.memory._set_allocator_settings('expandable_segments:False')\n"
+                  "try:\n    torch.empty(1, device='cuda')\nexcept Exception:\n    pass\n"
+                  "from memshim import _torch as mt\nprint('SET', mt.state.decided, mt.state.tensor)",
+                  {"MEMSHIM_LOG": "info"})
+case("a program that sets PyTorch's allocator settings keeps PyTorch's allocator (segment mode, said once)",
+     rc == 0 and lines(out, "SET") == ["True False"]
+     and sum("memshim stays in segment mode" in l and "_set_allocator_settings" in l for l in err.splitlines()) == 1,
+     out + err[-1500:])
+
+with tempfile.TemporaryDirectory(prefix="memshim-t9-") as tmp:
+    # an installed layout without the C++ glue: memshim stays in segment mode and says why
+    os.makedirs(os.path.join(tmp, "lib"))
+    subprocess.run(["cp", LIB, os.path.join(tmp, "lib", "libmemshim.so")], check=True)
+    os.symlink(PYDIR, os.path.join(tmp, "lib", "memshim-python"))
+    rc, out, err = py("import torch\ntry:\n    torch.empty(1, device='cuda')\nexcept Exception:\n    pass\n"
+                      "from memshim import _torch as mt\nprint('NOGLUE', mt.state.decided, mt.state.tensor)",
+                      {"MEMSHIM_LOG": "info", "LD_PRELOAD": os.path.join(tmp, "lib", "libmemshim.so")})
+    said = [l for l in err.splitlines() if "memshim stays in segment mode" in l]
+    case("without the C++ glue memshim does not switch, and says why in one line",
+         rc == 0 and lines(out, "NOGLUE") == ["True False"] and len(said) == 1 and "libmemshim_torch.so is missing"
+         in said[0], out + err[-1500:])
+
+# ---- 4. epochs ----------------------------------------------------------------------------------
+with tempfile.TemporaryDirectory(prefix="memshim-t9-") as rdir:
+    rc, out, err = run([sys.executable, os.path.join(HERE, "epochs_cpu.py"), rdir],
+                       {"MEMSHIM_REPORT_DIR": rdir, "MEMSHIM_LOG": "info", "RANK": "0", "MEMSHIM_GC": "epoch"})
+    res = {}
+    for l in lines(out, "RESULT"):
+        name, _, js = l.partition(" ")
+        res[name] = json.loads(js)
+
+    def reasons(name):
+        return [(r["reason"], r["steps"]) for r in res.get(name, [])]
+    detail = out[-1500:] + err[-1500:]
+    case("epochs: two passes with a validation loader mid-epoch give two epochs (dataloader, 8 steps each)",
+         reasons("validation_mid_epoch") == [("dataloader", 8), ("dataloader", 8)], detail)
+    case("epochs: a pass left with break closes at that loader's next pass",
+         reasons("break_before_next_pass") == [("dataloader", 3)] and reasons("break_next_pass") == [("dataloader", 3)],
+         detail)
+    case("epochs: with two optimizers a batch counts one step", reasons("two_optimizers") == [("dataloader", 8)], detail)
+    case("epochs: a validation-only pass closes nothing", reasons("validation_only") == [], detail)
+    case("epochs: num_workers=2 gives one epoch", reasons("workers_2") == [("dataloader", 8)], detail)
+    pids = {l.split("]")[0] for l in err.splitlines() if l.startswith("memshim[")}
+    case("DataLoader workers stay idle: memshim lines and reports come from the main process only",
+         len(pids) == 1 and all(f"pid{p.split('[')[1]}" in f for p in pids for f in os.listdir(rdir)), (pids, detail))
+    case("an IterableDataset without __len__: memshim says once that such passes may never end",
+         err.count("IterableDataset without __len__") == 1 and reasons("iterable_no_len") == [("dataloader", 2)], detail)
+    tms = (res.get("segment_torch_stats") or [{}])[0].get("torch")
+    case("segment mode: the epoch report carries PyTorch's own memory_stats() (torch_memory_stats)",
+         tms == {"allocated_bytes.all.current": 1234, "reserved_bytes.all.peak": 4 << 20, "num_ooms": 0,
+                 "num_alloc_retries": 2} and res["segment_torch_stats"][0]["reason"] == "dataloader", detail)
+    case("MEMSHIM_GC=epoch: a detected epoch end runs gc.collect() on the training thread",
+         lines(out, "GC_BEFORE") == ["[]"] and lines(out, "GC_AFTER") == ["[True]"]
+         and reasons("gc_epoch") == [("dataloader", 8)], detail)
+    case("epochs: memshim.epoch() closes one with reason manual", reasons("manual_epoch") == [("manual", 0)], detail)
+    case("torchrun-style RANK goes into the report names", all("-rank0-" in f for f in os.listdir(rdir)),
+         os.listdir(rdir))
+
+# ---- 5. HF Trainer and Lightning --------------------------------------------------------------------
+for fw, reason, title in (("hf", "hf_trainer", "HF Trainer"), ("lightning", "lightning", "Lightning")):
+    with tempfile.TemporaryDirectory(prefix="memshim-t9-") as rdir:
+        rc, out, err = run([sys.executable, os.path.join(HERE, "frameworks_cpu.py"), fw, rdir],
+                           {"MEMSHIM_REPORT_DIR": rdir}, timeout=600)
+        if lines(out, "SKIP"):
+            skip(f"{title}: one epoch report per epoch from its own callback", lines(out, "SKIP")[0])
+            continue
+        got = json.loads(lines(out, "RESULT")[0]) if lines(out, "RESULT") else None
+        case(f"{title}: one epoch report per epoch from its own callback (reason {reason})",
+             rc == 0 and got == [{"reason": reason, "steps": 4}, {"reason": reason, "steps": 4}],
+             out[-1200:] + err[-1500:])
+
+# ---- 6. done when ------------------------------------------------------------------------------------
+script = os.path.join(HERE, "train_cpu.py")
+rc0, base, err0 = run([sys.executable, script], preload=False)
+with tempfile.TemporaryDirectory(prefix="memshim-t9-") as rdir:
+    rc, out, err = run([sys.executable, script], {"MEMSHIM_REPORT_DIR": rdir})
+    files = sorted(os.listdir(rdir))
+    epochs = [f for f in files if "-epoch" in f]
+    summ = [f for f in files if f.endswith("-summary.json")]
+    case("done when: 3 epochs with validation inside each leave exactly 3 epoch reports and a summary",
+         rc == 0 and len(epochs) == 3 and len(summ) == 1 and len(files) == 4
+         and all(json.load(open(os.path.join(rdir, f)))["reason"] == "dataloader" for f in epochs),
+         (files, err[-1500:]))
+    case("done when: the script's output is the same as without memshim",
+         rc0 == 0 and rc == 0 and out == base and "epoch 2 " in base, (base, out, err0[-500:]))
+finish()
