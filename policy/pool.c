@@ -2257,14 +2257,20 @@ static uint64_t footprint_pages(const struct pinput *in, int g, uint64_t (*iv)[2
     return pages;
 }
 
-static const struct pitem *sort_items;
-static int sort_key;
-static int cmp_order(const void *a, const void *b)
+struct sort_ctx {
+    const struct pitem *items;
+    int key;
+};
+
+/* Packing orders, largest first: by size, by size x lifetime, by lifetime. (qsort_r: two pools
+ * may pack at once.) */
+static int cmp_order(const void *a, const void *b, void *arg)
 {
-    const struct pitem *x = &sort_items[*(const uint32_t *)a], *y = &sort_items[*(const uint32_t *)b];
+    const struct sort_ctx *c = arg;
+    const struct pitem *x = &c->items[*(const uint32_t *)a], *y = &c->items[*(const uint32_t *)b];
     uint64_t kx, ky;
-    if (sort_key == 0) kx = x->size, ky = y->size;
-    else if (sort_key == 1) kx = x->size * (x->t1 - x->t0), ky = y->size * (y->t1 - y->t0);
+    if (c->key == 0) kx = x->size, ky = y->size;
+    else if (c->key == 1) kx = x->size * (x->t1 - x->t0), ky = y->size * (y->t1 - y->t0);
     else kx = x->t1 - x->t0, ky = y->t1 - y->t0;
     if (kx != ky) return kx > ky ? -1 : 1;
     if (x->t0 != y->t0) return x->t0 < y->t0 ? -1 : 1;
@@ -2340,9 +2346,8 @@ static uint64_t pack_all(struct pinput *in)
         }
         uint64_t bestp = UINT64_MAX;
         for (int key = 0; key < 3; key++) {
-            sort_items = in->it;
-            sort_key = key;
-            qsort(order, nmov, sizeof *order, cmp_order);
+            struct sort_ctx ctx = {.items = in->it, .key = key};
+            qsort_r(order, nmov, sizeof *order, cmp_order, &ctx);
             uint64_t p = pack_region(in, g, order, nmov, placed, tmp);
             if (p < bestp) {
                 bestp = p;
@@ -2412,7 +2417,7 @@ static bool range_mapped(const struct msh_pool *pool, const struct pinput *in, i
  * in pages that are mapped now stay where they were, and the others are packed into mapped free
  * space first (unmapped pages below the top of each region are obstacles): the plan changes as
  * little as it can, so the first planned step maps little. */
-static bool plan_input(struct msh_pool *pool, uint64_t t0, uint64_t t1, bool keep, struct pinput *in)
+static bool plan_input(struct msh_pool *pool, uint64_t t0, uint64_t t1, bool keep, bool holes, struct pinput *in)
 {
     struct step *s = pool->step;
     uint32_t len = (uint32_t)(t1 - t0);
@@ -2449,7 +2454,7 @@ static bool plan_input(struct msh_pool *pool, uint64_t t0, uint64_t t1, bool kee
         if (!in->it[i].fixed && (in->it[i].t1 == len ||
                                  (keep && range_mapped(pool, in, in->it[i].reg, in->it[i].addr, in->it[i].size))))
             in->it[i].fixed = 1;
-    for (int g = 0; ok && keep && g < in->nreg; g++) {
+    for (int g = 0; ok && holes && g < in->nreg; g++) {
         const struct region *r = in->reg[g].r;
         for (uint32_t p = 0; ok && p < r->hi_page;) {
             if (r->pages[p].hd) {
@@ -2549,51 +2554,45 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
     uint64_t t0 = an->serial, t1 = s->n, h0 = s->hstate;
     *an = (struct anchor){.h = s->hstate, .serial = s->n, .reclaims = pool->pressure_reclaims, .size = rsize};
     if (!candidate) return;
-    struct pinput in, fresh, near;
-    memset(&in, 0, sizeof in);
-    memset(&fresh, 0, sizeof fresh);
-    memset(&near, 0, sizeof near);
+    /* Packings tried in turn, the smallest change first: keep every block that sits in mapped
+     * pages; put blocks back where they were when still free; pack the whole step. Unmapped pages
+     * are obstacles in the first three, so that the first planned step maps (almost) nothing. */
+    static const struct { bool keep, holes, near; const char *what; } way[] = {
+        {true, true, false, "keeping what is mapped"},
+        {false, true, true, "near the last step, in mapped pages"},
+        {false, true, false, "anew, in mapped pages"},
+        {false, false, true, "near the last step"},
+        {false, false, false, "anew"},
+    };
+    enum { NWAYS = sizeof way / sizeof way[0] };
+    struct pinput cand[NWAYS];
+    memset(cand, 0, sizeof cand);
     /* Every allocation of a repeated step starts a window of the same length: try once per
      * step length, not at each of them. */
     s->quiet_until = t1 + (t1 - t0);
-    if (!plan_input(pool, t0, t1, true, &in) || in.nalloc < STEP_MIN_ALLOCS || !plan_input(pool, t0, t1, false, &fresh) ||
-        !plan_input(pool, t0, t1, false, &near)) {
-        raw_free(in.it, in.cap * sizeof *in.it);
-        raw_free(fresh.it, fresh.cap * sizeof *fresh.it);
-        raw_free(near.it, near.cap * sizeof *near.it);
+    size_t capn = cap_pages(pool);
+    bool ok = true;
+    for (int w = 0; w < NWAYS && ok; w++) {
+        ok = plan_input(pool, t0, t1, way[w].keep, way[w].holes, &cand[w]) && cand[w].nalloc >= STEP_MIN_ALLOCS;
+        cand[w].budget = capn != SIZE_MAX ? capn : pool->held;
+        cand[w].prefer_prev = way[w].near;
+    }
+    if (!ok) {
+        for (int w = 0; w < NWAYS; w++) raw_free(cand[w].it, cand[w].cap * sizeof *cand[w].it);
         return;
     }
-    size_t capn = cap_pages(pool);
-    in.budget = fresh.budget = near.budget = capn != SIZE_MAX ? capn : pool->held;
-    near.prefer_prev = true;
     pthread_mutex_unlock(&pool->lock);
-    /* the smallest change first; a packing of the whole step when that does not fit */
-    uint64_t pages = pack_all(&in);
-    msh_debug("pool: step of %zu allocations: keeping what is mapped needs %llu pages of %llu", in.nalloc,
-              (unsigned long long)pages, (unsigned long long)in.budget);
-    if (pages > in.budget) {
-        uint64_t np = pack_all(&near);
-        msh_debug("pool: step of %zu allocations: packed near the last step it needs %llu pages", near.nalloc,
-                  (unsigned long long)np);
-        if (np <= near.budget) {
-            struct pinput t = in;
-            in = near;
-            near = t;
-            pages = np;
-        }
+    uint64_t pages = UINT64_MAX;
+    int chosen = -1;
+    for (int w = 0; w < NWAYS && chosen < 0; w++) {
+        pages = pack_all(&cand[w]);
+        msh_debug("pool: step of %zu allocations packed %s: %llu pages of %llu", cand[w].nalloc, way[w].what,
+                  (unsigned long long)pages, (unsigned long long)cand[w].budget);
+        if (pages <= cand[w].budget) chosen = w;
     }
-    if (pages > in.budget) {
-        uint64_t fp = pack_all(&fresh);
-        msh_debug("pool: step of %zu allocations: packed anew it needs %llu pages", fresh.nalloc, (unsigned long long)fp);
-        if (fp <= fresh.budget) {
-            struct pinput t = in;
-            in = fresh;
-            fresh = t;
-            pages = fp;
-        }
-    }
-    raw_free(fresh.it, fresh.cap * sizeof *fresh.it);
-    raw_free(near.it, near.cap * sizeof *near.it);
+    struct pinput in = cand[chosen < 0 ? NWAYS - 1 : chosen];
+    for (int w = 0; w < NWAYS; w++)
+        if (cand[w].it != in.it) raw_free(cand[w].it, cand[w].cap * sizeof *cand[w].it);
     msh_debug("pool: learned step of %zu allocations (events %llu..%llu): %llu pages, budget %llu",
               in.nalloc, (unsigned long long)t0, (unsigned long long)t1, (unsigned long long)pages,
               (unsigned long long)in.budget);
