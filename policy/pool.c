@@ -2099,6 +2099,10 @@ struct step {
     struct fprun *fp;      /* the plan's footprint, to clear its page flags */
     size_t nfp, capfp;
     uint64_t quiet_until;  /* no packing before this serial: one try per step length */
+    /* Packings that did not fit: the next try waits 64, 128... step lengths (up to 1024), unless
+     * the budget changes (the packing of a step hardly depends on where its blocks were) */
+    uint32_t fails;
+    uint64_t fail_budget;
 };
 
 static inline uint64_t mix64(uint64_t x)
@@ -2220,6 +2224,7 @@ struct pinput {
     uint64_t gran;
     uint64_t budget;      /* pages the plan may use */
     bool prefer_prev;     /* a block goes back where it was when that is still free */
+    bool keep_mapped;     /* blocks in mapped pages stay (fixed): few are packed */
 };
 
 static int cmp_u64pair(const void *a, const void *b)
@@ -2277,53 +2282,66 @@ static int cmp_order(const void *a, const void *b, void *arg)
     return x->addr < y->addr ? -1 : x->addr > y->addr;
 }
 
+static int cmp_addr(const void *a, const void *b, void *arg)
+{
+    const struct pitem *it = arg;
+    uint64_t x = it[*(const uint32_t *)a].addr, y = it[*(const uint32_t *)b].addr;
+    return x < y ? -1 : x > y;
+}
+
 /* Greedy packing of the movable items of region g in the given order: each at the lowest address
- * where it overlaps no placed item alive at the same time. Returns the footprint in pages, or
+ * where it overlaps no placed item alive at the same time (with prefer_prev: where it was, when
+ * that is still free). Placed items are kept sorted by address, so a search stops at the first
+ * gap and an insertion is a binary search and a move. Returns the footprint in pages, or
  * UINT64_MAX when an item does not fit in the region. */
 static uint64_t pack_region(struct pinput *in, int g, const uint32_t *order, size_t nmov, uint32_t *placed,
                             uint64_t (*tmp)[2])
 {
+    struct pitem *it = in->it;
     size_t np = 0;
     for (size_t i = 0; i < in->n; i++)
-        if (in->it[i].reg == g && in->it[i].fixed) placed[np++] = (uint32_t)i;
+        if (it[i].reg == g && it[i].fixed) placed[np++] = (uint32_t)i;
+    qsort_r(placed, np, sizeof *placed, cmp_addr, it);
     uint64_t base = in->reg[g].base, end = base + in->reg[g].size;
     for (size_t k = 0; k < nmov; k++) {
-        struct pitem *x = &in->it[order[k]];
-        size_t nc = 0;
-        for (size_t q = 0; q < np; q++) {
-            const struct pitem *y = &in->it[placed[q]];
-            if (y->t0 < x->t1 && x->t0 < y->t1) {
-                tmp[nc][0] = y->addr;
-                tmp[nc][1] = y->addr + y->size;
-                nc++;
-            }
-        }
-        qsort(tmp, nc, sizeof *tmp, cmp_u64pair);
+        struct pitem *x = &it[order[k]];
         uint64_t cand = base;
-        if (in->prefer_prev && x->prev) { /* where it was, if nothing placed since is in the way */
+        bool at_prev = false;
+        if (in->prefer_prev && x->prev) {
             bool clash = false;
-            for (size_t q = 0; q < nc && !clash && tmp[q][0] < x->prev + x->size; q++)
-                clash = tmp[q][1] > x->prev;
+            for (size_t q = 0; q < np && !clash && it[placed[q]].addr < x->prev + x->size; q++) {
+                const struct pitem *y = &it[placed[q]];
+                clash = y->addr + y->size > x->prev && y->t0 < x->t1 && x->t0 < y->t1;
+            }
             if (!clash) {
-                x->addr = x->prev;
-                placed[np++] = order[k];
-                continue;
+                cand = x->prev;
+                at_prev = true;
             }
         }
-        for (size_t q = 0; q < nc; q++) {
-            if (tmp[q][1] <= cand) continue;
-            if (tmp[q][0] >= cand + x->size) break;
-            cand = tmp[q][1];
+        for (size_t q = 0; q < np && !at_prev; q++) {
+            const struct pitem *y = &it[placed[q]];
+            if (y->addr >= cand + x->size) break; /* sorted by address: the gap is free of the rest */
+            if (y->t0 >= x->t1 || x->t0 >= y->t1 || y->addr + y->size <= cand) continue;
+            cand = y->addr + y->size;
         }
         if (cand + x->size > end) return UINT64_MAX;
         x->addr = cand;
-        placed[np++] = order[k];
+        size_t lo = 0, hi = np; /* insert after every item at or below cand */
+        while (lo < hi) {
+            size_t mid = (lo + hi) / 2;
+            if (it[placed[mid]].addr <= cand) lo = mid + 1;
+            else hi = mid;
+        }
+        memmove(&placed[lo + 1], &placed[lo], (np - lo) * sizeof *placed);
+        placed[lo] = order[k];
+        np++;
     }
     return footprint_pages(in, g, tmp);
 }
 
-/* Pack every region with three orders and keep the best per region. Returns the total pages,
- * or UINT64_MAX when something does not fit. */
+/* Pack every region with up to three orders and keep the best per region (with one region, the
+ * first order that fits the budget ends the search). Returns the total pages, or UINT64_MAX when
+ * something does not fit. */
 static uint64_t pack_all(struct pinput *in)
 {
     size_t n = in->n;
@@ -2345,7 +2363,9 @@ static uint64_t pack_all(struct pinput *in)
             break;
         }
         uint64_t bestp = UINT64_MAX;
-        for (int key = 0; key < 3; key++) {
+        /* packings that keep blocks near where they were try the size order only */
+        int nkeys = in->prefer_prev || in->keep_mapped ? 1 : 3;
+        for (int key = 0; key < nkeys; key++) {
             struct sort_ctx ctx = {.items = in->it, .key = key};
             qsort_r(order, nmov, sizeof *order, cmp_order, &ctx);
             uint64_t p = pack_region(in, g, order, nmov, placed, tmp);
@@ -2353,6 +2373,7 @@ static uint64_t pack_all(struct pinput *in)
                 bestp = p;
                 for (size_t i = 0; i < nmov; i++) best[order[i]] = in->it[order[i]].addr;
             }
+            if (in->nreg == 1 && bestp <= in->budget) break; /* fits: the other orders only cost time */
         }
         if (bestp == UINT64_MAX) {
             total = UINT64_MAX;
@@ -2550,7 +2571,8 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
     }
     struct anchor *an = &s->anchors[mix64(s->hstate) & (STEP_ANCHORS - 1)];
     bool candidate = !s->active && an->h == s->hstate && an->size == rsize && an->serial < s->n &&
-                     s->n - an->serial <= STEP_LOG && pool->pressure_reclaims > an->reclaims && s->n >= s->quiet_until;
+                     s->n - an->serial <= STEP_LOG && pool->pressure_reclaims > an->reclaims &&
+                     (s->n >= s->quiet_until || (s->fails && s->fail_budget != cap_pages(pool)));
     uint64_t t0 = an->serial, t1 = s->n, h0 = s->hstate;
     *an = (struct anchor){.h = s->hstate, .serial = s->n, .reclaims = pool->pressure_reclaims, .size = rsize};
     if (!candidate) return;
@@ -2561,7 +2583,6 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
         {true, true, false, "keeping what is mapped"},
         {false, true, true, "near the last step, in mapped pages"},
         {false, true, false, "anew, in mapped pages"},
-        {false, false, true, "near the last step"},
         {false, false, false, "anew"},
     };
     enum { NWAYS = sizeof way / sizeof way[0] };
@@ -2576,32 +2597,45 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
         ok = plan_input(pool, t0, t1, way[w].keep, way[w].holes, &cand[w]) && cand[w].nalloc >= STEP_MIN_ALLOCS;
         cand[w].budget = capn != SIZE_MAX ? capn : pool->held;
         cand[w].prefer_prev = way[w].near;
+        cand[w].keep_mapped = way[w].keep;
     }
     if (!ok) {
         for (int w = 0; w < NWAYS; w++) raw_free(cand[w].it, cand[w].cap * sizeof *cand[w].it);
         return;
     }
     pthread_mutex_unlock(&pool->lock);
-    uint64_t pages = UINT64_MAX;
-    int chosen = -1;
-    for (int w = 0; w < NWAYS && chosen < 0; w++) {
+    uint64_t tpack = msh_now_ns();
+    /* The whole step packed anew is the tightest: when it does not fit, none of the others does
+     * (they keep blocks where they are), so it is the first and, on failure, the only packing. */
+    uint64_t pages = pack_all(&cand[NWAYS - 1]), fresh_pages = pages;
+    msh_debug("pool: step of %zu allocations packed %s: %llu pages of %llu", cand[NWAYS - 1].nalloc, way[NWAYS - 1].what,
+              (unsigned long long)pages, (unsigned long long)cand[NWAYS - 1].budget);
+    int chosen = pages <= cand[NWAYS - 1].budget ? NWAYS - 1 : -1;
+    for (int w = 0; w < NWAYS - 1 && chosen >= 0; w++) {
         pages = pack_all(&cand[w]);
         msh_debug("pool: step of %zu allocations packed %s: %llu pages of %llu", cand[w].nalloc, way[w].what,
                   (unsigned long long)pages, (unsigned long long)cand[w].budget);
-        if (pages <= cand[w].budget) chosen = w;
+        if (pages <= cand[w].budget) {
+            chosen = w;
+            break;
+        }
     }
+    if (chosen == NWAYS - 1) pages = fresh_pages;
     struct pinput in = cand[chosen < 0 ? NWAYS - 1 : chosen];
     for (int w = 0; w < NWAYS; w++)
         if (cand[w].it != in.it) raw_free(cand[w].it, cand[w].cap * sizeof *cand[w].it);
-    msh_debug("pool: learned step of %zu allocations (events %llu..%llu): %llu pages, budget %llu",
+    msh_debug("pool: step of %zu allocations (events %llu..%llu): %llu pages, budget %llu, packed in %.3f s",
               in.nalloc, (unsigned long long)t0, (unsigned long long)t1, (unsigned long long)pages,
-              (unsigned long long)in.budget);
+              (unsigned long long)in.budget, (double)(msh_now_ns() - tpack) / 1e9);
     pthread_mutex_lock(&pool->lock);
     if (s->n != t1 || s->hstate != h0 || s->active) { /* another thread moved on: not this time */
         raw_free(in.it, in.cap * sizeof *in.it);
         return;
     }
-    if (pages > in.budget) {
+    if (pages > in.budget) { /* the same step at the same budget will not pack next time either */
+        s->fail_budget = capn;
+        s->quiet_until = t1 + ((t1 - t0) << (6 + (s->fails < 4 ? s->fails : 4)));
+        s->fails++;
         raw_free(in.it, in.cap * sizeof *in.it);
         return;
     }
@@ -2618,6 +2652,7 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
     for (size_t i = 0; i < in.n; i++)
         if (in.it[i].order != UINT32_MAX) s->plan[in.it[i].order] = (struct pent){.addr = in.it[i].addr, .size = in.it[i].size};
     s->nplan = in.nalloc;
+    s->fails = 0;
     s->plan_h = h0;
     s->cursor = 0;
     s->active = true;
