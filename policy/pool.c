@@ -2605,22 +2605,16 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
     }
     pthread_mutex_unlock(&pool->lock);
     uint64_t tpack = msh_now_ns();
-    /* The whole step packed anew is the tightest: when it does not fit, none of the others does
-     * (they keep blocks where they are), so it is the first and, on failure, the only packing. */
-    uint64_t pages = pack_all(&cand[NWAYS - 1]), fresh_pages = pages;
-    msh_debug("pool: step of %zu allocations packed %s: %llu pages of %llu", cand[NWAYS - 1].nalloc, way[NWAYS - 1].what,
-              (unsigned long long)pages, (unsigned long long)cand[NWAYS - 1].budget);
-    int chosen = pages <= cand[NWAYS - 1].budget ? NWAYS - 1 : -1;
-    for (int w = 0; w < NWAYS - 1 && chosen >= 0; w++) {
+    /* The first packing that fits wins (the greedy packings are heuristics: one that keeps blocks
+     * where they are sometimes fits where packing anew does not). */
+    uint64_t pages = UINT64_MAX;
+    int chosen = -1;
+    for (int w = 0; w < NWAYS && chosen < 0; w++) {
         pages = pack_all(&cand[w]);
         msh_debug("pool: step of %zu allocations packed %s: %llu pages of %llu", cand[w].nalloc, way[w].what,
                   (unsigned long long)pages, (unsigned long long)cand[w].budget);
-        if (pages <= cand[w].budget) {
-            chosen = w;
-            break;
-        }
+        if (pages <= cand[w].budget) chosen = w;
     }
-    if (chosen == NWAYS - 1) pages = fresh_pages;
     struct pinput in = cand[chosen < 0 ? NWAYS - 1 : chosen];
     for (int w = 0; w < NWAYS; w++)
         if (cand[w].it != in.it) raw_free(cand[w].it, cand[w].cap * sizeof *cand[w].it);
