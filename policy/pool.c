@@ -1730,6 +1730,7 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
     pthread_mutex_lock(&pool->lock);
     stream_seen(pool, stream);
     if (pool->step) step_before_alloc(pool, rsize);
+    size_t held0 = pool->held; /* issue 8: a failed request gives back what it created */
     bool reclaimed = false;
     int rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed);
     if (rc == ENOMEM && pool->gc_fn) {
@@ -1741,10 +1742,11 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
         rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed);
         if (rc == 0) pool->st.rescue_gc++;
     }
-    if (rc == ENOMEM && pool->cached && pool->driver_oom && !pool->prm.no_release_on_oom) {
+    if (rc == ENOMEM && pool->cached && (pool->driver_oom || !pool->prm.defrag) && !pool->prm.no_release_on_oom) {
         pool->driver_oom = false;
-        /* Cached pages were already candidates for reclaim; giving them back only helps when
-         * the driver itself ran out (other allocators in the process hold the rest). */
+        /* Cached pages were already candidates for reclaim; giving them back helps when the
+         * driver itself ran out (other allocators in the process hold the rest), and when reclaim
+         * is off (MEMSHIM_DEFRAG=0: under a limit new pages can be created only after these go). */
         release_cached(pool, 0, 0);
         rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed);
         if (rc == 0) pool->st.rescue_empty_cache++;
@@ -1757,6 +1759,10 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
         pthread_mutex_unlock(&pool->lock);
         return 0;
     }
+    /* Pages this request created and could not use are given back: the memory a failed request
+     * leaves held is what it found (cudaMemGetInfo's answer counts on that, issue 8). */
+    if (pool->held > held0)
+        release_cached(pool, (pool->cached > pool->held - held0 ? pool->cached - (pool->held - held0) : 0) * pool->gran, 0);
     pool->st.alloc_fail++;
     pool->st.oom_events++;
     pthread_mutex_unlock(&pool->lock);
@@ -2042,7 +2048,7 @@ void msh_pool_for_each_live(struct msh_pool *pool,
     pthread_mutex_lock(&pool->lock);
     for (size_t i = 0; i < pool->hcap; i++)
         for (struct blk *b = pool->htab[i]; b; b = b->hnext)
-            fn(arg, b->addr, b->req, b->s[0].stream);
+            fn(arg, b->addr, b->req, b->ns ? b->s[0].stream : MSH_STREAM_COMPLETED);
     pthread_mutex_unlock(&pool->lock);
 }
 
@@ -2657,6 +2663,137 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
     raw_free(in.it, in.cap * sizeof *in.it);
 }
 
+/* ---- issue 8's entry points: streams that go away, blocks by interior address, release on free -- */
+
+/* Drop `stream` from b's tags (its event reference too); true when it was there. */
+static bool sref_drop(struct msh_pool *pool, struct blk *b, uint64_t stream)
+{
+    int k = 0;
+    bool found = false;
+    for (int i = 0; i < b->ns; i++) {
+        if (b->s[i].stream == stream) {
+            found = true;
+            ev_put(pool, b->s[i].ev);
+        } else {
+            b->s[k++] = b->s[i];
+        }
+    }
+    b->ns = (uint8_t)k;
+    return found;
+}
+
+/* A destroyed stream's handle is undefined from then on (the driver may give the value to a new
+ * stream), so no tag may name it afterwards: no event is ever recorded on it, and "same stream"
+ * never matches it. Tagged blocks, live or free, trade the tag for sync_needed: whoever reuses
+ * them elsewhere first waits for the whole device. No device call here. */
+int msh_pool_forget_stream(struct msh_pool *pool, uint64_t stream)
+{
+    if (stream == MSH_STREAM_COMPLETED) return 0;
+    pthread_mutex_lock(&pool->lock);
+    for (size_t i = 0; i < pool->hcap; i++)
+        for (struct blk *b = pool->htab[i]; b; b = b->hnext)
+            if (sref_drop(pool, b, stream)) b->sync_needed = 1;
+    for (int a = 0; a < NAREAS; a++)
+        for (struct region *r = pool->areas[a]; r; r = r->next)
+            for (struct blk *b = r->first; b; b = b->next)
+                if (b->state == B_FREE && !blk_clean(pool, b) && sref_drop(pool, b, stream)) b->sync_needed = 1;
+    if (pool->first_stream == stream && !pool->multi_stream) pool->have_stream = false;
+    pthread_mutex_unlock(&pool->lock);
+    return 0;
+}
+
+static struct region *region_of(struct msh_pool *pool, uint64_t addr)
+{
+    for (int a = 0; a < NAREAS; a++)
+        for (struct region *r = pool->areas[a]; r; r = r->next)
+            if (addr >= r->base && addr - r->base < r->size) return r;
+    return NULL;
+}
+
+/* The live block whose requested bytes contain addr. An exact start is one hash probe; an
+ * interior address walks its region's blocks in address order (callers are rare: buffer
+ * registration by NCCL or an MPI library, not every allocation). */
+int msh_pool_block_containing(struct msh_pool *pool, uint64_t addr, uint64_t *base, size_t *size)
+{
+    pthread_mutex_lock(&pool->lock);
+    struct blk *b = hash_find(pool, addr);
+    if (!b) {
+        struct region *r = region_of(pool, addr);
+        for (struct blk *x = r ? r->first : NULL; x && x->addr <= addr; x = x->next)
+            if (x->state == B_LIVE && addr - x->addr < (x->req ? x->req : 1)) b = x;
+    }
+    if (b) {
+        *base = b->addr;
+        *size = b->req ? b->req : 1;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return b ? 0 : EINVAL;
+}
+
+bool msh_pool_covers(struct msh_pool *pool, uint64_t addr)
+{
+    pthread_mutex_lock(&pool->lock);
+    bool in = region_of(pool, addr) != NULL;
+    pthread_mutex_unlock(&pool->lock);
+    return in;
+}
+
+void msh_pool_counters(struct msh_pool *pool, struct msh_pool_counters *out)
+{
+    pthread_mutex_lock(&pool->lock);
+    out->gran = pool->gran;
+    out->limit = limit_now(pool);
+    out->handles = pool->held;
+    out->cached_pages = pool->cached;
+    out->touched_pages = pool->touched;
+    out->live_bytes = pool->st.live_bytes;
+    out->defrag = pool->prm.defrag;
+    out->release_on_oom = !pool->prm.no_release_on_oom;
+    pthread_mutex_unlock(&pool->lock);
+}
+
+/* Free a block, then return to the driver the cached handles on the pages it touched (a handle
+ * is released whole: its other pages are untouched too, or it would not be cached). DESIGN.md 3:
+ * a cudaFree in segment mode is PyTorch giving memory back. */
+int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream, size_t *released)
+{
+    if (released) *released = 0;
+    pthread_mutex_lock(&pool->lock);
+    struct blk *b = hash_find(pool, addr);
+    struct region *r = b ? b->reg : NULL;
+    uint32_t p0 = 0, p1 = 0;
+    if (b) page_range(pool, b, &p0, &p1);
+    pthread_mutex_unlock(&pool->lock);
+    if (!b) return EINVAL;
+    int rc = msh_pool_free(pool, addr, stream);
+    if (rc) return rc;
+    /* another thread may have placed a block on these pages meanwhile: those stay (live) */
+    pthread_mutex_lock(&pool->lock);
+    struct job j;
+    job_init(&j);
+    size_t before = pool->st.released_pages;
+    for (uint32_t p = p0; p <= p1 && p < r->hi_page;) {
+        uint32_t h = pg_head(&r->pages[p]);
+        if (h == NO_PAGE) {
+            p++;
+            continue;
+        }
+        struct page *hp = &r->pages[h];
+        uint32_t next = h + hp->npages;
+        if (hp->state == PG_MAPPED && !hp->nlive) {
+            if (!take_victim(pool, &j, r, h, V_RELEASE)) break;
+            held_sub(pool, hp->npages);
+        }
+        p = next;
+    }
+    job_do(pool, &j);
+    job_fini(pool, &j);
+    size_t n = (pool->st.released_pages - before) * pool->gran;
+    pthread_mutex_unlock(&pool->lock);
+    if (released) *released = n;
+    return 0;
+}
+
 /* ---- invariant checker (msh_pool_check, pool.h) ------------------------------------------------ */
 
 #define CHECK_FAIL(...)                                                                            \
@@ -2780,7 +2917,6 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
                     if (b->req > b->size) CHECK_FAIL("block %#llx: requested %llu > extent %llu", (unsigned long long)b->addr,
                                                      (unsigned long long)b->req, (unsigned long long)b->size);
                     if (hash_find(pool, b->addr) != b) CHECK_FAIL("live block %#llx is not in the hash", (unsigned long long)b->addr);
-                    if (b->ns < 1) CHECK_FAIL("live block %#llx has no allocation stream", (unsigned long long)b->addr);
                     for (int i = 0; i < b->ns; i++)
                         if (b->s[i].ev != NO_EV) CHECK_FAIL("live block %#llx holds an event", (unsigned long long)b->addr);
                 } else if ((b->state == B_PENDING || b->state == B_FREEING) && !quiet) {

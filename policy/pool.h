@@ -130,6 +130,35 @@ void msh_pool_for_each_live(struct msh_pool *pool,
 /* Turn on per-call latency accounting (two clock reads per call). */
 void msh_pool_set_timing(struct msh_pool *pool, bool on);
 
+/* ---- issue 8's entry points (their semantics, re-implemented over this pool's handles) ---- */
+
+/* The caller is about to destroy `stream`: afterwards the pool names it nowhere (blocks that
+ * were tagged with it are reused elsewhere only after a device synchronize). O(blocks), no
+ * device call. Returns 0. */
+int msh_pool_forget_stream(struct msh_pool *pool, uint64_t stream);
+
+/* The live block containing addr (its start or any byte of its requested size): 0 with its base
+ * and requested size (at least 1), or EINVAL. O(1) for a block start, else O(blocks in the region). */
+int msh_pool_block_containing(struct msh_pool *pool, uint64_t addr, uint64_t *base, size_t *size);
+/* Whether addr lies in the pool's reserved virtual ranges (live block or not). */
+bool msh_pool_covers(struct msh_pool *pool, uint64_t addr);
+
+/* The pool's page counters, read under its lock in O(1) (cudaMemGetInfo under MEMSHIM_LIMIT). */
+struct msh_pool_counters {
+    size_t gran, limit;          /* page size; cap on handles' bytes (0 = none) */
+    size_t handles;              /* pages held (mapped + orphaned) */
+    size_t cached_pages;         /* mapped pages no live block touches */
+    size_t touched_pages;        /* pages live blocks touch */
+    size_t live_bytes;
+    bool defrag, release_on_oom; /* cached pages can be reclaimed / given back under pressure */
+};
+void msh_pool_counters(struct msh_pool *pool, struct msh_pool_counters *out);
+
+/* msh_pool_free, then give the driver back the handles on the pages the block touched that no
+ * live block touches any more (*released: bytes). EINVAL for an address that is not a live block
+ * start. */
+int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream, size_t *released);
+
 /* Verify every structural invariant of the pool under its lock (tests, memshim-replay --check):
  * each region is tiled by its blocks in address order with no two free neighbours; free blocks
  * are exactly the treap's (ordered by (size, addr), heap-ordered by priority), live blocks exactly
