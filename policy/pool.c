@@ -2105,10 +2105,11 @@ struct step {
     struct fprun *fp;      /* the plan's footprint, to clear its page flags */
     size_t nfp, capfp;
     uint64_t quiet_until;  /* no packing before this serial: one try per step length */
-    /* Packings that did not fit: the next try waits 64, 128... step lengths (up to 1024), unless
-     * the budget changes (the packing of a step hardly depends on where its blocks were) */
+    /* A step of about this length did not pack into this budget: steps of about the same length
+     * wait 64, 128... step lengths (up to 1024) before the next try, unless the budget changes
+     * (the packing of a step hardly depends on where its blocks were). Other steps are tried. */
     uint32_t fails;
-    uint64_t fail_budget;
+    uint64_t fail_len, fail_budget, fail_until;
 };
 
 static inline uint64_t mix64(uint64_t x)
@@ -2151,6 +2152,13 @@ static void step_destroy(struct msh_pool *pool)
     raw_free(s->fp, s->capfp * sizeof *s->fp);
     raw_free(s, sizeof *s);
     pool->step = NULL;
+}
+
+/* A step of about this length (within 1/64) already failed to pack into this budget lately. */
+static bool step_failed_before(const struct step *s, uint64_t len, size_t budget)
+{
+    uint64_t d = len > s->fail_len ? len - s->fail_len : s->fail_len - len;
+    return s->fails && d <= s->fail_len / 64 && budget == s->fail_budget && s->n < s->fail_until;
 }
 
 static bool step_want(const struct step *s, uint64_t addr)
@@ -2577,8 +2585,8 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
     }
     struct anchor *an = &s->anchors[mix64(s->hstate) & (STEP_ANCHORS - 1)];
     bool candidate = !s->active && an->h == s->hstate && an->size == rsize && an->serial < s->n &&
-                     s->n - an->serial <= STEP_LOG && pool->pressure_reclaims > an->reclaims &&
-                     (s->n >= s->quiet_until || (s->fails && s->fail_budget != cap_pages(pool)));
+                     s->n - an->serial <= STEP_LOG && pool->pressure_reclaims > an->reclaims && s->n >= s->quiet_until &&
+                     !step_failed_before(s, s->n - an->serial, cap_pages(pool));
     uint64_t t0 = an->serial, t1 = s->n, h0 = s->hstate;
     *an = (struct anchor){.h = s->hstate, .serial = s->n, .reclaims = pool->pressure_reclaims, .size = rsize};
     if (!candidate) return;
@@ -2633,8 +2641,10 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
         return;
     }
     if (pages > in.budget) { /* the same step at the same budget will not pack next time either */
+        if (!step_failed_before(s, t1 - t0, capn + 1) || s->fail_budget != capn) s->fails = 0;
+        s->fail_len = t1 - t0;
         s->fail_budget = capn;
-        s->quiet_until = t1 + ((t1 - t0) << (6 + (s->fails < 4 ? s->fails : 4)));
+        s->fail_until = t1 + ((t1 - t0) << (6 + (s->fails < 4 ? s->fails : 4)));
         s->fails++;
         raw_free(in.it, in.cap * sizeof *in.it);
         return;
