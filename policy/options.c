@@ -119,6 +119,20 @@ static const struct enum_val report_fmt_vals[] = {
     {"json-pretty", MSH_REPORT_JSON_PRETTY, "Indented JSON: easier to read, larger."},
     {NULL, 0, NULL},
 };
+static const struct enum_val sites_vals[] = {
+    {"off", MSH_SITES_OFF, "No allocation sites: reports carry `sites: []` and a `sites_note`."},
+    {"held", MSH_SITES_HELD,
+     "Read the Python stack only when the allocating thread already holds the GIL (Python code "
+     "calling `memshim_malloc` directly). PyTorch's operators release the GIL before they "
+     "allocate, so under PyTorch most allocations then count as `<python> unattributed`."},
+    {"acquire", MSH_SITES_ACQUIRE,
+     "Also re-take the GIL on a Python thread that released it inside a PyTorch operator, as "
+     "PyTorch's own `_record_memory_history()` does (about 150 ns when the GIL is free). When "
+     "taking it waits more than 20 us (another thread runs Python), memshim stops re-taking it "
+     "for one second. Threads without Python state (autograd's backward workers) are never made "
+     "to take the GIL: their allocations count as the site `<backward>`."},
+    {NULL, 0, NULL},
+};
 static const struct enum_val log_vals[] = {
     {"error", MSH_LOG_ERROR, "Only errors."},
     {"warn", MSH_LOG_WARN, "Errors and warnings (bad settings, fallbacks, OOM diagnoses)."},
@@ -132,8 +146,8 @@ static const struct enum_val log_vals[] = {
 enum {
     O_MODE, O_LIMIT, O_EMPTY_CACHE, O_EMPTY_CACHE_THRESHOLD, O_EMPTY_CACHE_IDLE, O_GC,
     O_GC_THRESHOLD, O_DEFRAG, O_SMALL_MAX, O_EPOCH, O_EPOCH_STEPS, O_EPOCH_SECONDS,
-    O_EPOCH_SIGNAL, O_REPORT_DIR, O_REPORT_FORMAT, O_TRACE_FILE, O_LOG, O_LOG_FILE, O_STRICT,
-    O_CONF, O_COUNT
+    O_EPOCH_SIGNAL, O_REPORT_DIR, O_REPORT_FORMAT, O_TRACE_FILE, O_SITES, O_SITES_SAMPLE,
+    O_SNAPSHOT, O_SNAPSHOT_EVENTS, O_LOG, O_LOG_FILE, O_STRICT, O_CONF, O_COUNT
 };
 
 #define F(field) offsetof(struct msh_config, field)
@@ -218,6 +232,40 @@ static const struct opt opts[O_COUNT] = {
                       "Write every allocation and free to this file in memshim's trace format "
                       "(for `memshim-replay`). Empty: no trace.",
                       F(trace_file), 0, 0, 0, NULL, NULL},
+    [O_SITES] = {"MEMSHIM_SITES", T_ENUM, "acquire", NULL, NULL, "-",
+                 "How memshim reads the Python call site of each tensor allocation (reports' "
+                 "`sites`, the snapshot's `frames`).",
+                 F(sites), 0, 0, 0, sites_vals,
+                 "How memshim learns the Python call site of the blocks it places in tensor mode "
+                 "(the first frame outside torch and memshim's own package; docs/reports.md). "
+                 "Only used when reports or a snapshot are on, and only in a CPython process."},
+    [O_SITES_SAMPLE] = {"MEMSHIM_SITES_SAMPLE", T_SIZE, "0", "every allocation exactly",
+                        "a size, 0 or more", "bytes",
+                        "Allocations of at least this size always get their exact site; smaller "
+                        "ones are sampled (on average one per this many bytes, as a Poisson "
+                        "process) and their live bytes and counts per site are unbiased "
+                        "estimates. `0`: every allocation exactly (reading a stack whose frames "
+                        "Python already holds costs tens of ns, about what sampling saves: "
+                        "docs/benchmarks.md). While a snapshot history is recorded, every "
+                        "allocation gets its site.",
+                        F(sites_sample), 0, 0, UINT64_MAX, NULL, NULL},
+    [O_SNAPSHOT] = {"MEMSHIM_SNAPSHOT", T_PATH, "", "no snapshot",
+                    "a file path (%p: pid, %h: host name, %r: rank)", "-",
+                    "Record the allocation history and write a PyTorch memory snapshot (the "
+                    "pickle `torch.cuda.memory._dump_snapshot()` writes, for "
+                    "`torch.cuda._memory_viz` and pytorch.org/memory_viz) to this file at exit, "
+                    "and one beside it at each out-of-memory (`NAME-oomNNNN.pickle`, at most 16). "
+                    "Without `%r`, a rank (`RANK`, `LOCAL_RANK`, ...) is added as `-rankR` before "
+                    "the extension. Empty: no snapshot.",
+                    F(snapshot), 0, 0, 0, NULL, NULL},
+    [O_SNAPSHOT_EVENTS] = {"MEMSHIM_SNAPSHOT_EVENTS", T_COUNT, "100000", NULL,
+                           "a whole number from 1 to 16777216", "events",
+                           "Events (alloc, free, map, unmap, oom) the history ring keeps for the "
+                           "snapshot's `device_traces`; older ones are dropped. About 40 bytes of "
+                           "host memory each, committed as the ring fills. PyTorch's own default "
+                           "(`max_entries=sys.maxsize`) keeps everything; a bounded ring needs "
+                           "a bound.",
+                           F(snapshot_events), 0, 1, 16777216, NULL, NULL},
     [O_LOG] = {"MEMSHIM_LOG", T_ENUM, "warn", NULL, NULL, "-",
                "How much memshim logs. Read before every other option, so it applies to their "
                "warnings.",

@@ -1703,6 +1703,14 @@ static inline uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* One timed call: the total, the histogram behind the reports' latency percentiles, the max. */
+static inline void lat_note(uint64_t *hist, uint64_t *total, uint64_t *max, uint64_t ns)
+{
+    *total += ns;
+    hist[msh_lat_bucket(ns)]++;
+    if (ns > *max) *max = ns;
+}
+
 static void note_alloc(struct msh_pool *pool, uint64_t req, bool reclaimed)
 {
     struct msh_pool_stats *st = &pool->st;
@@ -1755,7 +1763,7 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
         note_alloc(pool, size, reclaimed);
         struct blk *b = hash_find(pool, *addr);
         if (pool->step && b) step_note_alloc(pool, b);
-        if (pool->timing) pool->st.alloc_ns_total += now_ns() - t0;
+        if (pool->timing) lat_note(pool->st.alloc_lat, &pool->st.alloc_ns_total, &pool->st.alloc_ns_max, now_ns() - t0);
         pthread_mutex_unlock(&pool->lock);
         return 0;
     }
@@ -1867,7 +1875,7 @@ int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream)
     block_untouch(pool, b);
     blk_make_free(pool, b);
     trim_cached(pool);
-    if (pool->timing) pool->st.free_ns_total += now_ns() - t0;
+    if (pool->timing) lat_note(pool->st.free_lat, &pool->st.free_ns_total, &pool->st.free_ns_max, now_ns() - t0);
     pthread_mutex_unlock(&pool->lock);
     return 0;
 }

@@ -16,6 +16,23 @@
 #include "device.h"
 #include "drvcost.h"
 
+/* Latency histogram buckets: 4 per power of two (25% wide) from 1 ns to 2^36 ns; larger values
+ * land in the last bucket. Bucket b holds [msh_lat_lower(b), msh_lat_upper(b)]. */
+#define MSH_LAT_BUCKETS 144
+static inline int msh_lat_bucket(uint64_t ns)
+{
+    if (ns < 4) return (int)ns;
+    int e = 63 - __builtin_clzll(ns);
+    int b = (e - 1) * 4 + (int)((ns >> (e - 2)) & 3);
+    return b < MSH_LAT_BUCKETS ? b : MSH_LAT_BUCKETS - 1;
+}
+static inline uint64_t msh_lat_upper(int b)
+{
+    if (b < 4) return (uint64_t)b;
+    int e = b / 4 + 1;
+    return ((uint64_t)(5 + b % 4) << (e - 2)) - 1;
+}
+
 /* Pseudo-stream for frees whose last use is already known complete (cudaFree synchronizes). */
 #define MSH_STREAM_COMPLETED UINT64_MAX
 
@@ -64,9 +81,12 @@ struct msh_pool_stats {
     uint64_t oom_events;                         /* requests that failed after the whole chain */
     uint64_t hist[24];                           /* allocation sizes: bucket i = [2^(9+i-1), 2^(9+i)) */
     uint64_t alloc_ns_total, free_ns_total;      /* time in alloc/free (when timing is on) */
+    /* Latency of each timed alloc/free: a log-linear histogram (msh_lat_bucket) and the maximum. */
+    uint64_t alloc_lat[MSH_LAT_BUCKETS], free_lat[MSH_LAT_BUCKETS];
+    uint64_t alloc_ns_max, free_ns_max;
     /* Every call the pool made to its device backend, by kind (drvcost.h), and the bytes those
-     * calls covered (create/release/map/unmap/set_access/reserve/unreserve). A backend map
-     * includes the access grant, so each map counts one set_access over the same bytes. */
+     * calls covered (create/release/map/unmap/set_access/reserve/unreserve). A handle may
+     * cover several pages; set_access is counted once per block mapped, over its span. */
     uint64_t drv_calls[MSH_DRV_NKINDS], drv_bytes[MSH_DRV_NKINDS];
     /* Streams: reuses of memory whose last use was on another stream, and the events they cost:
      * recorded when the block was freed (the new stream waits for exactly the work queued before

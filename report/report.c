@@ -11,11 +11,18 @@
  * MEMSHIM_REPORT_DIR; the job always continues. Reports are not fsync'ed: they are atomic for
  * readers and across a crash of the job, not durable across a power loss (an epoch close must
  * not wait for the disk). Must never be called with a pool lock held.
+ *
+ * Schema 2 (docs/report.schema.json) adds `versions` (CUDA driver and runtime, device name,
+ * memshim, torch), `latency` (percentiles of the pool's timed alloc/free calls, from the pool's
+ * log-linear histogram: per epoch in epoch reports, since start otherwise), `driver` (the pool's
+ * driver calls by kind and their modelled seconds), `sites` (allocation sites at the epoch's
+ * peak, shim/sites.c) and `trend.growing_sites`.
  */
 #include "report.h"
 
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <link.h>
 #include <jansson.h>
 #include <limits.h>
 #include <pthread.h>
@@ -28,8 +35,11 @@
 #include <unistd.h>
 
 #include "core.h"
+#include "cuda_real.h"
+#include "drvcost.h"
 #include "memshim.h"
 #include "msh.h"
+#include "sites.h"
 #include "torch.h"
 
 static struct {
@@ -43,6 +53,7 @@ static struct {
     json_t *(*boolean_false)(void);
     int (*object_set_new)(json_t *, const char *, json_t *);
     int (*array_append_new)(json_t *, json_t *);
+    json_t *(*null)(void);
     char *(*dumps)(const json_t *, size_t);
     void (*del)(json_t *);
 } J;
@@ -66,11 +77,12 @@ static bool load_jansson(void)
     SYM(boolean_false, "json_false");
     SYM(object_set_new, "json_object_set_new");
     SYM(array_append_new, "json_array_append_new");
+    SYM(null, "json_null");
     SYM(dumps, "json_dumps");
     SYM(del, "json_delete");
 #undef SYM
     return J.object && J.array && J.integer && J.real && J.string && J.boolean_true &&
-           J.boolean_false && J.object_set_new && J.array_append_new && J.dumps && J.del;
+           J.boolean_false && J.object_set_new && J.array_append_new && J.dumps && J.del && J.null;
 }
 
 /* json_decref is an inline that calls json_delete by symbol; ours goes through the table. */
@@ -127,7 +139,7 @@ bool msh_report_init(void)
     return report_on;
 }
 
-static long env_rank(void)
+long msh_report_rank(void)
 {
     const char *names[] = {"RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"};
     for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
@@ -143,11 +155,11 @@ static long env_rank(void)
 int msh_report_path(const struct msh_report *r, int device, char *out, size_t len)
 {
     char rank[32] = "";
-    long rk = env_rank();
+    long rk = msh_report_rank();
     if (rk >= 0) snprintf(rank, sizeof rank, "-rank%ld", rk);
     char what[48];
     if (!strcmp(r->kind, "epoch")) snprintf(what, sizeof what, "epoch%04llu", (unsigned long long)r->epoch);
-    else if (!strcmp(r->kind, "oom")) snprintf(what, sizeof what, "oom%04llu", (unsigned long long)r->epoch);
+    else if (!strcmp(r->kind, "oom")) snprintf(what, sizeof what, "oom%04llu", (unsigned long long)r->oom_index);
     else snprintf(what, sizeof what, "summary");
     int n = snprintf(out, len, "%s/memshim-%s-pid%d%s-dev%d-%s.json", report_dir, host, (int)getpid(), rank,
                      device, what);
@@ -159,6 +171,186 @@ static void set_i(json_t *o, const char *k, int64_t v) { J.object_set_new(o, k, 
 static void set_d(json_t *o, const char *k, double v) { J.object_set_new(o, k, J.real(v)); }
 static void set_s(json_t *o, const char *k, const char *v) { J.object_set_new(o, k, J.string(v ? v : "")); }
 static void set_b(json_t *o, const char *k, bool v) { J.object_set_new(o, k, v ? J.boolean_true() : J.boolean_false()); }
+static void set_sn(json_t *o, const char *k, const char *v) { J.object_set_new(o, k, v ? J.string(v) : J.null()); }
+
+/* ---- versions ---------------------------------------------------------------------------------- */
+
+static pthread_mutex_t ver_lock = PTHREAD_MUTEX_INITIALIZER;
+static char driver_version[16], runtime_version[16];
+static bool versions_read;
+static char device_names[MSH_MAX_DEVICES][128];
+
+static void cuda_version_text(int v, char *out, size_t len)
+{
+    snprintf(out, len, "%d.%d", v / 1000, (v % 1000) / 10);
+}
+
+/* The libcudart the process loaded (PyTorch's own copy, or the program's); never memshim's. */
+static int find_cudart(struct dl_phdr_info *info, size_t size, void *arg)
+{
+    (void)size;
+    const char *base = info->dlpi_name ? strrchr(info->dlpi_name, '/') : NULL;
+    base = base ? base + 1 : info->dlpi_name;
+    if (base && !strncmp(base, "libcudart.so", 12)) {
+        snprintf(arg, PATH_MAX, "%s", info->dlpi_name);
+        return 1;
+    }
+    return 0;
+}
+
+/* Driver and runtime versions once; the device's name when first asked. Called with no pool
+ * lock held (the driver may take its own locks). */
+static void read_versions(int device)
+{
+    pthread_mutex_lock(&ver_lock);
+    if (!versions_read) {
+        versions_read = true;
+        int v = 0;
+        if (msh_cu.cuDriverGetVersion && msh_cu.cuDriverGetVersion(&v) == CUDA_SUCCESS && v > 0)
+            cuda_version_text(v, driver_version, sizeof driver_version);
+        char path[PATH_MAX] = "";
+        if (dl_iterate_phdr(find_cudart, path) && path[0]) {
+            void *h = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+            int (*rtv)(int *) = h ? (int (*)(int *))dlsym(h, "cudaRuntimeGetVersion") : NULL;
+            v = 0;
+            if (rtv && rtv(&v) == 0 && v > 0) cuda_version_text(v, runtime_version, sizeof runtime_version);
+            if (h) dlclose(h);
+        }
+    }
+    if (device >= 0 && device < MSH_MAX_DEVICES && !device_names[device][0] && msh_cu.cuDeviceGet &&
+        msh_cu.cuDeviceGetName) {
+        CUdevice dev;
+        char name[128];
+        if (msh_cu.cuDeviceGet(&dev, device) == CUDA_SUCCESS &&
+            msh_cu.cuDeviceGetName(name, (int)sizeof name, dev) == CUDA_SUCCESS) {
+            name[sizeof name - 1] = 0;
+            memcpy(device_names[device], name, sizeof name);
+        }
+    }
+    pthread_mutex_unlock(&ver_lock);
+}
+
+static json_t *versions_json(int device)
+{
+    read_versions(device);
+    json_t *v = J.object();
+    pthread_mutex_lock(&ver_lock);
+    set_sn(v, "cuda_driver", driver_version[0] ? driver_version : NULL);
+    set_sn(v, "cuda_runtime", runtime_version[0] ? runtime_version : NULL);
+    set_sn(v, "device_name", device >= 0 && device < MSH_MAX_DEVICES && device_names[device][0] ? device_names[device] : NULL);
+    set_s(v, "memshim", MEMSHIM_VERSION);
+    set_sn(v, "torch", msh_torch_version()); /* handed over by the Python side (shim/torch.c) */
+    pthread_mutex_unlock(&ver_lock);
+    return v;
+}
+
+/* ---- latency ------------------------------------------------------------------------------------ */
+
+/* Histograms at the last epoch report, per device, so an epoch report covers its own epoch. Read
+ * and written under core.c's epoch lock (every report is built under it). */
+static uint64_t lat_prev[MSH_MAX_DEVICES][2][MSH_LAT_BUCKETS];
+
+static json_t *percentiles(const uint64_t *h, const uint64_t *prev, uint64_t max)
+{
+    uint64_t d[MSH_LAT_BUCKETS], n = 0;
+    int top = -1;
+    for (int b = 0; b < MSH_LAT_BUCKETS; b++) {
+        d[b] = h[b] - (prev ? prev[b] : 0);
+        n += d[b];
+        if (d[b]) top = b;
+    }
+    json_t *o = J.object();
+    static const struct { const char *k; double p; } ps[] = {{"p50", 0.50}, {"p90", 0.90}, {"p99", 0.99}};
+    for (size_t i = 0; i < sizeof ps / sizeof *ps; i++) {
+        if (!n) {
+            J.object_set_new(o, ps[i].k, J.null());
+            continue;
+        }
+        uint64_t want = (uint64_t)(ps[i].p * (double)n + 0.999999), cum = 0;
+        int b = 0;
+        for (; b < MSH_LAT_BUCKETS; b++) {
+            cum += d[b];
+            if (cum >= want) break;
+        }
+        uint64_t v = msh_lat_upper(b < MSH_LAT_BUCKETS ? b : MSH_LAT_BUCKETS - 1);
+        set_u(o, ps[i].k, v < max ? v : max);
+    }
+    if (!n) J.object_set_new(o, "max", J.null());
+    else {
+        uint64_t up = msh_lat_upper(top);
+        set_u(o, "max", prev && up < max ? up : max);
+    }
+    set_u(o, "count", n);
+    return o;
+}
+
+static json_t *latency_json(const struct msh_report *r, const struct msh_report_device *d)
+{
+    bool epoch = !strcmp(r->kind, "epoch");
+    int dev = d->device >= 0 && d->device < MSH_MAX_DEVICES ? d->device : 0;
+    json_t *l = J.object();
+    J.object_set_new(l, "alloc_ns", percentiles(d->st.alloc_lat, epoch ? lat_prev[dev][0] : NULL, d->st.alloc_ns_max));
+    J.object_set_new(l, "free_ns", percentiles(d->st.free_lat, epoch ? lat_prev[dev][1] : NULL, d->st.free_ns_max));
+    set_s(l, "covers", epoch ? "epoch" : "run");
+    if (epoch) {
+        memcpy(lat_prev[dev][0], d->st.alloc_lat, sizeof lat_prev[dev][0]);
+        memcpy(lat_prev[dev][1], d->st.free_lat, sizeof lat_prev[dev][1]);
+    }
+    return l;
+}
+
+/* ---- sites -------------------------------------------------------------------------------------- */
+
+static json_t *site_json(const char *file, int line, const char *function)
+{
+    json_t *o = J.object();
+    set_s(o, "file", file);
+    set_i(o, "line", line);
+    set_s(o, "function", function);
+    return o;
+}
+
+static void sites_json(json_t *root, json_t *trend, const struct msh_report *r, const struct msh_report_device *d,
+                       char *verdict_extra, size_t extra_len)
+{
+    struct msh_site_row rows[MSH_REPORT_SITES];
+    int n = msh_sites_top(d->device, rows, MSH_REPORT_SITES);
+    json_t *arr = J.array();
+    for (int i = 0; i < n; i++) {
+        json_t *o = site_json(rows[i].file, rows[i].line, rows[i].function);
+        set_u(o, "bytes", rows[i].bytes);
+        set_u(o, "count", rows[i].count);
+        J.array_append_new(arr, o);
+    }
+    J.object_set_new(root, "sites", arr);
+    const char *note = msh_sites_note();
+    char buf[200];
+    if (!note && !n && strcmp(r->mode, "tensor"))
+        note = "segment mode: memshim sees PyTorch's segments, not tensors; sites need tensor mode";
+    else if (!note && !n)
+        note = "no tensor allocations were attributed in this period";
+    else if (!note && msh_sites_sample_bytes()) {
+        snprintf(buf, sizeof buf, "allocations below %llu bytes are sampled: their bytes and counts are estimates",
+                 (unsigned long long)msh_sites_sample_bytes());
+        note = buf;
+    }
+    set_sn(root, "sites_note", note);
+
+    struct msh_site_growth g[MSH_REPORT_SITES];
+    int ng = msh_sites_growing(d->device, g, MSH_REPORT_SITES);
+    json_t *garr = J.array();
+    for (int i = 0; i < ng; i++) {
+        json_t *o = site_json(g[i].file, g[i].line, g[i].function);
+        set_u(o, "growth_bytes_per_epoch", g[i].growth_bytes_per_epoch);
+        J.array_append_new(garr, o);
+    }
+    J.object_set_new(trend, "growing_sites", garr);
+    if (ng) {
+        const char *base = strrchr(g[0].file, '/');
+        snprintf(verdict_extra, extra_len, " (fastest-growing site: %s:%d %s, +%.1f MiB per epoch)",
+                 base ? base + 1 : g[0].file, g[0].line, g[0].function, g[0].growth_bytes_per_epoch / 1048576.0);
+    }
+}
 
 static json_t *build(const struct msh_report *r, const struct msh_report_device *d)
 {
@@ -168,15 +360,17 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_s(root, "memshim_version", MEMSHIM_VERSION);
     set_s(root, "host", host);
     set_i(root, "pid", getpid());
-    set_i(root, "rank", env_rank());
+    set_i(root, "rank", msh_report_rank());
     set_i(root, "device", d->device);
     set_u(root, "epoch", r->epoch);
+    if (!strcmp(r->kind, "oom")) set_u(root, "oom_index", r->oom_index);
     set_s(root, "reason", r->reason);
     set_s(root, "mode", r->mode);
     set_d(root, "t_start_s", r->t_start);
     set_d(root, "t_end_s", r->t_end);
     set_u(root, "steps", r->steps);
     set_u(root, "wall_time_unix", (uint64_t)time(NULL));
+    J.object_set_new(root, "versions", versions_json(d->device));
 
     const struct msh_pool_stats *st = &d->st;
     json_t *mem = J.object();
@@ -231,6 +425,15 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_d(ops, "alloc_mean_ns", st->allocs ? (double)st->alloc_ns_total / (double)st->allocs : 0.0);
     set_d(ops, "free_mean_ns", st->frees ? (double)st->free_ns_total / (double)st->frees : 0.0);
     J.object_set_new(root, "operations", ops);
+    J.object_set_new(root, "latency", latency_json(r, d));
+
+    /* Every call the pool made to the driver, by kind, and what they cost by the default cost
+     * table (policy/drvcost.c; docs/benchmarks.md): cumulative, like `operations`. */
+    json_t *drv = J.object(), *calls = J.object();
+    for (int k = 0; k < MSH_DRV_NKINDS; k++) set_u(calls, msh_drv_call_names[k], st->drv_calls[k]);
+    J.object_set_new(drv, "calls", calls);
+    set_d(drv, "modelled_seconds", msh_drvcost_seconds(msh_drvcost_default(), st->drv_calls, st->drv_bytes));
+    J.object_set_new(root, "driver", drv);
 
     json_t *hist = J.array();
     for (int i = 0; i < 24; i++) {
@@ -289,9 +492,14 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     }
     json_t *tr = J.object();
     J.object_set_new(tr, "epoch_end_allocated_bytes", trend);
-    set_s(tr, "verdict", d->nepoch_end < 3 ? "too few epochs"
-                         : grew == d->nepoch_end - 1 ? "possible leak: allocated memory grew at every epoch"
-                                                     : "flat");
+    char extra[256] = "";
+    sites_json(root, tr, r, d, extra, sizeof extra);
+    char verdict[400];
+    if (d->nepoch_end < 3) snprintf(verdict, sizeof verdict, "too few epochs");
+    else if (grew == d->nepoch_end - 1)
+        snprintf(verdict, sizeof verdict, "possible leak: allocated memory grew at every epoch%s", extra);
+    else snprintf(verdict, sizeof verdict, "flat");
+    set_s(tr, "verdict", verdict);
     J.object_set_new(root, "trend", tr);
 
     /* Segment mode: PyTorch's own memory_stats() for the epoch, handed over by the Python side
@@ -331,7 +539,7 @@ static int write_full(int fd, const char *text, size_t len)
     return 0;
 }
 
-static int write_atomic(const char *path, const char *text)
+int msh_write_file_atomic(const char *path, const void *data, size_t len, int mode)
 {
     char tmp[PATH_MAX + 32];
     int fd = -1;
@@ -345,12 +553,11 @@ static int write_atomic(const char *path, const char *text)
         int n = snprintf(tmp, sizeof tmp, "%s.tmp%02x%02x%02x%02x%02x%02x%02x%02x", path, rnd[0], rnd[1],
                          rnd[2], rnd[3], rnd[4], rnd[5], rnd[6], rnd[7]);
         if (n < 0 || (size_t)n >= sizeof tmp) return ENAMETOOLONG;
-        fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+        fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
         if (fd < 0 && errno != EEXIST) return errno;
     }
     if (fd < 0) return EEXIST;
-    int rc = write_full(fd, text, strlen(text));
-    if (!rc) rc = write_full(fd, "\n", 1);
+    int rc = write_full(fd, data, len);
     /* close() reports a delayed write error (NFS, quota); EINTR still releases the descriptor. */
     if (close(fd) && errno != EINTR && !rc) rc = errno;
     /* rename() replaces a planted symlink at the final name rather than following it. */
@@ -392,7 +599,9 @@ int msh_report_write(const struct msh_report *r)
             rc = ENOMEM;
             continue;
         }
-        int w = write_atomic(path, text);
+        size_t tl = strlen(text);
+        text[tl] = '\n'; /* json_dumps leaves room: the NUL becomes the newline */
+        int w = msh_write_file_atomic(path, text, tl + 1, 0644);
         free(text);
         if (w) return reports_off(path, w);
         msh_debug("wrote %s", path);

@@ -15,7 +15,7 @@
 
 #include "pool.h"
 
-#define MSH_REPORT_SCHEMA 1
+#define MSH_REPORT_SCHEMA 2
 
 struct msh_report_device {
     int device;
@@ -33,7 +33,8 @@ struct msh_report_device {
 
 struct msh_report {
     const char *kind;      /* "epoch", "summary" or "oom" */
-    uint64_t epoch;        /* epoch index (0-based) */
+    uint64_t epoch;        /* epoch index (0-based): the epoch under way for an OOM report */
+    uint64_t oom_index;    /* OOM reports: 0, 1, ... in the order the failures claimed them */
     const char *reason;    /* what closed the epoch: manual, steps, seconds, signal, exit, oom */
     double t_start, t_end; /* seconds since the process started using memshim */
     uint64_t steps;
@@ -52,5 +53,11 @@ bool msh_report_init(void);
 int msh_report_write(const struct msh_report *r);
 /* The file a report would go to (for logs and tests). */
 int msh_report_path(const struct msh_report *r, int device, char *out, size_t len);
+/* The process's rank from RANK, LOCAL_RANK, OMPI_COMM_WORLD_RANK or SLURM_PROCID; -1: none. */
+long msh_report_rank(void);
+/* Write `len` bytes to `path` through a temp file with an unguessable name in the same directory
+ * (O_EXCL|O_NOFOLLOW|O_CLOEXEC, `mode`) renamed into place. 0 or an errno; never leaves the temp
+ * file behind. */
+int msh_write_file_atomic(const char *path, const void *data, size_t len, int mode);
 
 #endif

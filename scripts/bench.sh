@@ -161,5 +161,10 @@ if [ -f tests/bench/bench_latency.c ]; then
 else
     echo "(tests/bench/bench_latency.c missing)"
 fi
+
+echo
+echo "### 6. Cost of reports, allocation sites and the snapshot ring (tensor-mode path, CPython + driver double)"
+echo
+python3 tests/bench/bench_reports.py "$BUILD"
 echo
 echo "(make bench took $(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.0f}')" "$started" "$(date +%s.%N)") s)"

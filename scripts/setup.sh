@@ -33,6 +33,16 @@ if [ ${#need[@]} -gt 0 ]; then
     $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
+# The report tests check every report against docs/report.schema.json with python3's jsonschema.
+if ! python3 -c 'import jsonschema' >/dev/null 2>&1; then
+    echo "setup: installing jsonschema for python3 (report schema checks)"
+    if [ "$(command -v python3)" = /usr/bin/python3 ]; then
+        $([ "$(id -u)" -eq 0 ] || echo sudo) apt-get install -y -qq --no-install-recommends python3-jsonschema >/dev/null
+    else
+        python3 -m pip install --quiet jsonschema
+    fi
+fi
+
 cuda_home="${CUDA_HOME:-}"
 if [ -z "$cuda_home" ]; then
     for d in /usr/local/cuda /usr/local/cuda-*; do

@@ -22,9 +22,11 @@
 
 #include "cuda_real.h"
 #include "device.h"
+#include "history.h"
 #include "memshim.h"
 #include "msh.h"
 #include "report.h"
+#include "sites.h"
 #include "torch.h"
 
 __thread int msh_in_hook;
@@ -176,12 +178,13 @@ static void trace_open(void)
 
 bool msh_core_tracing(void)
 {
-    return atomic_load_explicit(&tracing, memory_order_relaxed);
+    return atomic_load_explicit(&tracing, memory_order_relaxed) || msh_history_recording();
 }
 
 void msh_core_trace(char op, int device, uint64_t stream, uint64_t addr, uint64_t size)
 {
-    if (!msh_core_tracing()) return;
+    if (msh_history_recording()) msh_history_note(op, device, stream, addr, size); /* snapshot ring */
+    if (!atomic_load_explicit(&tracing, memory_order_relaxed)) return;
     char line[128];
     int n = snprintf(line, sizeof line, "%c %d 0x%llx 0x%llx %llu %llu\n", op, device, (unsigned long long)stream,
                      (unsigned long long)addr, (unsigned long long)size,
@@ -218,7 +221,7 @@ static void do_init(void)
     enabled = true;
     /* info already echoes each non-default setting as it is read; the full table is debug */
     if (msh_log_level >= MSH_LOG_DEBUG) msh_config_dump(MSH_LOG_DEBUG);
-    msh_report_init();
+    msh_history_init(msh_report_init());
     if (msh_cfg.trace_file[0]) trace_open();
     atexit(at_exit);
     pthread_atfork(fork_prepare, fork_parent, fork_child);
@@ -352,6 +355,7 @@ struct msh_pool *msh_core_pool(int device)
         msh_in_hook++;
         int rc = msh_dev_cuda_init(&devices[device], device);
         if (rc == 0) {
+            msh_history_wrap_device(&devices[device]); /* segment_map/unmap for snapshots */
             struct msh_pool_params prm;
             msh_pool_params_default(&prm);
             size_t f = 0, t = 0;
@@ -380,6 +384,11 @@ struct msh_pool *msh_core_pool(int device)
     }
     pthread_mutex_unlock(&pools_lock);
     return p;
+}
+
+struct msh_pool *msh_core_pool_get(int device)
+{
+    return device >= 0 && device < MSH_MAX_DEVICES ? atomic_load_explicit(&pools[device], memory_order_acquire) : NULL;
 }
 
 struct msh_pool *msh_core_pool_owning(uint64_t addr, int *device)
@@ -495,6 +504,7 @@ static void close_epoch(const char *reason, bool may_gc)
         }
         trend_live[d][trend_n[d]++] = ms.live_bytes;
     }
+    msh_sites_epoch_end();
     fill_report(&r, "epoch", reason);
     if (r.ndev) msh_report_write(&r);
     for (int i = 0; i < r.ndev; i++)
@@ -507,6 +517,7 @@ static void close_epoch(const char *reason, bool may_gc)
         struct msh_pool *p = atomic_load(&pools[d]);
         if (p) msh_pool_reset_peaks(p);
     }
+    msh_sites_epoch_reset();
     epoch_index++;
     steps_in_epoch = 0;
     steps_close_claimed = false;
@@ -658,6 +669,7 @@ static void at_exit(void)
         fill_report(&r, "summary", "exit");
         pthread_mutex_unlock(&epoch_lock);
         if (r.ndev) msh_report_write(&r);
+        msh_history_exit();
         for (int i = 0; i < r.ndev; i++)
             msh_info("exit: device %d: allocs %llu, peak allocated %.1f MiB, peak reserved %.1f MiB, maps %llu, "
                      "unmaps %llu, OOMs %llu",
@@ -672,13 +684,17 @@ static void at_exit(void)
 #define OOM_REPORTS_MAX 16
 void msh_core_note_oom(int device)
 {
+    msh_history_oom(device); /* an oom event, and MEMSHIM_SNAPSHOT's OOM snapshot */
     static _Atomic int written;
-    if (atomic_fetch_add(&written, 1) >= OOM_REPORTS_MAX) return;
+    /* The index is the value this failure claimed: two threads failing at once get two files
+     * (reading the counter again later could give both the same name). */
+    int index = atomic_fetch_add(&written, 1);
+    if (index >= OOM_REPORTS_MAX) return;
     msh_in_hook++;
     pthread_mutex_lock(&epoch_lock);
     struct msh_report r;
     fill_report(&r, "oom", "oom");
-    r.epoch = (uint64_t)atomic_load(&written) - 1;
+    r.oom_index = (uint64_t)index;
     pthread_mutex_unlock(&epoch_lock);
     for (int i = 0; i < r.ndev; i++)
         if (r.dev[i].device == device) {
@@ -710,6 +726,7 @@ MSH_EXPORT void *memshim_malloc(ssize_t size, int device, memshim_stream_t strea
         in_tensor_alloc = 0;
         if (arc == 0) {
             out = (void *)(uintptr_t)a;
+            msh_sites_alloc(device, a, (size_t)size);
             msh_core_trace('a', device, (uint64_t)(uintptr_t)stream, a, (uint64_t)size);
         } else {
             msh_core_note_oom(device);
@@ -724,14 +741,17 @@ MSH_EXPORT void *memshim_malloc(ssize_t size, int device, memshim_stream_t strea
 
 MSH_EXPORT void memshim_free(void *ptr, ssize_t size, int device, memshim_stream_t stream)
 {
-    (void)size;
     if (!ptr) return;
     msh_in_hook++;
+    msh_sites_free(device, (uint64_t)(uintptr_t)ptr, size > 0 ? (size_t)size : 0);
     struct msh_pool *p = device >= 0 && device < MSH_MAX_DEVICES ? atomic_load(&pools[device]) : NULL;
     /* The trace line goes out before the block can be reused by another thread, so a trace
      * never shows the reuse before the free. */
     bool owned = p != NULL;
-    if (p && msh_core_tracing()) { /* two extra lookups, paid only while tracing */
+    bool file = atomic_load_explicit(&tracing, memory_order_relaxed);
+    if (p && !file && size >= 0 && msh_history_recording()) /* the snapshot ring: the caller's size will do */
+        msh_history_note('f', device, (uint64_t)(uintptr_t)stream, (uint64_t)(uintptr_t)ptr, (uint64_t)size);
+    else if (p && msh_core_tracing()) { /* two extra lookups, paid only while tracing */
         owned = msh_pool_owns(p, (uint64_t)(uintptr_t)ptr);
         if (owned)
             msh_core_trace('f', device, (uint64_t)(uintptr_t)stream, (uint64_t)(uintptr_t)ptr,

@@ -34,6 +34,8 @@ int msh_core_mode(void);
 /* The pool of `device`, created on first use (the caller has made a context current for that
  * device, as the CUDA runtime does). NULL when no pool can exist: the caller passes through. */
 struct msh_pool *msh_core_pool(int device);
+/* The pool of `device` if it exists (never creates one), or NULL. */
+struct msh_pool *msh_core_pool_get(int device);
 /* The pool that handed out `addr`, or NULL; *device gets its ordinal. */
 struct msh_pool *msh_core_pool_owning(uint64_t addr, int *device);
 

@@ -54,6 +54,21 @@ struct memshim_stats {
 };
 int memshim_get_stats(int device, struct memshim_stats *out);
 
+/* PyTorch memory snapshots served by memshim (report/trace/history.c; the Python side is
+ * hooks/python/memshim/_history.py). memshim_history_record: mode 0 stops recording, 1 keeps
+ * the sites of live blocks only ("state"), 2 records every event too ("all") in a ring of
+ * `max_entries` (at most 2^24); `clear` drops the events so far; `frames` 0 records no stacks.
+ * memshim_snapshot: the snapshot as pickle bytes (protocol 4) in *buf (release them with
+ * memshim_snapshot_free). memshim_snapshot_dump: write them to `path` (temp file + rename, mode
+ * 0600). Each returns 0 or an errno value. */
+int memshim_history_record(int mode, long long max_entries, int clear, int frames);
+int memshim_snapshot(unsigned char **buf, size_t *len);
+void memshim_snapshot_free(unsigned char *buf);
+int memshim_snapshot_dump(const char *path);
+/* Frames whose file starts with `prefix` are library frames, never an allocation site (the
+ * torch package directory, memshim's own Python package). 0, EINVAL or ENOSPC (8 at most). */
+int memshim_sites_library_path(const char *prefix);
+
 /* ---- PyTorch (docs/pytorch.md) ---------------------------------------------------------------
  * What the Python start-up hook (hooks/python/memshim) wires to torch._C._CUDAPluggableAllocator
  * and calls for PyTorch's memory API. The alloc/free entry points PyTorch calls are in the C++

@@ -60,6 +60,7 @@ enum msh_empty_cache { MSH_EC_NEVER, MSH_EC_OOM, MSH_EC_EPOCH, MSH_EC_THRESHOLD,
 enum msh_gc { MSH_GC_NEVER, MSH_GC_OOM, MSH_GC_EPOCH, MSH_GC_THRESHOLD };
 enum msh_epoch_src { MSH_EPOCH_AUTO, MSH_EPOCH_STEPS, MSH_EPOCH_SECONDS, MSH_EPOCH_SIGNAL, MSH_EPOCH_MANUAL };
 enum msh_report_fmt { MSH_REPORT_JSON, MSH_REPORT_JSON_PRETTY };
+enum msh_sites_mode { MSH_SITES_OFF, MSH_SITES_HELD, MSH_SITES_ACQUIRE };
 
 struct msh_config {
     int mode;                  /* enum msh_mode */
@@ -79,6 +80,10 @@ struct msh_config {
     char report_dir[4096];     /* empty = no reports */
     int report_format;         /* enum msh_report_fmt */
     char trace_file[4096];     /* empty = no trace */
+    int sites;                 /* enum msh_sites_mode */
+    uint64_t sites_sample;     /* allocations below this many bytes are sampled; 0 = none */
+    char snapshot[4096];       /* MEMSHIM_SNAPSHOT: PyTorch snapshot file; empty = none */
+    uint64_t snapshot_events;  /* events the history ring keeps */
     int log_level;             /* enum msh_log_level */
     char log_file[4096];       /* empty = stderr */
     bool strict;

@@ -58,6 +58,8 @@ quick|all)
         run_suite "demo (main job, reports)" env BUILD="$BUILD" bash tests/replay/run_demo.sh
         run_suite "report tool (memshim-report)" env BUILD="$BUILD" python3 tests/report_tool/test_report_tool.py
         run_suite "python GC step (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_pygc.py
+        run_suite "allocation sites (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_sites.py
+        run_suite "PyTorch snapshots (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_snapshot.py
         run_suite "reliability" env BUILD="$BUILD" bash tests/reliability/run_reliability.sh
         run_suite "pytorch (allocator API; GPU parts)" env BUILD="$BUILD" python3 tests/gpu/test_torch.py
         run_suite "pytorch on CPU (hook, tensor mode, epochs)" env BUILD="$BUILD" python3 tests/torch/test_torch_cpu.py

@@ -11,7 +11,9 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pyharness import BUILD, case, finish  # noqa: E402
+from schema_check import report_problems  # noqa: E402
 
 
 
@@ -44,8 +46,20 @@ with tempfile.TemporaryDirectory() as tmp:
         keys = ["schema_version", "kind", "memshim_version", "pid", "device", "epoch", "memory", "fragmentation",
                 "operations", "size_histogram", "oom", "policies", "config"]
         missing = [k for k in keys if k not in r]
-        case(f"{r.get('kind')} {r.get('epoch')}: schema fields present", not missing and r["schema_version"] == 1,
+        case(f"{r.get('kind')} {r.get('epoch')}: schema fields present", not missing and r["schema_version"] == 2,
              missing)
+        case(f"{r.get('kind')} {r.get('epoch')}: matches docs/report.schema.json", not report_problems(r),
+             report_problems(r)[:3])
+    if reps:
+        r = next((x for x in reps if x["kind"] == "summary"), reps[0])
+        ops, drv = r["operations"], r["driver"]
+        case("driver: the pool's map/unmap/create calls as counted in operations, and their modelled seconds",
+             drv["calls"]["map"] == ops["map_ops"] and drv["calls"]["unmap"] == ops["unmap_ops"]
+             and drv["calls"]["create"] == ops["create_ops"] and drv["calls"]["set_access"] == ops["map_ops"]
+             and (drv["modelled_seconds"] > 0) == (ops["map_ops"] > 0), (drv, ops))
+        case("no Python in the demo: sites [] with a note saying why; versions name the driver and the device",
+             r["sites"] == [] and "no Python" in (r["sites_note"] or "") and r["versions"]["cuda_driver"]
+             and r["versions"]["device_name"] and r["versions"]["cuda_runtime"], (r["sites_note"], r["versions"]))
     ep = [r for r in reps if r["kind"] == "epoch"]
     if len(ep) == 3:
         m = [r["memory"] for r in ep]

@@ -140,7 +140,8 @@ def check_detail_rows(name, lines, raw):
     rows = parse_table(lines, "host")
     if not case(f"{name}: the epoch table is printed", rows, "\n".join(lines[:30])):
         return
-    by = {(r["host"], str(r["pid"]), str(r["device"]), r["kind"], str(r["epoch"])): r for r in raw.values()}
+    shown = lambda r: f"oom#{r['oom_index']}" if "oom_index" in r else r["kind"]  # noqa: E731
+    by = {(r["host"], str(r["pid"]), str(r["device"]), shown(r), str(r["epoch"])): r for r in raw.values()}
     bad, seen = [], set()
     for row in rows:
         k = (row["host"], row["pid"], row["dev"], row["kind"], row["epoch"])
@@ -320,6 +321,16 @@ def svg_series(root, title_prefix):
 
 # ---- synthetic schema-2 reports -----------------------------------------------------------------
 
+def p99us(raw, key_of, k):
+    """The per-rank a.p99us column from the files: the highest epoch p99, in us (n/a in schema 1)."""
+    v = [r["latency"]["alloc_ns"]["p99"] for r in raw.values() if r["kind"] == "epoch" and "latency" in r
+         and key_of(r) == (k["host"], k["pid"], k["rank"], 0) and r["latency"]["alloc_ns"]["p99"] is not None]
+    return f"{max(v) / 1000:.1f}" if v else "n/a"
+
+
+SCHEMA2_ONLY = ("versions", "latency", "sites", "sites_note", "driver", "torch_memory_stats")
+
+
 def synthesize(src_dir, dst_dir, variant, grow=None):
     """SYNTHETIC copies of real reports, marked with '_synthetic'. Variants: tensor (sites, one
     dominating; growing sites; versions, latency, driver time, new epoch reasons), even (four
@@ -330,6 +341,11 @@ def synthesize(src_dir, dst_dir, variant, grow=None):
     for path, r in raw_reports(src_dir).items():
         s = copy.deepcopy(r)
         s["_synthetic"] = SYNTHETIC
+        # the variants are built from the demo's reports as schema 1 (the library now writes 2)
+        for k in SCHEMA2_ONLY:
+            s.pop(k, None)
+        s["trend"].pop("growing_sites", None)
+        s["schema_version"] = 1
         m = s["memory"]
         if variant == "held":  # schema 1, memshim holding 30% above the live peak with defrag off
             for k in ("reserved_peak_bytes", "reserved_run_peak_bytes"):
@@ -425,9 +441,14 @@ def check_single(steady, leak):
                 f"over {len(series)} epochs ({g / MiB:+.1f} MiB/epoch)")
         case(f"{name}: the trend line quotes the reports' verdict and series", want in lines,
              [ln for ln in lines if ln.startswith("trend")])
-        case(f"{name}: growing sites n/a in schema-1 reports, sites n/a",
-             "growing sites: n/a (these reports name no growing sites)" in lines
-             and "sites at the peak: n/a (reports of schema 1 name no sites)" in lines)
+        if summ["schema_version"] >= 2:  # the demo is a C program: no Python, so no sites, and a note why
+            case(f"{name}: no growing sites, no sites, the reports' note quoted",
+                 "growing sites: none" in lines and f"sites at the peak: none ({summ['sites_note']})" in lines,
+                 [ln for ln in lines if "sites" in ln])
+        else:
+            case(f"{name}: growing sites n/a in schema-1 reports, sites n/a",
+                 "growing sites: n/a (these reports name no growing sites)" in lines
+                 and "sites at the peak: n/a (reports of schema 1 name no sites)" in lines)
         j = tool(d, "--json")
         rep = json.loads(j.stdout)
         run = rep["runs"][0]
@@ -462,10 +483,11 @@ def check_single(steady, leak):
             ap = m["allocated_run_peak_bytes"] if r["kind"] == "summary" else m["allocated_peak_bytes"]
             if (row["allocated_peak_bytes"] != str(ap) or row["allocated_end_bytes"] != str(m["allocated_bytes"])
                     or row["map_ops"] != str(r["operations"]["map_ops"]) or row["epoch"] != str(r["epoch"])
-                    or row["alloc_p99_ns"] != "n/a" or row["top_site"] != "n/a"
+                    or row["alloc_p99_ns"] != (str(r["latency"]["alloc_ns"]["p99"]) if "latency" in r else "n/a")
+                    or row["top_site"] != "n/a"
                     or abs(float(row["fragmentation"]) - r["fragmentation"]["free_extent_fragmentation"]) > 1e-12):
                 bad.append(row)
-        case(f"{name}: --csv: one row per file, bytes exact, schema-2 columns n/a", c.returncode == 0
+        case(f"{name}: --csv: one row per file, bytes exact, latency as the files say, no top site", c.returncode == 0
              and len(rows) == len(raw) and not bad, bad[:2])
 
 
@@ -548,7 +570,7 @@ def check_ranks(tmp, d, run1, run2, solo):
             want = {"pid": str(k["pid"]), "alloc_peak": mib(s["memory"]["allocated_run_peak_bytes"]),
                     "resv_peak": mib(s["memory"]["reserved_run_peak_bytes"]),
                     "resv/alloc": f3(s["memory"]["reserved_run_peak_bytes"] / s["memory"]["allocated_run_peak_bytes"]),
-                    "frag_max": f3(max(fr)), "epochs": str(len(fr)), "a.p99us": "n/a",
+                    "frag_max": f3(max(fr)), "epochs": str(len(fr)), "a.p99us": p99us(raw, key_of, k),
                     "growth/ep": f"{k['trend']['growth_bytes_per_epoch'] / MiB:+.1f}", "verdict": s["trend"]["verdict"]}
             bad += [(row["rank"], c, row[c], w) for c, w in want.items() if row[c] != w]
             if st["rows"][0]["pid"] != k["pid"]:
@@ -770,14 +792,30 @@ def check_oom_and_pages(tmp, steady):
     if not case("the demo under MEMSHIM_LIMIT=1200M writes OOM reports", ok and ooms, err[-300:]):
         return
     summ = next(r for r in raw.values() if r["kind"] == "summary")
+    # each OOM report names its failure in oom_index, the NNNN of its file name, in the order
+    # the failures happened; its epoch is the epoch under way (not the OOM number)
+    named = sorted((int(re.search(r"oom(\d+)\.json$", f).group(1)), r) for f, r in raw.items() if r["kind"] == "oom")
+    nepochs = sum(1 for r in raw.values() if r["kind"] == "epoch")
+    case("OOM run: oom_index is the file's number, 0..n-1 in time order; epoch is the epoch under way",
+         [i for i, _ in named] == list(range(len(named)))
+         and all(r.get("oom_index") == i for i, r in named)
+         and [r["t_end_s"] for _, r in named] == sorted(r["t_end_s"] for _, r in named)
+         and all(r["epoch"] <= nepochs for _, r in named),
+         [(i, r.get("oom_index"), r["epoch"]) for i, r in named])
     t = tool(d)
     lines = t.stdout.splitlines()
     check_detail_rows("OOM run", lines, raw)
     rows = parse_table(lines, "host")
-    by = {(r["kind"], str(r["epoch"])): r["t_end_s"] for r in raw.values()}
-    times = [by[(row["kind"], row["epoch"])] for row in rows]
-    case("OOM run: rows in the order the reports were made (an OOM report's epoch field counts OOMs)",
-         times[:-1] == sorted(times[:-1]) and rows[-1]["kind"] == "summary", times)
+    times = sorted(r["t_end_s"] for r in raw.values() if r["kind"] != "summary")
+    by = {}
+    for r in raw.values():
+        by.setdefault((r["kind"], str(r["epoch"])), []).append(r["t_end_s"])
+    order = [(row["kind"].split("#")[0], row["epoch"]) for row in rows[:-1]]
+    want = sorted(((r["kind"], str(r["epoch"])) for r in raw.values() if r["kind"] != "summary"),
+                  key=lambda k: min(by[k]))
+    case("OOM run: rows in the order the reports were made (OOM rows among the epoch rows by time)",
+         order == sorted(order, key=lambda k: min(by[k])) and sorted(order) == sorted(want)
+         and rows[-1]["kind"] == "summary", (order, times))
     rep = json.loads(tool(d, "--json").stdout)
     adv = [a for a in rep["runs"][0]["advice"] if a["kind"] == "oom"]
     lo, n = summ["last_oom"], summ["oom"]["oom_events"]

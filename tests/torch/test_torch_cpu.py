@@ -49,6 +49,15 @@ def py(code, extra=None, args=(), flags=(), **kw):
     return run([sys.executable, *flags, "-c", code, *args], extra, **kw)
 
 
+def schema_case(title, rdir):
+    """Issue 11: the reports PyTorch CPU runs write match docs/report.schema.json."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "replay"))
+    from schema_check import report_problems
+    reps = [json.load(open(os.path.join(rdir, f))) for f in sorted(os.listdir(rdir)) if f.endswith(".json")]
+    bad = [(r.get("kind"), r.get("epoch"), report_problems(r)[:2]) for r in reps if report_problems(r)]
+    case(f"{title}: its {len(reps)} reports match docs/report.schema.json", reps and not bad, bad[:2])
+
+
 def lines(out, tag):
     return [l[len(tag) + 1:] for l in out.splitlines() if l.startswith(tag + " ")]
 
@@ -325,6 +334,7 @@ with tempfile.TemporaryDirectory(prefix="memshim-t9-") as rdir:
     case("epochs: memshim.epoch() closes one with reason manual", reasons("manual_epoch") == [("manual", 0)], detail)
     case("torchrun-style RANK goes into the report names", all("-rank0-" in f for f in os.listdir(rdir)),
          os.listdir(rdir))
+    schema_case("epochs", rdir)
 
 # ---- 5. HF Trainer and Lightning --------------------------------------------------------------------
 for fw, reason, title in (("hf", "hf_trainer", "HF Trainer"), ("lightning", "lightning", "Lightning")):
@@ -338,6 +348,7 @@ for fw, reason, title in (("hf", "hf_trainer", "HF Trainer"), ("lightning", "lig
         case(f"{title}: one epoch report per epoch from its own callback (reason {reason})",
              rc == 0 and got == [{"reason": reason, "steps": 4}, {"reason": reason, "steps": 4}],
              out[-1200:] + err[-1500:])
+        schema_case(title, rdir)
 
 # ---- 6. done when ------------------------------------------------------------------------------------
 script = os.path.join(HERE, "train_cpu.py")
@@ -353,4 +364,12 @@ with tempfile.TemporaryDirectory(prefix="memshim-t9-") as rdir:
          (files, err[-1500:]))
     case("done when: the script's output is the same as without memshim",
          rc0 == 0 and rc == 0 and out == base and "epoch 2 " in base, (base, out, err0[-500:]))
+    schema_case("done when", rdir)
+    summ_rep = json.load(open(os.path.join(rdir, summ[0]))) if summ else {}
+    top = (summ_rep.get("sites") or [{}])[0]
+    case("done when: the summary names torch's version and the site of the 4 x 8 MiB memshim_malloc calls "
+         "(train_cpu.py, GIL re-taken: ctypes.CDLL releases it as a PyTorch operator does)",
+         summ_rep.get("mode") == "tensor" and summ_rep.get("versions", {}).get("torch")
+         and top.get("file", "").endswith("train_cpu.py") and top.get("bytes") == 32 << 20 and top.get("count") == 4,
+         {k: summ_rep.get(k) for k in ("mode", "versions", "sites", "sites_note")})
 finish()

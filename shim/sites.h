@@ -1,0 +1,83 @@
+/*
+ * sites.h: allocation sites (shim/sites.c). For the blocks memshim places in tensor mode it
+ * records the Python call site (the first frame outside torch and memshim's own package, with a
+ * few frames around it), interned once, and keeps live bytes per site and device: at the epoch's
+ * peak, and at each epoch's end for the leak verdict. The snapshot writer (report/trace/) reads
+ * the interned stacks for PyTorch's `frames`.
+ *
+ * Never called with a pool lock held; never calls a CUDA hook. CPython is resolved at run time
+ * (dlsym), never linked; a process without CPython gets no sites and one note.
+ */
+#ifndef MSH_SITES_H
+#define MSH_SITES_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* Stack ids. 0: none. The pseudo stacks stand for allocations whose Python stack was not read. */
+#define MSH_STACK_NONE 0u
+#define MSH_STACK_BACKWARD 1u     /* a thread with no Python state: autograd's backward workers */
+#define MSH_STACK_UNATTRIBUTED 2u /* a Python thread whose stack was not read (GIL busy, tables full) */
+
+/* The stack captured by the last msh_sites_alloc() on this thread; the history ring takes it
+ * (and clears it) when it records the allocation. */
+extern __thread uint32_t msh_sites_last_stack;
+
+/* Reads MEMSHIM_SITES / MEMSHIM_SITES_SAMPLE; `wanted`: reports or history are on. Idempotent. */
+void msh_sites_init(bool wanted);
+/* Capture every allocation's stack (no sampling) while the history ring records. */
+void msh_sites_set_capture_all(bool on);
+
+/* memshim_malloc placed `size` bytes at `addr` on `device` / memshim_free is about to free it
+ * (`size`: what the caller says; the tracked size wins for sampled blocks). Cheap when off. */
+void msh_sites_alloc(int device, uint64_t addr, size_t size);
+void msh_sites_free(int device, uint64_t addr, size_t size);
+
+/* Epoch boundary: record each site's live bytes as the epoch's end (before the report is
+ * built), then restart the peak tracking (after it). */
+void msh_sites_epoch_end(void);
+void msh_sites_epoch_reset(void);
+
+/* Add a path prefix whose frames are library frames, never a site (the torch package, memshim's
+ * Python package). Returns 0, EINVAL or ENOSPC. */
+int msh_sites_add_internal_prefix(const char *prefix);
+
+/* ---- for reports -------------------------------------------------------------------------- */
+struct msh_site_row {
+    const char *file, *function; /* interned: valid for the life of the process */
+    int line;
+    uint64_t bytes, count; /* live bytes and blocks at the epoch's peak (estimates when sampled) */
+};
+struct msh_site_growth {
+    const char *file, *function;
+    int line;
+    uint64_t growth_bytes_per_epoch;
+    int epochs; /* epoch ends the growth was seen over */
+};
+#define MSH_REPORT_SITES 10
+/* Top sites of `device` by live bytes at the current epoch's peak, largest first. */
+int msh_sites_top(int device, struct msh_site_row *rows, int max);
+/* Sites whose live bytes at the end of each recorded epoch grew at every boundary (at least two
+ * boundaries, each by at least 4 KiB or the sampling interval if larger), largest growth first. */
+int msh_sites_growing(int device, struct msh_site_growth *rows, int max);
+/* Why `sites` is empty or estimated, or NULL when there is nothing to say. */
+const char *msh_sites_note(void);
+/* Bytes below which allocations are sampled (0: every allocation is attributed exactly). */
+uint64_t msh_sites_sample_bytes(void);
+
+/* ---- for the snapshot writer ------------------------------------------------------------- */
+struct msh_site_frame {
+    const char *filename, *name;
+    int line;
+};
+/* Frames of an interned stack, innermost first. Returns how many were written (0 for none). */
+int msh_sites_stack_frames(uint32_t stack, struct msh_site_frame *out, int max);
+#define MSH_SITE_MAX_FRAMES 16
+/* The stacks of the live blocks at addrs[0..n) of `device` (0 where unknown), in one lock hold. */
+void msh_sites_block_stacks(int device, const uint64_t *addrs, uint32_t *stacks, size_t n);
+
+/* How often memshim re-took the GIL to read a stack, and the ns it waited for it in all. */
+void msh_sites_gil_stats(uint64_t *acquires, uint64_t *wait_ns);
+
+#endif

@@ -1,0 +1,278 @@
+#!/usr/bin/env python3
+"""Allocation sites in real CPython processes over the CUDA driver double (no GPU, no PyTorch
+needed): memshim_malloc driven through ctypes the way PyTorch's pluggable allocator calls it.
+Checks the per-epoch `sites` (file, line, function, live bytes and count at the epoch's peak),
+`trend.growing_sites` and the verdict naming them; the three ways a stack is read (GIL held; GIL
+released and re-taken, as inside a PyTorch operator; no Python state: `<backward>`); that torch's
+and memshim's own frames are never the site; sampling; the GIL back-off under contention; and
+every report against docs/report.schema.json. Ends with "N passed, N failed, N skipped"."""
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pyharness import BUILD, case, finish, skip  # noqa: E402
+from schema_check import report_problems  # noqa: E402
+
+LIB = os.path.join(BUILD, "libmemshim.so")
+MiB = 1 << 20
+
+PRELUDE = r"""
+import ctypes, os, sys
+lib = (ctypes.PyDLL if os.environ["GIL"] == "held" else ctypes.CDLL)(os.environ["LIB"])
+lib.memshim_malloc.restype = ctypes.c_void_p
+lib.memshim_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+lib.memshim_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+lib.memshim_sites_library_path.argtypes = [ctypes.c_char_p]
+MiB = 1 << 20
+"""
+
+# Four epochs: 20 activations (0.25 .. 5 MiB, 52.5 MiB) live at once, then freed; a 3 MiB block
+# kept every epoch (the leak), allocated while the activations are live.
+TRAIN = PRELUDE + r"""
+def make_activation(n):
+    return lib.memshim_malloc(n, 0, None)  # SITE-ACT
+def layer(keep, n):
+    keep.append((make_activation(n), n))
+leak = []
+for epoch in range(4):
+    acts = []
+    for i in range(20):
+        layer(acts, (i + 1) * 256 * 1024)
+    leak.append(lib.memshim_malloc(3 * MiB, 0, None))  # SITE-LEAK
+    for p, n in acts:
+        lib.memshim_free(p, n, 0, None)
+    lib.memshim_epoch()
+"""
+
+
+def line_of(src, marker):
+    return next(i + 1 for i, l in enumerate(src.splitlines()) if marker in l)
+
+
+def run(src, tmp, name, gil="held", env_extra=None, timeout=120):
+    rdir = os.path.join(tmp, name)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSHIM_")}
+    env.update({"LD_LIBRARY_PATH": os.path.join(BUILD, "double"), "CUDBL_CAPACITY": "8G", "MEMSHIM_REPORT_DIR": rdir,
+                "MEMSHIM_LOG": "error", "LIB": LIB, "GIL": gil, "MEMSHIM_SITES_SAMPLE": "0"})
+    env.update(env_extra or {})
+    path = os.path.join(tmp, name + ".py")
+    with open(path, "w") as f:
+        f.write(src)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
+    p.elapsed = time.monotonic() - t0
+    reps = []
+    for fn in sorted(glob.glob(os.path.join(rdir, "*.json"))):
+        with open(fn) as fh:
+            reps.append(json.load(fh))
+    p.path = path
+    p.epochs = [r for r in reps if r["kind"] == "epoch"]
+    p.summary = next((r for r in reps if r["kind"] == "summary"), None)
+    p.reports = reps
+    return p
+
+
+all_reports = []
+
+
+def site(r, func):
+    return next((s for s in r["sites"] if s["function"] == func), None)
+
+
+with tempfile.TemporaryDirectory(prefix="memshim-sites-") as tmp:
+    act_line, leak_line = line_of(TRAIN, "SITE-ACT"), line_of(TRAIN, "SITE-LEAK")
+    for gil in ("held", "released"):
+        p = run(TRAIN, tmp, "train-" + gil, gil)
+        all_reports += p.reports
+        ok = p.returncode == 0 and len(p.epochs) == 4 and p.summary
+        label = "GIL held (ctypes.PyDLL)" if gil == "held" else "GIL released and re-taken (ctypes.CDLL, as in a PyTorch op)"
+        case(f"{label}: the job runs, 4 epoch reports and a summary", ok, (p.stdout + p.stderr)[-400:])
+        if not ok:
+            continue
+        e3 = p.epochs[3]
+        act, leak = site(e3, "make_activation"), site(e3, "<module>")
+        case(f"{label}: the top site is make_activation at its malloc line with the 20 activations' 52.5 MiB",
+             act and e3["sites"][0] is act and act["file"] == p.path and act["line"] == act_line
+             and act["bytes"] == 210 * 256 * 1024 and act["count"] == 20, e3["sites"])
+        case(f"{label}: the leak site holds 4 x 3 MiB at epoch 3's peak (allocated while the activations live)",
+             leak and leak["line"] == leak_line and leak["bytes"] == 12 * MiB and leak["count"] == 4, e3["sites"])
+        case(f"{label}: epoch 0's peak has 1 x 3 MiB at the leak site",
+             (site(p.epochs[0], "<module>") or {}).get("bytes") == 3 * MiB, p.epochs[0]["sites"])
+        g = e3["trend"]["growing_sites"]
+        case(f"{label}: growing_sites names the leak site with +3 MiB per epoch, and only it",
+             len(g) == 1 and g[0]["line"] == leak_line and g[0]["function"] == "<module>"
+             and g[0]["growth_bytes_per_epoch"] == 3 * MiB, g)
+        v = e3["trend"]["verdict"]
+        case(f"{label}: the verdict names the fastest-growing site",
+             v.startswith("possible leak") and f"{os.path.basename(p.path)}:{leak_line}" in v and "+3.0 MiB" in v, v)
+        s = p.summary
+        case(f"{label}: the summary keeps the sites and their growth",
+             site(s, "<module>") and s["trend"]["growing_sites"] and s["sites_note"] is None, s["sites"])
+
+    # MEMSHIM_SITES=held: never re-takes the GIL; =off: no sites at all
+    p = run(TRAIN, tmp, "held-only", "released", {"MEMSHIM_SITES": "held"})
+    all_reports += p.reports
+    e = p.epochs[-1] if p.epochs else {"sites": []}
+    case("MEMSHIM_SITES=held with the GIL released: allocations count as '<python> unattributed'",
+         p.returncode == 0 and [(s["file"], s["function"]) for s in e["sites"]] == [("<python>", "unattributed")],
+         e["sites"])
+    p = run(TRAIN, tmp, "off", "held", {"MEMSHIM_SITES": "off"})
+    all_reports += p.reports
+    e = p.epochs[-1] if p.epochs else {}
+    case("MEMSHIM_SITES=off: sites [] and a note saying why",
+         p.returncode == 0 and e.get("sites") == [] and e.get("sites_note") == "MEMSHIM_SITES=off", e.get("sites_note"))
+
+    # torch's frames (anything under .../site-packages/torch/) and registered library paths are never the site
+    pkg = os.path.join(tmp, "venv", "lib", "site-packages", "torch")
+    os.makedirs(pkg)
+    with open(os.path.join(pkg, "__init__.py"), "w") as f:
+        f.write("import os\nfrom . import nn\n")
+    with open(os.path.join(pkg, "nn.py"), "w") as f:
+        f.write("LIB = None\ndef empty(n):\n    return LIB.memshim_malloc(n, 0, None)\n"
+                "def linear(n):\n    return empty(n)\ndef call(fn, *a):\n    return fn(*a)\n")
+    mylib = os.path.join(tmp, "mylib")
+    os.makedirs(mylib)
+    with open(os.path.join(mylib, "wrap.py"), "w") as f:
+        f.write("def through(fn, n):\n    return fn(n)\n")
+    LIBFRAMES = PRELUDE + f"""
+sys.path[:0] = [{os.path.dirname(pkg)!r}, {mylib!r}]
+import torch, wrap
+torch.nn.LIB = lib
+lib.memshim_sites_library_path({(mylib + os.sep)!r}.encode())
+def forward():
+    return torch.nn.call(torch.nn.linear, 5 * MiB)  # SITE-FWD
+def via_library():
+    return wrap.through(torch.nn.linear, 7 * MiB)  # SITE-VIA
+keep = [forward(), via_library()]
+lib.memshim_epoch()
+"""
+    p = run(LIBFRAMES, tmp, "libframes")
+    all_reports += p.reports
+    e = p.epochs[0]["sites"] if p.epochs else []
+    fwd = next((s for s in e if s["function"] == "forward"), None)
+    via = next((s for s in e if s["function"] == "via_library"), None)
+    case("frames under site-packages/torch/ are skipped: the site is the user's forward() line",
+         fwd and fwd["line"] == line_of(LIBFRAMES, "SITE-FWD") and fwd["bytes"] == 5 * MiB, e)
+    case("a path registered with memshim_sites_library_path is skipped too",
+         via and via["line"] == line_of(LIBFRAMES, "SITE-VIA") and via["bytes"] == 7 * MiB
+         and not any("torch" in s["file"] or "mylib" in s["file"] for s in e), e)
+
+    # a thread without Python state (autograd's backward workers): the pseudo site <backward>
+    helper = os.path.join(tmp, "bwthread.so")
+    csrc = os.path.join(tmp, "bwthread.c")
+    with open(csrc, "w") as f:
+        f.write(r"""
+#include <pthread.h>
+#include <stddef.h>
+#include <sys/types.h>
+typedef void *(*mf)(ssize_t, int, void *);
+struct job { mf m; ssize_t n; int count; void **out; };
+static void *worker(void *a) { struct job *j = a; for (int i = 0; i < j->count; i++) j->out[i] = j->m(j->n, 0, 0); return 0; }
+int run_thread(void *m, ssize_t n, int count, void **out) {
+    struct job j = {(mf)m, n, count, out}; pthread_t t;
+    if (pthread_create(&t, 0, worker, &j)) return -1;
+    return pthread_join(t, 0);
+}
+""")
+    cc = subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-pthread", "-o", helper, csrc], capture_output=True,
+                        text=True)
+    if cc.returncode:
+        skip("a thread without Python state allocates: site <backward>", "gcc failed: " + cc.stderr[-200:])
+    else:
+        BACKWARD = PRELUDE + f"""
+h = ctypes.CDLL({helper!r})
+out = (ctypes.c_void_p * 6)()
+assert h.run_thread(ctypes.cast(lib.memshim_malloc, ctypes.c_void_p), ctypes.c_ssize_t(2 * MiB), 6, out) == 0
+fwd = lib.memshim_malloc(MiB, 0, None)
+lib.memshim_epoch()
+for p in out[:3]:
+    lib.memshim_free(p, 2 * MiB, 0, None)
+more = lib.memshim_malloc(8 * MiB, 0, None)  # this epoch's peak comes after the frees
+lib.memshim_epoch()
+"""
+        p = run(BACKWARD, tmp, "backward")
+        all_reports += p.reports
+        e = p.epochs
+        bw = [site(r, "backward") for r in e]
+        case("a thread without Python state allocates: site <backward> with its 6 x 2 MiB, line 0",
+             p.returncode == 0 and len(e) == 2 and bw[0] and bw[0]["file"] == "<backward>" and bw[0]["line"] == 0
+             and bw[0]["bytes"] == 12 * MiB and bw[0]["count"] == 6 and site(e[0], "<module>")["bytes"] == MiB,
+             [r["sites"] for r in e] + [p.stderr[-300:]])
+        case("frees of <backward> blocks (from a Python thread) are accounted: 3 left at the next epoch's peak",
+             len(e) == 2 and bw[1] and bw[1]["bytes"] == 6 * MiB and bw[1]["count"] == 3, [r["sites"] for r in e])
+
+    # sampling below MEMSHIM_SITES_SAMPLE: small allocations estimated, large ones exact
+    SAMPLED = PRELUDE + r"""
+def small(n):
+    return [lib.memshim_malloc(16384, 0, None) for _ in range(n)]  # SITE-SMALL
+def big(n):
+    return [lib.memshim_malloc(2 * MiB, 0, None) for _ in range(n)]  # SITE-BIG
+a, b = small(40000), big(10)
+lib.memshim_epoch()
+"""
+    p = run(SAMPLED, tmp, "sampled", env_extra={"MEMSHIM_SITES_SAMPLE": "1M", "CUDBL_CAPACITY": "16G"}, timeout=300)
+    all_reports += p.reports
+    e = p.epochs[0] if p.epochs else {"sites": [], "sites_note": None}
+    sm = next((s for s in e["sites"] if s["line"] == line_of(SAMPLED, "SITE-SMALL")), None)
+    bg = next((s for s in e["sites"] if s["line"] == line_of(SAMPLED, "SITE-BIG")), None)
+    true_small = 40000 * 16384
+    case("MEMSHIM_SITES_SAMPLE=1M: 2 MiB blocks are exact (10 x 2 MiB)", bg and bg["bytes"] == 20 * MiB
+         and bg["count"] == 10, e["sites"])
+    case("MEMSHIM_SITES_SAMPLE=1M: 40000 x 16 KiB estimated within 20% (about 625 samples), note says so",
+         sm and abs(sm["bytes"] - true_small) < 0.2 * true_small and abs(sm["count"] - 40000) < 8000
+         and "sampled" in (e["sites_note"] or ""), (sm, e["sites_note"]))
+
+    # contention: another thread holds the GIL (200 ms at a time) while a C loop under a Python frame
+    # allocates with the GIL released; memshim must not wait for it at every allocation
+    loopc, loopso = os.path.join(tmp, "cloop.c"), os.path.join(tmp, "cloop.so")
+    with open(loopc, "w") as f:
+        # 1 ms between allocations: time for the holder to take the GIL back each time
+        f.write("#include <sys/types.h>\n#include <unistd.h>\ntypedef void *(*mf)(ssize_t, int, void *);\n"
+                "void run(void *m, int n, void **out) { for (int i = 0; i < n; i++) { usleep(1000); "
+                "out[i] = ((mf)m)(1 << 20, 0, 0); } }\n")
+    cc = subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-o", loopso, loopc], capture_output=True, text=True)
+    CONTENDED = PRELUDE + f"""
+import threading, time
+libc = ctypes.PyDLL(None)  # PyDLL: usleep keeps the GIL for its 200 ms
+stop = False
+def hold():
+    while not stop:
+        libc.usleep(200000)
+t = threading.Thread(target=hold)
+t.start()
+time.sleep(0.05)
+loop = ctypes.CDLL({loopso!r})  # CDLL: the loop runs with the GIL released, like a PyTorch operator
+out = (ctypes.c_void_p * 300)()
+def forward():
+    loop.run(ctypes.cast(lib.memshim_malloc, ctypes.c_void_p), 300, out)  # SITE-LOOP
+t0 = time.monotonic()
+forward()
+dt = time.monotonic() - t0
+stop = True
+t.join()
+print("ELAPSED", dt)
+lib.memshim_epoch()
+"""
+    if cc.returncode:
+        skip("GIL contention back-off", "gcc failed: " + cc.stderr[-200:])
+    else:
+        p = run(CONTENDED, tmp, "contended", "released", timeout=200)
+        all_reports += p.reports
+        dt = next((float(l.split()[1]) for l in p.stdout.splitlines() if l.startswith("ELAPSED")), 99.0)
+        e = p.epochs[0]["sites"] if p.epochs else []
+        case("GIL held 200 ms at a time by another thread: 300 allocations take < 5 s, not 300 waits of up to "
+             "200 ms (memshim backs off)",
+             p.returncode == 0 and dt < 5.0, (dt, p.stderr[-300:]))
+        case("... the allocations not read count as '<python> unattributed'; all 300 MiB accounted",
+             sum(s["bytes"] for s in e) == 300 * MiB and any(s["function"] == "unattributed" for s in e)
+             and {s["function"] for s in e} <= {"forward", "unattributed"}, e)
+
+    bad = [(r["kind"], r["epoch"], pr) for r in all_reports for pr in [report_problems(r)] if pr]
+    case(f"all {len(all_reports)} reports of these runs match docs/report.schema.json", all_reports and not bad, bad[:3])
+finish()
