@@ -1916,10 +1916,51 @@ int msh_pool_record_stream(struct msh_pool *pool, uint64_t addr, uint64_t stream
     return rc;
 }
 
+/* Empty-cache gives back the pool's idle events too (as PyTorch's emptyCache synchronizes and
+ * frees its events): after a synchronize no queued work can touch a free extent, so their stream
+ * tags are dropped and every event no extent refers to is destroyed (its slot stays, to be
+ * created again when needed). Called with the lock held; destroys without it. */
+static void events_trim(struct msh_pool *pool, bool at_exit)
+{
+    if (pool->free_gen > pool->synced_gen) {
+        struct job j;
+        job_init(&j);
+        job_need_settle(pool, &j);
+        job_do(pool, &j);
+        job_fini(pool, &j);
+    }
+    for (int a = 0; a < NAREAS; a++)
+        for (struct region *r = pool->areas[a]; r; r = r->next)
+            for (struct blk *b = r->first; b; b = b->next)
+                if (b->state == B_FREE && (b->ns || b->sync_needed) && (blk_clean(pool, b) || at_exit))
+                    sref_clear(pool, b); /* at exit nothing is reused: an event still pending may go too */
+    uint64_t h[64];
+    for (;;) {
+        int n = 0;
+        for (uint32_t e = 0; e < pool->nevs && n < 64; e++)
+            if (!pool->evs[e].refs && pool->evs[e].h) {
+                h[n++] = pool->evs[e].h;
+                pool->evs[e].h = 0;
+            }
+        if (!n) break;
+        pthread_mutex_unlock(&pool->lock);
+        for (int i = 0; i < n; i++) pool->dev->ops->event_release(pool->dev, h[i]);
+        pthread_mutex_lock(&pool->lock);
+    }
+}
+
+void msh_pool_release_events(struct msh_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    events_trim(pool, true);
+    pthread_mutex_unlock(&pool->lock);
+}
+
 size_t msh_pool_empty_cache(struct msh_pool *pool)
 {
     pthread_mutex_lock(&pool->lock);
     size_t n = release_cached(pool, 0, 0);
+    events_trim(pool, false);
     pthread_mutex_unlock(&pool->lock);
     return n;
 }

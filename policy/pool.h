@@ -133,6 +133,9 @@ bool msh_pool_owns(struct msh_pool *pool, uint64_t addr);
 int msh_pool_record_stream(struct msh_pool *pool, uint64_t addr, uint64_t stream);
 /* Give every wholly free page back to the driver; returns the bytes released. */
 size_t msh_pool_empty_cache(struct msh_pool *pool);
+/* At exit: wait for the device, drop every stream tag and destroy every pooled event (the
+ * pool keeps its events for reuse while it runs). Mappings stay. */
+void msh_pool_release_events(struct msh_pool *pool);
 /* MEMSHIM_EMPTY_CACHE=threshold from a background thread: release cached bytes above the
  * threshold that have not been reused for the quiet period. Returns the bytes released. */
 size_t msh_pool_trim(struct msh_pool *pool);

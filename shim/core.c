@@ -670,6 +670,10 @@ static void at_exit(void)
         pthread_mutex_unlock(&epoch_lock);
         if (r.ndev) msh_report_write(&r);
         msh_history_exit();
+        for (int d = 0; d < MSH_MAX_DEVICES; d++) { /* the pools' pooled events (issue 10) */
+            struct msh_pool *p = atomic_load(&pools[d]);
+            if (p) msh_pool_release_events(p);
+        }
         for (int i = 0; i < r.ndev; i++)
             msh_info("exit: device %d: allocs %llu, peak allocated %.1f MiB, peak reserved %.1f MiB, maps %llu, "
                      "unmaps %llu, OOMs %llu",
