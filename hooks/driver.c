@@ -1,7 +1,9 @@
 /*
  * driver.c: memshim's exported CUDA driver memory hooks (cuMemAlloc_v2, cuMemFree_v2,
  * cuMemGetInfo_v2, cuMemAllocAsync[_ptsz], cuMemFreeAsync[_ptsz], cuMemCreate, cuMemRelease,
- * cuMemMap, cuMemUnmap) and the accounting of memory that memshim passes through.
+ * cuMemMap, cuMemUnmap), the hooks that keep pool memory correct beyond allocation
+ * (cuStreamDestroy[_v2], cuMemGetAddressRange_v2, cuPointerGetAttribute[s], cuIpcGetMemHandle)
+ * and the accounting of memory that memshim passes through.
  *
  * Programs reach these either through a direct symbol reference bound to the preloaded library
  * or through an entry-point lookup that hooks/entry.c substitutes. Apart from a pointer that
@@ -183,24 +185,91 @@ static void resolve_ptsz(void)
     *(void **)&real_cuMemFreeAsync_ptsz = dlsym(msh_cu.handle, "cuMemFreeAsync_ptsz");
 }
 
+/* Free memory under MEMSHIM_LIMIT is what one cudaMalloc of that size can get, in whole pages:
+ * the pages the pool may still create (below the limit and within the driver's free memory)
+ * plus the cached pages it can reclaim or give back and recreate. Pages live blocks touch are
+ * not free even in part: the small and large areas never share a page, and a block placed at a
+ * free extent's end shares at most the page its live neighbour already touches, so a request of
+ * this many bytes never needs more new pages than counted. O(1): counters only. */
 void msh_hooks_adjust_meminfo(int device, size_t *free_b, size_t *total_b)
 {
     uint64_t limit = msh_cfg.limit_bytes;
     if (!limit && msh_cfg.limit_fraction > 0)
         limit = (uint64_t)(msh_cfg.limit_fraction * (double)*total_b);
     if (!limit || device < 0) return;
-    /* memshim_get_stats does not create a pool: ENODEV means memshim serves nothing there yet,
-     * and the limit is only enforced where the pool serves. */
-    struct memshim_stats st;
-    if (memshim_get_stats(device, &st) != 0) return;
+    /* the limit is only enforced where a pool serves (msh_core_pool_get never creates one) */
+    struct msh_pool *pool = msh_core_pool_get(device);
+    if (!pool) return;
+    struct msh_pool_counters c;
+    msh_pool_counters(pool, &c);
     size_t total = limit < *total_b ? (size_t)limit : *total_b;
-    size_t avail = total > st.live_bytes ? total - st.live_bytes : 0;
-    /* The pool's mapped-but-unused pages count as used in the driver's free figure, yet the
-     * pool can hand them out; anything beyond real free + those is not actually available. */
-    size_t cached = st.reserved_bytes > st.live_bytes ? st.reserved_bytes - st.live_bytes : 0;
-    size_t reach = *free_b + cached < *free_b ? SIZE_MAX : *free_b + cached;
+    size_t cap_pages = (c.limit ? c.limit : total) / c.gran;
+    size_t creatable = cap_pages > c.handles ? cap_pages - c.handles : 0;
+    size_t driver_pages = *free_b / c.gran;
+    if (creatable > driver_pages) creatable = driver_pages;
+    size_t reusable = c.defrag || c.release_on_oom ? c.cached_pages : 0;
+    size_t pages = creatable + reusable;
     *total_b = total;
-    *free_b = avail < reach ? avail : reach;
+    *free_b = pages > total / c.gran ? total / c.gran * c.gran : pages * c.gran;
+}
+
+/* ---- pool memory seen by pointer queries (issue 8, item 3) -------------------------------------
+ * Each cuMemMap is its own range to the driver, so for pool memory cuMemGetAddressRange and the
+ * range attributes would describe one page, whose start may lie inside a neighbour. memshim
+ * answers them from the pool: the live block's start and requested size. */
+
+/* 1: addr is in a live pool block (*base, *size, *device); -1: in a pool's address range but in
+ * no live block; 0: not pool memory. */
+static int pool_range(uint64_t addr, uint64_t *base, size_t *size, int *device)
+{
+    for (int d = 0; d < MSH_MAX_DEVICES; d++) {
+        struct msh_pool *p = msh_core_pool_get(d);
+        if (!p) continue;
+        if (msh_pool_block_containing(p, addr, base, size) == 0) {
+            if (device) *device = d;
+            return 1;
+        }
+        if (msh_pool_covers(p, addr)) return -1;
+    }
+    return 0;
+}
+
+int msh_hooks_pool_range(uint64_t addr, uint64_t *base, size_t *size, int *device)
+{
+    return pool_range(addr, base, size, device);
+}
+
+/* Legacy IPC (cudaIpcGetMemHandle) cannot share VMM memory; the driver's error names nothing.
+ * One line per process says what to do: only MEMSHIM_MODE=off keeps such jobs' memory out of
+ * the pool (in segment mode PyTorch's segments are pool memory too). */
+int msh_hooks_ipc_refused(const char *fn, uint64_t addr, int device)
+{
+    static _Atomic int said;
+    if (!atomic_exchange(&said, 1))
+        msh_warn("%s(%p): this memory comes from memshim's pool on device %d (CUDA virtual memory), "
+                 "which legacy CUDA IPC cannot share; run jobs that share CUDA memory between "
+                 "processes with MEMSHIM_MODE=off", fn, (void *)(uintptr_t)addr, device);
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+void msh_hooks_forget_stream(uint64_t stream)
+{
+    for (int d = 0; d < MSH_MAX_DEVICES; d++) {
+        struct msh_pool *p = msh_core_pool_get(d);
+        if (p) msh_pool_forget_stream(p, stream);
+    }
+}
+
+/* cudaFree / cuMemFree of a pool block in segment mode is PyTorch giving a segment back
+ * (empty_cache, its OOM retry, its GC threshold; DESIGN.md 3): the block's pages that no live
+ * block still touches go back to the driver at once, unless MEMSHIM_EMPTY_CACHE=never keeps them
+ * cached. In tensor mode PyTorch frees through memshim_free; a cudaFree there comes from another
+ * library, and the pool's page cache serves memshim's own reuse. */
+int msh_hooks_pool_free_host(struct msh_pool *pool, uint64_t addr)
+{
+    if (msh_cfg.empty_cache == MSH_EC_NEVER || msh_core_mode() != MSH_MODE_SEGMENT)
+        return msh_pool_free(pool, addr, MSH_STREAM_COMPLETED);
+    return msh_pool_free_release(pool, addr, MSH_STREAM_COMPLETED, NULL);
 }
 
 /* Free a pool block the way cuMemFree would: after the work queued on the device that owns it
@@ -209,7 +278,9 @@ static CUresult pool_free_synced(struct msh_pool *pool, int dev, CUdeviceptr p, 
 {
     if (stream == MSH_STREAM_COMPLETED && msh_core_sync_device(dev) != 0)
         return CUDA_ERROR_UNKNOWN; /* the block may still be in use: keep it */
-    return msh_pool_free(pool, (uint64_t)p, stream) == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    int rc = stream == MSH_STREAM_COMPLETED ? msh_hooks_pool_free_host(pool, (uint64_t)p)
+                                            : msh_pool_free(pool, (uint64_t)p, stream);
+    return rc == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 /* ---- hooks ---------------------------------------------------------------------------------
@@ -385,6 +456,106 @@ static CUresult hk_cuMemUnmap(CUdeviceptr ptr, size_t size)
     return real(ptr, size);
 }
 
+/* ---- streams that go away, pointer queries, legacy IPC (issue 8) ----------------------------- */
+
+/* Before the driver forgets a stream, the pools must (msh_pool_forget_stream). */
+static CUresult hk_cuStreamDestroy_v2(CUstream stream)
+{
+    CUresult (*real)(CUstream) = REAL_DRV(cuStreamDestroy);
+    if (!real) MSH_DRV_MISSING("cuStreamDestroy_v2");
+    if (msh_in_hook || !msh_hooks_serving()) return real(stream);
+    msh_in_hook = 1;
+    if (stream && stream != CU_STREAM_LEGACY && stream != CU_STREAM_PER_THREAD)
+        msh_hooks_forget_stream((uint64_t)(uintptr_t)stream);
+    CUresult r = real(stream);
+    msh_in_hook = 0;
+    return r;
+}
+
+static CUresult hk_cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr)
+{
+    CUresult (*real)(CUdeviceptr *, size_t *, CUdeviceptr) = REAL_DRV(cuMemGetAddressRange);
+    if (!real) MSH_DRV_MISSING("cuMemGetAddressRange_v2");
+    if (msh_in_hook || !msh_hooks_serving()) return real(pbase, psize, dptr);
+    msh_in_hook = 1;
+    uint64_t base = 0;
+    size_t size = 0;
+    int in = pool_range((uint64_t)dptr, &base, &size, NULL);
+    CUresult r;
+    if (in > 0) {
+        if (pbase) *pbase = (CUdeviceptr)base;
+        if (psize) *psize = size;
+        r = CUDA_SUCCESS;
+    } else {
+        r = in < 0 ? CUDA_ERROR_NOT_FOUND : real(pbase, psize, dptr); /* pool VA, no allocation */
+    }
+    msh_in_hook = 0;
+    return r;
+}
+
+static bool range_attr(CUpointer_attribute a)
+{
+    return a == CU_POINTER_ATTRIBUTE_RANGE_START_ADDR || a == CU_POINTER_ATTRIBUTE_RANGE_SIZE;
+}
+
+static CUresult hk_cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr)
+{
+    CUresult (*real)(void *, CUpointer_attribute, CUdeviceptr) = REAL_DRV(cuPointerGetAttribute);
+    if (!real) MSH_DRV_MISSING("cuPointerGetAttribute");
+    if (msh_in_hook || !range_attr(attribute) || !data || !msh_hooks_serving()) return real(data, attribute, ptr);
+    msh_in_hook = 1;
+    uint64_t base = 0;
+    size_t size = 0;
+    int in = pool_range((uint64_t)ptr, &base, &size, NULL);
+    CUresult r;
+    if (in > 0) {
+        if (attribute == CU_POINTER_ATTRIBUTE_RANGE_START_ADDR) *(CUdeviceptr *)data = (CUdeviceptr)base;
+        else *(size_t *)data = size;
+        r = CUDA_SUCCESS;
+    } else {
+        r = in < 0 ? CUDA_ERROR_INVALID_VALUE : real(data, attribute, ptr);
+    }
+    msh_in_hook = 0;
+    return r;
+}
+
+/* The driver answers everything; the range entries are then replaced for pool memory. */
+static CUresult hk_cuPointerGetAttributes(unsigned int n, CUpointer_attribute *attributes, void **data,
+                                          CUdeviceptr ptr)
+{
+    CUresult (*real)(unsigned int, CUpointer_attribute *, void **, CUdeviceptr) = REAL_DRV(cuPointerGetAttributes);
+    if (!real) MSH_DRV_MISSING("cuPointerGetAttributes");
+    if (msh_in_hook || !msh_hooks_serving()) return real(n, attributes, data, ptr);
+    msh_in_hook = 1;
+    CUresult r = real(n, attributes, data, ptr);
+    uint64_t base = 0;
+    size_t size = 0;
+    int in = r == CUDA_SUCCESS && attributes && data ? pool_range((uint64_t)ptr, &base, &size, NULL) : 0;
+    for (unsigned i = 0; in && i < n; i++) {
+        if (!data[i] || !range_attr(attributes[i])) continue;
+        if (attributes[i] == CU_POINTER_ATTRIBUTE_RANGE_START_ADDR) *(CUdeviceptr *)data[i] = in > 0 ? base : 0;
+        else *(size_t *)data[i] = in > 0 ? size : 0;
+    }
+    msh_in_hook = 0;
+    return r;
+}
+
+static CUresult hk_cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr)
+{
+    CUresult (*real)(CUipcMemHandle *, CUdeviceptr) = REAL_DRV(cuIpcGetMemHandle);
+    if (!real) MSH_DRV_MISSING("cuIpcGetMemHandle");
+    if (msh_in_hook || !msh_hooks_serving()) return real(pHandle, dptr);
+    msh_in_hook = 1;
+    uint64_t base = 0;
+    size_t size = 0;
+    int dev = -1;
+    int in = pool_range((uint64_t)dptr, &base, &size, &dev);
+    CUresult r = in ? (CUresult)msh_hooks_ipc_refused("cuIpcGetMemHandle", (uint64_t)dptr, dev)
+                    : real(pHandle, dptr);
+    msh_in_hook = 0;
+    return r;
+}
+
 /* The exported names are aliases of the static functions above: memshim's own references (the
  * substitution table) bind to these bodies even if another object defines the same names. */
 #define EXPORT_ALIAS(name, ret, args) MSH_EXPORT ret name args __attribute__((alias("hk_" #name)));
@@ -401,6 +572,14 @@ EXPORT_ALIAS(cuMemRelease, CUresult, (CUmemGenericAllocationHandle))
 EXPORT_ALIAS(cuMemMap, CUresult,
              (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long))
 EXPORT_ALIAS(cuMemUnmap, CUresult, (CUdeviceptr, size_t))
+EXPORT_ALIAS(cuStreamDestroy_v2, CUresult, (CUstream))
+EXPORT_ALIAS(cuMemGetAddressRange_v2, CUresult, (CUdeviceptr *, size_t *, CUdeviceptr))
+EXPORT_ALIAS(cuPointerGetAttribute, CUresult, (void *, CUpointer_attribute, CUdeviceptr))
+EXPORT_ALIAS(cuPointerGetAttributes, CUresult, (unsigned int, CUpointer_attribute *, void **, CUdeviceptr))
+EXPORT_ALIAS(cuIpcGetMemHandle, CUresult, (CUipcMemHandle *, CUdeviceptr))
+/* The v1 cuStreamDestroy has the same signature (the 32-bit ABI change did not touch it). */
+#undef cuStreamDestroy
+MSH_EXPORT CUresult cuStreamDestroy(CUstream) __attribute__((alias("hk_cuStreamDestroy_v2")));
 
 void *const msh_hk_cuMemAlloc_v2 = (void *)hk_cuMemAlloc_v2;
 void *const msh_hk_cuMemFree_v2 = (void *)hk_cuMemFree_v2;
@@ -413,3 +592,8 @@ void *const msh_hk_cuMemCreate = (void *)hk_cuMemCreate;
 void *const msh_hk_cuMemRelease = (void *)hk_cuMemRelease;
 void *const msh_hk_cuMemMap = (void *)hk_cuMemMap;
 void *const msh_hk_cuMemUnmap = (void *)hk_cuMemUnmap;
+void *const msh_hk_cuStreamDestroy_v2 = (void *)hk_cuStreamDestroy_v2;
+void *const msh_hk_cuMemGetAddressRange_v2 = (void *)hk_cuMemGetAddressRange_v2;
+void *const msh_hk_cuPointerGetAttribute = (void *)hk_cuPointerGetAttribute;
+void *const msh_hk_cuPointerGetAttributes = (void *)hk_cuPointerGetAttributes;
+void *const msh_hk_cuIpcGetMemHandle = (void *)hk_cuIpcGetMemHandle;

@@ -51,7 +51,7 @@ static void resolve_lookups(void)
  * Built once, after the driver is loaded, then read-only. Each hooked function contributes the
  * address of its exported symbol in the driver and also what the driver's own lookup returns
  * for it, in case a driver hands out addresses other than its exported symbols. */
-#define SUBST_MAX 48
+#define SUBST_MAX 96
 static struct subst { void *real, *hook; } subst[SUBST_MAX];
 static int nsubst;
 static pthread_once_t subst_once = PTHREAD_ONCE_INIT;
@@ -81,6 +81,12 @@ static void build_subst(void)
     subst_add((void *)msh_cu.cuMemRelease, msh_hk_cuMemRelease);
     subst_add((void *)msh_cu.cuMemMap, msh_hk_cuMemMap);
     subst_add((void *)msh_cu.cuMemUnmap, msh_hk_cuMemUnmap);
+    subst_add((void *)msh_cu.cuStreamDestroy, msh_hk_cuStreamDestroy_v2);
+    subst_add(dlsym(h, "cuStreamDestroy"), msh_hk_cuStreamDestroy_v2); /* v1: same signature */
+    subst_add((void *)msh_cu.cuMemGetAddressRange, msh_hk_cuMemGetAddressRange_v2);
+    subst_add((void *)msh_cu.cuPointerGetAttribute, msh_hk_cuPointerGetAttribute);
+    subst_add((void *)msh_cu.cuPointerGetAttributes, msh_hk_cuPointerGetAttributes);
+    subst_add((void *)msh_cu.cuIpcGetMemHandle, msh_hk_cuIpcGetMemHandle);
     subst_add((void *)msh_cu.cuGetProcAddress_v2, hk_v2);
     subst_add(dlsym(h, "cuGetProcAddress"), hk_v1);
 
@@ -101,12 +107,18 @@ static void build_subst(void)
         {"cuMemMap", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 9},
         {"cuMemUnmap", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 10},
         {"cuGetProcAddress", 12000, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 11},
+        {"cuStreamDestroy", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 12},
+        {"cuMemGetAddressRange", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 13},
+        {"cuPointerGetAttribute", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 14},
+        {"cuPointerGetAttributes", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 15},
+        {"cuIpcGetMemHandle", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 16},
     };
     void *const hooks[] = {
         msh_hk_cuMemAlloc_v2, msh_hk_cuMemFree_v2, msh_hk_cuMemGetInfo_v2,
         msh_hk_cuMemAllocAsync, msh_hk_cuMemFreeAsync, msh_hk_cuMemAllocAsync_ptsz,
         msh_hk_cuMemFreeAsync_ptsz, msh_hk_cuMemCreate, msh_hk_cuMemRelease, msh_hk_cuMemMap,
-        msh_hk_cuMemUnmap, hk_v2,
+        msh_hk_cuMemUnmap, hk_v2, msh_hk_cuStreamDestroy_v2, msh_hk_cuMemGetAddressRange_v2,
+        msh_hk_cuPointerGetAttribute, msh_hk_cuPointerGetAttributes, msh_hk_cuIpcGetMemHandle,
     };
     for (size_t i = 0; i < sizeof q / sizeof q[0]; i++) {
         if (ver < q[i].min_ver) continue;

@@ -43,9 +43,23 @@ MSH_HIDDEN bool msh_ext_untrack(int table, uint64_t key, size_t *size, int *devi
 extern MSH_HIDDEN _Atomic uint64_t msh_ext_dropped;
 
 /* What cudaMemGetInfo/cuMemGetInfo_v2 report under MEMSHIM_LIMIT (docs/interposition.md): when
- * a limit is set and `device` has a pool, total = min(limit, real total) and free = total minus
- * the pool's live bytes, clipped to real free plus the pool's mapped-but-unused bytes. */
+ * a limit is set and `device` has a pool, total = min(limit, real total) and free = the bytes of
+ * whole pages one allocation can still get (O(1), from the pool's counters). */
 MSH_HIDDEN void msh_hooks_adjust_meminfo(int device, size_t *free_b, size_t *total_b);
+
+/* ---- pool memory beyond allocation (hooks/driver.c; issue 8) --------------------------------- */
+/* 1: addr is in a live pool block (base, requested size, device); -1: in a pool's address range
+ * but no live block; 0: not pool memory. */
+MSH_HIDDEN int msh_hooks_pool_range(uint64_t addr, uint64_t *base, size_t *size, int *device);
+/* Legacy IPC asked for pool memory: one warning per process naming the setting; returns
+ * CUDA_ERROR_NOT_SUPPORTED (as an int). */
+MSH_HIDDEN int msh_hooks_ipc_refused(const char *fn, uint64_t addr, int device);
+/* A stream is about to be destroyed: no pool may name it afterwards. */
+MSH_HIDDEN void msh_hooks_forget_stream(uint64_t stream);
+/* Free a pool block whose last use is complete (cudaFree, cuMemFree); in segment mode give its
+ * pages back unless MEMSHIM_EMPTY_CACHE=never. 0 or EINVAL. */
+struct msh_pool;
+MSH_HIDDEN int msh_hooks_pool_free_host(struct msh_pool *pool, uint64_t addr);
 
 /* ---- entry-point lookups (hooks/entry.c) ----------------------------------------------------
  * `*pfn` was just returned by a real lookup (cuGetProcAddress[_v2], cudaGetDriverEntryPoint*).
@@ -59,6 +73,8 @@ MSH_HIDDEN extern void *const msh_hk_cuMemAlloc_v2, *const msh_hk_cuMemFree_v2,
     *const msh_hk_cuMemGetInfo_v2, *const msh_hk_cuMemAllocAsync, *const msh_hk_cuMemFreeAsync,
     *const msh_hk_cuMemAllocAsync_ptsz, *const msh_hk_cuMemFreeAsync_ptsz,
     *const msh_hk_cuMemCreate, *const msh_hk_cuMemRelease, *const msh_hk_cuMemMap,
-    *const msh_hk_cuMemUnmap;
+    *const msh_hk_cuMemUnmap, *const msh_hk_cuStreamDestroy_v2, *const msh_hk_cuMemGetAddressRange_v2,
+    *const msh_hk_cuPointerGetAttribute, *const msh_hk_cuPointerGetAttributes,
+    *const msh_hk_cuIpcGetMemHandle;
 
 #endif

@@ -40,7 +40,8 @@ cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion_ptsz(
     X(cudaMallocAsync_ptsz) X(cudaFreeAsync_ptsz) X(cudaGetDriverEntryPoint)                \
     X(cudaGetDriverEntryPoint_ptsz) X(cudaGetDriverEntryPointByVersion)                     \
     X(cudaGetDriverEntryPointByVersion_ptsz) X(cudaGetDevice) X(cudaSetDevice)              \
-    X(cudaDeviceSynchronize)
+    X(cudaDeviceSynchronize) X(cudaStreamDestroy) X(cudaPointerGetAttributes)                \
+    X(cudaIpcGetMemHandle)
 
 enum rt_fn {
 #define X(name) RT_##name,
@@ -257,8 +258,7 @@ MSH_EXPORT cudaError_t cudaFree(void *devPtr)
         if (r == cudaSuccess && msh_core_tracing())
             msh_core_trace('f', dev, 0, (uint64_t)(uintptr_t)devPtr,
                            msh_pool_block_size(pool, (uint64_t)(uintptr_t)devPtr));
-        if (r == cudaSuccess &&
-            msh_pool_free(pool, (uint64_t)(uintptr_t)devPtr, MSH_STREAM_COMPLETED) != 0)
+        if (r == cudaSuccess && msh_hooks_pool_free_host(pool, (uint64_t)(uintptr_t)devPtr) != 0)
             r = cudaErrorInvalidValue; /* not the start of a live block, as the runtime says */
     } else {
         r = rt_passthrough_free(devPtr, call_free, (void *)real);
@@ -403,4 +403,68 @@ MSH_EXPORT cudaError_t cudaGetDriverEntryPointByVersion_ptsz(
 {
     REAL_RT(cudaGetDriverEntryPointByVersion_ptsz, entry_ver_fn);
     return rt_entry_ver(real, symbol, funcPtr, cudaVersion, flags, driverStatus);
+}
+
+/* ---- streams that go away, pointer attributes, legacy IPC (issue 8) ---------------------------
+ * The runtime reaches its own driver functions through its private lookup, so the driver hooks
+ * never see these calls: the runtime entry points are hooked too. (There is no _ptsz form of
+ * cudaStreamDestroy, cudaPointerGetAttributes or cudaIpcGetMemHandle.) */
+
+typedef cudaError_t (*stream_destroy_fn)(cudaStream_t);
+typedef cudaError_t (*ptr_attr_fn)(struct cudaPointerAttributes *, const void *);
+typedef cudaError_t (*ipc_get_fn)(cudaIpcMemHandle_t *, void *);
+
+MSH_EXPORT cudaError_t cudaStreamDestroy(cudaStream_t stream)
+{
+    REAL_RT(cudaStreamDestroy, stream_destroy_fn);
+    if (msh_in_hook || !msh_hooks_serving()) return real(stream);
+    msh_in_hook = 1;
+    if (stream && stream != cudaStreamLegacy && stream != cudaStreamPerThread)
+        msh_hooks_forget_stream((uint64_t)(uintptr_t)stream);
+    cudaError_t r = real(stream);
+    msh_in_hook = 0;
+    return r;
+}
+
+/* Pool memory is device memory of the pool's device, whatever page an address falls in. */
+MSH_EXPORT cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *attributes, const void *ptr)
+{
+    REAL_RT(cudaPointerGetAttributes, ptr_attr_fn);
+    if (msh_in_hook || !attributes || !msh_hooks_serving()) return real(attributes, ptr);
+    msh_in_hook = 1;
+    uint64_t base = 0;
+    size_t size = 0;
+    int dev = -1;
+    cudaError_t r;
+    if (msh_hooks_pool_range((uint64_t)(uintptr_t)ptr, &base, &size, &dev) > 0) {
+        memset(attributes, 0, sizeof *attributes);
+        attributes->type = cudaMemoryTypeDevice;
+        attributes->device = dev;
+        attributes->devicePointer = (void *)ptr;
+        attributes->hostPointer = NULL;
+        r = cudaSuccess;
+    } else {
+        r = real(attributes, ptr);
+    }
+    msh_in_hook = 0;
+    return r;
+}
+
+MSH_EXPORT cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *handle, void *devPtr)
+{
+    REAL_RT(cudaIpcGetMemHandle, ipc_get_fn);
+    if (msh_in_hook || !msh_hooks_serving()) return real(handle, devPtr);
+    msh_in_hook = 1;
+    uint64_t base = 0;
+    size_t size = 0;
+    int dev = -1;
+    cudaError_t r;
+    if (msh_hooks_pool_range((uint64_t)(uintptr_t)devPtr, &base, &size, &dev)) {
+        msh_hooks_ipc_refused("cudaIpcGetMemHandle", (uint64_t)(uintptr_t)devPtr, dev);
+        r = cudaErrorNotSupported;
+    } else {
+        r = real(handle, devPtr);
+    }
+    msh_in_hook = 0;
+    return r;
 }

@@ -19,6 +19,9 @@ struct cuda_dev {
     CUcontext ctx;
     CUmemAllocationProp prop;
     size_t gran;
+    /* Who may touch this device's pages: itself and every peer-capable device (below). */
+    CUmemAccessDesc access[MSH_MAX_DEVICES];
+    size_t naccess;
 };
 
 static struct cuda_dev *C(struct msh_device *d) { return d->impl; }
@@ -83,21 +86,52 @@ static int cu_release(struct msh_device *d, uint64_t h, size_t size)
     return WITH_CTX(d, msh_cu.cuMemRelease((CUmemGenericAllocationHandle)h), "cuMemRelease");
 }
 
+/* Peer access (docs/pool.md): cudaDeviceEnablePeerAccess / cuCtxEnablePeerAccess do not cover
+ * VMM mappings; each device that may touch a mapping needs its own descriptor. Every page the
+ * pool maps is granted read/write to the owner and to every device that can reach the owner
+ * (cuDeviceCanAccessPeer(peer, owner)), so single-process multi-GPU work (DataParallel,
+ * pipeline stages, device-to-device copies, NCCL in one process) can touch pool memory without
+ * memshim having to follow the job's peer-access calls. The list is fixed at start-up (peer
+ * capability is a property of the machine) and shared by every access grant. */
+static void cu_access_init(struct cuda_dev *c)
+{
+    c->naccess = 0;
+    int n = 0;
+    if (!msh_cu.cuDeviceGetCount || msh_cu.cuDeviceGetCount(&n) != CUDA_SUCCESS) n = 0;
+    for (int peer = -1; peer < n && peer < MSH_MAX_DEVICES; peer++) {
+        int can = 0;
+        if (peer == (int)c->dev) continue;
+        if (peer >= 0 && (!msh_cu.cuDeviceCanAccessPeer ||
+                          msh_cu.cuDeviceCanAccessPeer(&can, peer, c->dev) != CUDA_SUCCESS || !can))
+            continue;
+        CUmemAccessDesc *a = &c->access[c->naccess++];
+        memset(a, 0, sizeof *a);
+        a->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        a->location.id = peer < 0 ? c->dev : peer;  /* the owner first */
+        a->flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    }
+}
+
+/* The access descriptors every mapping of device d gets (the owner, then its peers). */
+static size_t cu_access_descs(struct msh_device *d, const CUmemAccessDesc **out)
+{
+    *out = C(d)->access;
+    return C(d)->naccess;
+}
+
 static int cu_map(struct msh_device *d, uint64_t va, size_t size, uint64_t h)
 {
     return WITH_CTX(d, msh_cu.cuMemMap((CUdeviceptr)va, size, 0, (CUmemGenericAllocationHandle)h, 0), "cuMemMap");
 }
 
-/* A mapping is unusable until access is granted (CUDA VMM rule). One call covers a run of
- * adjacent mappings, so the pool grants access once per block it maps, not once per handle. */
+/* A mapping is unusable until access is granted (CUDA VMM rule), to the owner and its peers (the
+ * descriptors above). One call covers a run of adjacent mappings, so the pool grants access once
+ * per block it maps, not once per handle. */
 static int cu_set_access(struct msh_device *d, uint64_t va, size_t size)
 {
-    CUmemAccessDesc acc;
-    memset(&acc, 0, sizeof acc);
-    acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    acc.location.id = C(d)->dev;
-    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    return WITH_CTX(d, msh_cu.cuMemSetAccess((CUdeviceptr)va, size, &acc, 1), "cuMemSetAccess");
+    const CUmemAccessDesc *acc;
+    size_t nacc = cu_access_descs(d, &acc);
+    return WITH_CTX(d, msh_cu.cuMemSetAccess((CUdeviceptr)va, size, acc, nacc), "cuMemSetAccess");
 }
 
 static int cu_unmap(struct msh_device *d, uint64_t va, size_t size)
@@ -128,8 +162,17 @@ static int cu_event_release(struct msh_device *d, uint64_t ev)
     return WITH_CTX(d, msh_cu.cuEventDestroy((CUevent)(uintptr_t)ev), "cuEventDestroy");
 }
 
+/* A capturing stream (CUDA graph capture) cannot wait on an event recorded outside its capture:
+ * the driver invalidates the capture (CUDA_ERROR_STREAM_CAPTURE_ISOLATION). The pool's events
+ * mark other streams' last use of a block, so there the host waits for the event instead; the
+ * graph then needs no dependency on work outside it, and the block is idle when it is handed over. */
 static int cu_stream_wait(struct msh_device *d, uint64_t stream, uint64_t ev)
 {
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (msh_cu.cuStreamIsCapturing && msh_cu.cuEventSynchronize &&
+        WITH_CTX(d, msh_cu.cuStreamIsCapturing((CUstream)(uintptr_t)stream, &st), "cuStreamIsCapturing") == 0 &&
+        st != CU_STREAM_CAPTURE_STATUS_NONE)
+        return WITH_CTX(d, msh_cu.cuEventSynchronize((CUevent)(uintptr_t)ev), "cuEventSynchronize");
     return WITH_CTX(d, msh_cu.cuStreamWaitEvent((CUstream)(uintptr_t)stream, (CUevent)(uintptr_t)ev, 0),
                     "cuStreamWaitEvent");
 }
@@ -186,6 +229,9 @@ int msh_dev_cuda_init(struct msh_device *d, int ordinal)
     c->prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     c->prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     c->prop.location.id = c->dev;
+    cu_access_init(c);
+    if (c->naccess > 1)
+        msh_info("device %d: pool pages are also granted to %zu peer device(s)", ordinal, c->naccess - 1);
     d->ops = &cuda_ops;
     d->ordinal = ordinal;
     d->impl = c;

@@ -165,7 +165,9 @@ static const struct opt opts[O_COUNT] = {
                        "When unused physical memory goes back to the driver.", F(empty_cache), 0,
                        0, 0, empty_cache_vals,
                        "When memshim returns wholly free physical pages to the driver (what "
-                       "`torch.cuda.empty_cache()` does by hand)."},
+                       "`torch.cuda.empty_cache()` does by hand). Except under `never`, in segment "
+                       "mode a `cudaFree` of a pool block (PyTorch releasing a segment) also gives "
+                       "that block's pages that no live block touches back at once."},
     [O_EMPTY_CACHE_THRESHOLD] = {"MEMSHIM_EMPTY_CACHE_THRESHOLD", T_SIZE, "0", NULL,
                                  "a size, 0 or more", "bytes",
                                  "With `MEMSHIM_EMPTY_CACHE=threshold`: reserved-but-free bytes "
@@ -183,11 +185,12 @@ static const struct opt opts[O_COUNT] = {
               F(gc), 0, 0, 0, gc_vals,
               "When memshim runs a garbage collection: the callback registered with "
               "`memshim_set_gc_callback()`, else, in a CPython process, `gc.collect()` itself "
-              "(`PyGC_Collect`, which honours `gc.disable()`), only on a thread that holds the GIL "
-              "(autograd's worker threads do not: DESIGN.md section 2) and only from "
+              "(`PyGC_Collect`, which honours `gc.disable()`). Either one runs only from "
               "`memshim_malloc` or an epoch boundary, never inside the `cudaMalloc` hook where "
-              "PyTorch's own allocator is mid-call. Skips are counted in the reports "
-              "(`gc_skipped_no_gil`). `threshold` runs at most once a second."},
+              "PyTorch's own allocator is mid-call, and in a CPython process only on a thread that "
+              "holds the GIL (autograd's worker threads do not: DESIGN.md section 2). Skips are "
+              "counted in the reports (`gc_skipped_no_gil`). `threshold` runs at most once a "
+              "second."},
     [O_GC_THRESHOLD] = {"MEMSHIM_GC_THRESHOLD", T_FRACTION, "0.9", NULL, "a fraction 0..1",
                         "fraction",
                         "With `MEMSHIM_GC=threshold`: fraction of the limit (of device memory "

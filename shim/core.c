@@ -42,6 +42,8 @@ static pthread_mutex_t pools_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct msh_pool *_Atomic pools[MSH_MAX_DEVICES];
 static struct msh_device devices[MSH_MAX_DEVICES];
 static bool pool_failed[MSH_MAX_DEVICES];
+/* MEMSHIM_GC=threshold's capacity per device, fixed when the pool is made (no query per tick) */
+static size_t gc_cap[MSH_MAX_DEVICES];
 static _Atomic int64_t external[MSH_MAX_DEVICES][MSH_EXT_NKINDS];
 
 /* epochs and policies */
@@ -271,8 +273,8 @@ int msh_core_mode(void)
 }
 
 /* ---- the GC step ------------------------------------------------------------------------------
- * A callback set with memshim_set_gc_callback() wins. Without one, when the process runs CPython
- * memshim calls PyGC_Collect() itself, but only (1) on a thread that holds the GIL
+ * A callback set with memshim_set_gc_callback() wins, under the same rules. Without one, when
+ * the process runs CPython memshim calls PyGC_Collect() itself, but only (1) on a thread that holds the GIL
  * (PyGILState_Check: autograd's worker threads do not, and taking the GIL there can deadlock
  * against the main thread, DESIGN.md 2), and (2) from memshim_malloc or an epoch boundary,
  * never from inside the cudaMalloc hook: there PyTorch's caching allocator is mid-way through
@@ -312,20 +314,19 @@ static size_t py_collect_fn(void *arg)
     return n > 0 ? (size_t)n : 0;
 }
 
+/* A callback set with memshim_set_gc_callback() runs under the same rules as memshim's own
+ * gc.collect() (issue 8: the documented use is pointing it at gc.collect()): only from
+ * memshim_malloc or an epoch boundary, and in a CPython process only on a thread that holds the
+ * GIL. Without CPython (a C program) the GIL rule does not apply. */
 static size_t run_gc(bool from_epoch)
 {
     memshim_gc_fn fn = __atomic_load_n(&gc_user_fn, __ATOMIC_ACQUIRE);
     void *arg = gc_user_arg;
-    if (fn) {
-        pthread_mutex_lock(&epoch_lock);
-        gc_runs++;
-        pthread_mutex_unlock(&epoch_lock);
-        return call_unguarded(fn, arg);
-    }
     if (!from_epoch && !in_tensor_alloc) return 0;
     pthread_once(&py_once, py_resolve);
-    if (!py.collect || !py.gil_check || !py.is_initialized || !py.is_initialized()) return 0;
-    if (!py.gil_check()) {
+    bool python = py.gil_check && py.is_initialized && py.is_initialized();
+    if (!fn && (!python || !py.collect)) return 0;
+    if (python && !py.gil_check()) {
         pthread_mutex_lock(&epoch_lock);
         gc_skipped_no_gil++;
         pthread_mutex_unlock(&epoch_lock);
@@ -334,7 +335,7 @@ static size_t run_gc(bool from_epoch)
     pthread_mutex_lock(&epoch_lock);
     gc_runs++;
     pthread_mutex_unlock(&epoch_lock);
-    return call_unguarded(py_collect_fn, NULL);
+    return fn ? call_unguarded(fn, arg) : call_unguarded(py_collect_fn, NULL);
 }
 
 static size_t gc_bridge(void *arg)
@@ -367,6 +368,8 @@ struct msh_pool *msh_core_pool(int device)
             prm.defrag = msh_cfg.defrag;
             if (msh_cfg.empty_cache == MSH_EC_THRESHOLD) prm.release_threshold = msh_cfg.empty_cache_threshold;
             prm.no_release_on_oom = msh_cfg.empty_cache == MSH_EC_NEVER;
+            gc_cap[device] = msh_cfg.limit_bytes ? msh_cfg.limit_bytes
+                             : msh_cfg.limit_fraction > 0 ? (size_t)(msh_cfg.limit_fraction * (double)t) : t;
             msh_torch_pool_params(device, t, &prm); /* one limit shared with capture pools */
             rc = msh_pool_create(&devices[device], &prm, &p);
         }
@@ -550,13 +553,7 @@ void msh_core_tick(void)
         for (int d = 0; d < MSH_MAX_DEVICES; d++) {
             struct msh_pool *p = atomic_load(&pools[d]);
             if (!p) continue;
-            size_t held = msh_pool_mapped_bytes(p);
-            size_t cap = msh_cfg.limit_bytes;
-            if (!cap && devices[d].ops) {
-                size_t f = 0, t = 0;
-                devices[d].ops->mem_info(&devices[d], &f, &t);
-                cap = msh_cfg.limit_fraction > 0 ? (size_t)(msh_cfg.limit_fraction * (double)t) : t;
-            }
+            size_t held = msh_pool_mapped_bytes(p), cap = gc_cap[d];
             if (cap && (double)held > msh_cfg.gc_threshold * (double)cap &&
                 atomic_compare_exchange_strong(&last_gc_ns, &last, now)) {
                 run_gc(false);
@@ -717,7 +714,8 @@ MSH_EXPORT void *memshim_malloc(ssize_t size, int device, memshim_stream_t strea
     if (size < 0) return NULL;
     msh_in_hook++;
     /* Being called here means PyTorch's pluggable allocator is memshim: that is tensor mode. */
-    if (MSH_UNLIKELY(mode_eff == MSH_MODE_SEGMENT) && msh_cfg.mode == MSH_MODE_AUTO && msh_core_init())
+    /* init first: when this is memshim's first call, mode_eff is only set by it */
+    if (msh_core_init() && MSH_UNLIKELY(mode_eff == MSH_MODE_SEGMENT) && msh_cfg.mode == MSH_MODE_AUTO)
         mode_eff = MSH_MODE_TENSOR;
     struct msh_pool *p = msh_core_pool(device);
     void *out = NULL;

@@ -66,6 +66,13 @@ static void load_driver(void)
     RESOLVE(cuStreamWaitEvent, "cuStreamWaitEvent");
     RESOLVE(cuGetProcAddress, "cuGetProcAddress_v2");
     RESOLVE(cuGetErrorString, "cuGetErrorString");
+    RESOLVE(cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer");
+    RESOLVE(cuStreamDestroy, "cuStreamDestroy_v2");
+    RESOLVE(cuMemGetAddressRange, "cuMemGetAddressRange_v2");
+    RESOLVE(cuPointerGetAttribute, "cuPointerGetAttribute");
+    RESOLVE(cuPointerGetAttributes, "cuPointerGetAttributes");
+    RESOLVE(cuIpcGetMemHandle, "cuIpcGetMemHandle");
+    RESOLVE(cuStreamIsCapturing, "cuStreamIsCapturing");
 
     if (!msh_cu.cuInit || !msh_cu.cuCtxGetCurrent || !msh_cu.cuMemGetInfo) {
         msh_warn("libcuda.so.1 lacks cuInit/cuCtxGetCurrent/cuMemGetInfo_v2; passing through");

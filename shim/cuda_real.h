@@ -58,6 +58,13 @@ struct msh_cuda_driver {
     CUresult (*cuGetProcAddress)(const char *, void **, int, cuuint64_t,
                                  CUdriverProcAddressQueryResult *); /* _v2 */
     CUresult (*cuGetErrorString)(CUresult, const char **);
+    CUresult (*cuDeviceCanAccessPeer)(int *, CUdevice, CUdevice);
+    CUresult (*cuStreamDestroy)(CUstream);                      /* _v2 */
+    CUresult (*cuMemGetAddressRange)(CUdeviceptr *, size_t *, CUdeviceptr); /* _v2 */
+    CUresult (*cuPointerGetAttribute)(void *, CUpointer_attribute, CUdeviceptr);
+    CUresult (*cuPointerGetAttributes)(unsigned int, CUpointer_attribute *, void **, CUdeviceptr);
+    CUresult (*cuIpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
+    CUresult (*cuStreamIsCapturing)(CUstream, CUstreamCaptureStatus *);
 };
 
 extern struct msh_cuda_driver msh_cu;

@@ -39,8 +39,12 @@ void memshim_empty_cache(void);
 void memshim_epoch(void);
 void memshim_step(void);
 
-/* The OOM rescue chain calls this before giving up (DESIGN.md 4). The Python integration sets it
- * to run gc.collect(); it returns the number of bytes it believes it released (or 0). */
+/* The GC step of the OOM rescue chain (DESIGN.md 4) and of MEMSHIM_GC=epoch|threshold calls this
+ * instead of memshim's own gc.collect(), under the same rules: only from memshim_malloc (tensor
+ * mode) or an epoch boundary (memshim_epoch, memshim_step), never inside the cudaMalloc hook
+ * (PyTorch's caching allocator may be mid-call there), and in a CPython process only on a thread
+ * that holds the GIL (call memshim through ctypes.PyDLL). So pointing it at gc.collect() is safe.
+ * It returns the number of bytes it believes it released (or 0). */
 typedef size_t (*memshim_gc_fn)(void *arg);
 void memshim_set_gc_callback(memshim_gc_fn fn, void *arg);
 

@@ -18,6 +18,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -25,6 +26,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -48,7 +50,15 @@
     X(cuStreamDestroy) X(cuStreamSynchronize) X(cuStreamQuery) X(cuStreamWaitEvent)             \
     X(cuLaunchHostFunc) X(cuEventCreate) X(cuEventRecord) X(cuEventQuery)                       \
     X(cuEventSynchronize) X(cuEventDestroy) X(cuEventElapsedTime) X(cuGetProcAddress)           \
-    X(cuGetErrorString) X(cuGetErrorName)
+    X(cuGetErrorString) X(cuGetErrorName) X(cuDeviceCanAccessPeer) X(cuCtxEnablePeerAccess)     \
+    X(cuCtxDisablePeerAccess) X(cuMemcpy) X(cuMemcpyAsync) X(cuMemcpyPeer) X(cuMemcpyPeerAsync) \
+    X(cuMemcpyHtoDAsync) X(cuMemcpyDtoHAsync) X(cuMemcpyDtoDAsync) X(cuMemsetD8Async)           \
+    X(cuPointerGetAttribute) X(cuPointerGetAttributes) X(cuIpcGetMemHandle)                     \
+    X(cuIpcOpenMemHandle) X(cuIpcCloseMemHandle) X(cuMemExportToShareableHandle)                \
+    X(cuMemImportFromShareableHandle) X(cuStreamBeginCapture) X(cuStreamEndCapture)             \
+    X(cuStreamGetCaptureInfo) X(cuStreamIsCapturing) X(cuThreadExchangeStreamCaptureMode)       \
+    X(cuGraphInstantiate) X(cuGraphLaunch) X(cuGraphExecDestroy) X(cuGraphDestroy)              \
+    X(cuStreamGetCtx)
 
 #define FN_ENUM(n) FN_##n,
 #define FN_NAME(n) #n,
@@ -99,8 +109,28 @@ static const struct err_entry err_table[] = {
      "context is destroyed"},
     {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED", "operation not permitted"},
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    {CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED",
+     "peer access is already enabled"},
+    {CUDA_ERROR_PEER_ACCESS_NOT_ENABLED, "CUDA_ERROR_PEER_ACCESS_NOT_ENABLED",
+     "peer access has not been enabled"},
     {CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
      "operation not permitted when stream is capturing"},
+    {CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+     "operation failed due to a previous error during capture"},
+    {CUDA_ERROR_STREAM_CAPTURE_MERGE, "CUDA_ERROR_STREAM_CAPTURE_MERGE",
+     "operation would result in a merge of separate capture sequences"},
+    {CUDA_ERROR_STREAM_CAPTURE_UNMATCHED, "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED",
+     "capture was not ended in the same stream as it began"},
+    {CUDA_ERROR_STREAM_CAPTURE_UNJOINED, "CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
+     "capturing stream has unjoined work"},
+    {CUDA_ERROR_STREAM_CAPTURE_ISOLATION, "CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
+     "dependency created on uncaptured work in another stream"},
+    {CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+     "operation would make the legacy stream depend on a capturing blocking stream"},
+    {CUDA_ERROR_CAPTURED_EVENT, "CUDA_ERROR_CAPTURED_EVENT",
+     "operation not permitted on an event last recorded in a capturing stream"},
+    {CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD, "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
+     "attempt to terminate a thread-local capture sequence from another thread"},
     {CUDA_ERROR_TIMEOUT, "CUDA_ERROR_TIMEOUT", "wait operation timed out"},
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
@@ -176,6 +206,7 @@ static void ht_del(struct htab *t, uint64_t k)
 /* ---- state ----------------------------------------------------------------------------------- */
 
 struct stream;
+struct capture;
 
 struct ctx {
     uint32_t magic;
@@ -183,12 +214,15 @@ struct ctx {
     int is_primary, destroyed;
     int primary_refs;
     unsigned int flags;
+    uint32_t peer_mask;         /* devices whose cuMemAlloc memory this context may touch */
     struct stream *legacy;      /* the NULL / CU_STREAM_LEGACY stream of this context */
     struct ctx *next;
 };
 #define CTX_MAGIC 0xC7C7C7C7u
 
-enum item_kind { IT_FN, IT_WAIT, IT_FREE, IT_NOP };
+/* Work items. IT_COPY, IT_SET and IT_KERNEL touch device memory from the device of the stream
+ * they run on: the double checks that device's access when they run (docs/test-double.md). */
+enum item_kind { IT_FN, IT_WAIT, IT_FREE, IT_NOP, IT_COPY, IT_SET, IT_KERNEL };
 struct item {
     enum item_kind kind;
     void (*fn)(void *);
@@ -196,12 +230,17 @@ struct item {
     struct stream *wait_s;      /* IT_WAIT: done once wait_s->completed >= wait_pos */
     uint64_t wait_pos;
     CUdeviceptr free_ptr;       /* IT_FREE */
+    CUdeviceptr dst, src;       /* IT_COPY / IT_SET / IT_KERNEL (dst is the range touched) */
+    size_t n;
+    int value, write;           /* IT_SET byte; IT_KERNEL writes (else only reads) */
+    int chk_dst, chk_src;       /* IT_COPY / IT_SET: that side is device memory, checked when run */
     struct item *next;
 };
 
 enum stream_kind { SK_USER, SK_LEGACY, SK_PER_THREAD };
 struct stream {
     uint64_t id;
+    CUstream handle;            /* what the API hands out (never a pointer: see handle_of) */
     struct ctx *ctx;
     enum stream_kind kind;
     unsigned int flags;
@@ -209,14 +248,43 @@ struct stream {
     uint64_t enqueued, completed;   /* items ever queued / completed, FIFO: item k done iff completed > k */
     struct item *head, *tail;
     struct stream *prev, *next;
+    struct capture *cap;        /* the capture sequence this stream is part of, or NULL */
+    uint64_t cap_items;         /* items this stream added to cap */
+    uint64_t cap_joined;        /* cap_items when another stream of cap last waited on it */
 };
 
 struct event {
+    uint64_t id;
+    CUevent handle;
+    struct ctx *ctx;            /* the context it was created in */
     unsigned int flags;
     int recorded;
     struct stream *s;           /* holds a reference while recorded */
     uint64_t pos;
     struct timespec when;
+    struct capture *cap;        /* last recorded inside this capture (then s is NULL) */
+    struct stream *cap_s;       /* ... on this stream, after its cap_pos-th captured item */
+    uint64_t cap_pos;
+};
+
+/* A stream capture sequence (cuStreamBeginCapture .. cuStreamEndCapture). Captures are never
+ * freed, so an event recorded inside one can always be recognised. */
+struct capture {
+    uint64_t id;
+    struct stream *origin;
+    CUstreamCaptureMode mode;
+    uint64_t thread;            /* tls_thread_id of the thread that began it */
+    int active, invalidated;
+    struct item *head, *tail;   /* the captured work, in capture order */
+    struct capture *next;
+};
+
+/* A graph is the captured work, replayed in capture order by cuGraphLaunch. */
+struct graph {
+    uint64_t id;
+    int is_exec;
+    struct item *head;
+    struct graph *next;
 };
 
 struct phys {
@@ -224,7 +292,12 @@ struct phys {
     int device;
     size_t size;
     off_t off;                  /* offset in the backing memfd */
-    int refs;                   /* handle references: create + retains - releases */
+    int fd;                     /* shareable handles: a memfd of their own (off is 0), else -1 */
+    int charged;                /* counted against the device's capacity (imports are not) */
+    unsigned long long handle_types;    /* requested CUmemAllocationHandleType bits */
+    dev_t fd_dev;
+    ino_t fd_ino;
+    int refs;                   /* handle references: create + retains + imports - releases */
     int maps;
 };
 
@@ -232,14 +305,15 @@ struct vmap {
     CUdeviceptr va;
     size_t size;
     struct phys *p;
-    unsigned long long access;  /* CUmemAccess_flags granted by cuMemSetAccess */
-    struct vmap *next;          /* sorted by va */
+    unsigned char access[MAX_DEVICES];   /* CUmemAccess_flags per device, granted by cuMemSetAccess */
 };
 
+/* The mappings inside a reservation are found through g_page_tab, never a list: a pool maps
+ * tens of thousands of pages, and each VMM call then costs O(pages it names), not O(mappings). */
 struct resv {
     CUdeviceptr base;
     size_t size;
-    struct vmap *maps;
+    long nmaps;
     struct resv *next;
 };
 
@@ -261,15 +335,21 @@ static size_t g_dev_used[MAX_DEVICES];
 static struct ctx *g_primary[MAX_DEVICES];
 static struct ctx *g_ctxs;
 static struct stream *g_streams;    /* every stream not yet freed, in creation order */
-static uint64_t g_next_stream_id = 1;
-static struct htab g_stream_tab, g_event_tab, g_handle_tab, g_alloc_tab;
+static uint64_t g_next_stream_id = 1, g_next_event_id = 1, g_next_graph_id = 1, g_next_capture_id = 1;
+static struct htab g_stream_tab, g_event_tab, g_handle_tab, g_alloc_tab, g_page_tab, g_graph_tab;
+static struct capture *g_captures;
 static struct resv *g_resvs;
 static uint64_t g_next_handle = 0x1000;
 static int g_memfd = -1;
 static off_t g_memfd_size, g_memfd_next;
 static struct cudbl_counts g_counts;
+/* peer capability (cuDeviceCanAccessPeer): g_peer[a][b] = devices a and b reach each other */
+static unsigned char g_peer[MAX_DEVICES][MAX_DEVICES];
+static int g_peer_configured;
 
 static atomic_long g_calls[FN_COUNT];
+static atomic_long g_misuse;
+static atomic_int g_misuse_abort = 1;
 
 /* async "GPU" thread */
 static atomic_int g_async;
@@ -277,12 +357,68 @@ static int g_gpu_started, g_gpu_stop;
 static pthread_t g_gpu_thread;
 static unsigned g_async_delay_us = 200;
 
-/* per-thread context stack and per-thread default streams */
+/* per-thread context stack, per-thread default streams, capture mode and identity */
 #define CTX_STACK_MAX 32
 static __thread struct ctx *tls_ctx_stack[CTX_STACK_MAX];
 static __thread int tls_ctx_depth;
 #define PT_STREAMS_MAX 8
 static __thread struct { struct ctx *ctx; struct stream *s; } tls_pt_streams[PT_STREAMS_MAX];
+static __thread CUstreamCaptureMode tls_capture_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
+static __thread uint64_t tls_thread_id;
+static atomic_ullong g_next_thread_id = 1;
+
+static uint64_t thread_id(void)
+{
+    if (!tls_thread_id) tls_thread_id = atomic_fetch_add(&g_next_thread_id, 1);
+    return tls_thread_id;
+}
+
+/* Streams, events and graphs are handed out as synthetic handles base + id * 16 with ids that are
+ * never reused, so a handle that was destroyed is recognised forever (a real driver may hand the
+ * same value to a new object; using a destroyed handle is undefined behaviour there). */
+#define STREAM_HANDLE_BASE 0x00005d0000000000ull
+#define EVENT_HANDLE_BASE  0x00005e0000000000ull
+#define GRAPH_HANDLE_BASE  0x00005f0000000000ull
+#define HANDLE_SPAN        0x0000010000000000ull
+
+static uint64_t handle_of(uint64_t base, uint64_t id) { return base + id * 16; }
+
+/* The id a handle value encodes, or 0 when it is not one of ours below `next`. */
+static uint64_t id_of(const void *h, uint64_t base, uint64_t next)
+{
+    uint64_t v = (uint64_t)(uintptr_t)h;
+    if (v < base || v >= base + HANDLE_SPAN || (v - base) % 16) return 0;
+    uint64_t id = (v - base) / 16;
+    return id && id < next ? id : 0;
+}
+
+static void warn(const char *fmt, const char *a, const char *b);
+
+/* Misuse: something a real driver leaves undefined (a destroyed handle used again, a device
+ * touching memory it has no access to). By default the process aborts with a message, so any
+ * suite that does it fails; CUDBL_MISUSE=count (or cudbl_set_misuse_abort(0)) counts it in
+ * cudbl_counts.misuse instead and the call fails with `err`. */
+static __thread const char *tls_api = "cudbl";
+
+__attribute__((format(printf, 2, 3))) static CUresult misuse(CUresult err, const char *fmt, ...)
+{
+    char what[200], buf[320];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    int n = snprintf(buf, sizeof buf, "cudbl: MISUSE in %s: %s\n", tls_api, what);
+    if (n > (int)sizeof buf - 1) n = (int)sizeof buf - 1;
+    ssize_t w = write(2, buf, (size_t)n);
+    (void)w;
+    atomic_fetch_add(&g_misuse, 1);
+    if (atomic_load(&g_misuse_abort)) {
+        static const char tail[] = "cudbl: aborting (CUDBL_MISUSE=count counts misuse instead)\n";
+        w = write(2, tail, sizeof tail - 1);
+        abort();
+    }
+    return err;
+}
 
 static void warn(const char *fmt, const char *a, const char *b)
 {
@@ -342,6 +478,42 @@ static void config_from_env(void)
         if (parse_size(v, &sz) || !valid_granularity(sz))
             warn("CUDBL_GRANULARITY=%s is not a power of two >= page size; using %s", v, "2M");
         else g_cfg.granularity = sz;
+    }
+}
+
+/* CUDBL_PEER: which devices can reach each other's memory (cuDeviceCanAccessPeer). "all" (the
+ * default: an NVLink machine), "none" (PCIe without P2P), or pairs "0-1,2-3" (symmetric). */
+static int parse_peer(const char *v, unsigned char out[MAX_DEVICES][MAX_DEVICES])
+{
+    memset(out, 0, sizeof(unsigned char[MAX_DEVICES][MAX_DEVICES]));
+    if (strcmp(v, "none") == 0) return 0;
+    if (strcmp(v, "all") == 0) {
+        for (int a = 0; a < MAX_DEVICES; a++)
+            for (int b = 0; b < MAX_DEVICES; b++) out[a][b] = a != b;
+        return 0;
+    }
+    const char *q = v;
+    while (*q) {
+        char *end;
+        long a = strtol(q, &end, 10);
+        if (end == q || *end != '-') return -1;
+        q = end + 1;
+        long b = strtol(q, &end, 10);
+        if (end == q || a < 0 || b < 0 || a >= MAX_DEVICES || b >= MAX_DEVICES || a == b) return -1;
+        out[a][b] = out[b][a] = 1;
+        q = end;
+        if (*q == ',') q++;
+        else if (*q) return -1;
+    }
+    return 0;
+}
+
+static void peer_from_env(void)
+{
+    const char *v = getenv("CUDBL_PEER");
+    if (parse_peer(v && *v ? v : "all", g_peer)) {
+        warn("CUDBL_PEER=%s is not all, none or pairs like 0-1,2-3; using %s", v, "all");
+        parse_peer("all", g_peer);
     }
 }
 
@@ -473,6 +645,11 @@ static void parse_fault_var(const char *var, int prob_mode)
 
 static void env_once(void)
 {
+    const char *m = getenv("CUDBL_MISUSE");
+    if (m && *m) {
+        if (strcmp(m, "count") == 0) atomic_store(&g_misuse_abort, 0);
+        else if (strcmp(m, "abort") != 0) warn("CUDBL_MISUSE=%s is not abort or count; using %s", m, "abort");
+    }
     parse_fault_var("CUDBL_FAIL", 0);
     parse_fault_var("CUDBL_FAIL_PROB", 1);
     const char *v = getenv("CUDBL_ASYNC_DELAY_US");
@@ -498,9 +675,12 @@ static CUresult fault_check(int fn, long callno)
     return r;
 }
 
+/* tls_api: the API function the calling thread is in (for misuse messages). */
+
 /* Every exported driver function starts here: count the call, inject a fault, check cuInit. */
 static CUresult enter(int fn, int need_init)
 {
+    tls_api = fn_names[fn];
     pthread_once(&g_env_once, env_once);
     long callno = atomic_fetch_add(&g_calls[fn], 1) + 1;
     if (atomic_load(&g_nrules)) {
@@ -547,6 +727,12 @@ static int ctx_valid_locked(struct ctx *c)
     return 0;
 }
 
+static struct ctx *ctx_arg_locked(CUcontext h)
+{
+    struct ctx *c = (struct ctx *)h;
+    return c && ctx_valid_locked(c) ? c : NULL;
+}
+
 static struct ctx *ctx_current(void)
 {
     return tls_ctx_depth ? tls_ctx_stack[tls_ctx_depth - 1] : NULL;
@@ -564,10 +750,11 @@ static struct stream *stream_new_locked(struct ctx *c, enum stream_kind kind, un
     struct stream *s = calloc(1, sizeof *s);
     if (!s) return NULL;
     s->id = g_next_stream_id++;
+    s->handle = (CUstream)(uintptr_t)handle_of(STREAM_HANDLE_BASE, s->id);
     s->ctx = c;
     s->kind = kind;
     s->flags = flags;
-    if (ht_put(&g_stream_tab, (uint64_t)(uintptr_t)s, s)) { free(s); return NULL; }
+    if (ht_put(&g_stream_tab, (uint64_t)(uintptr_t)s->handle, s)) { free(s); return NULL; }
     /* append: creation order keeps cudbl_progress's round robin stable */
     if (!g_streams) {
         g_streams = s;
@@ -586,7 +773,7 @@ static void stream_maybe_free_locked(struct stream *s)
     if (!s->destroyed || s->refs || s->head || s->busy) return;
     if (s->prev) s->prev->next = s->next; else g_streams = s->next;
     if (s->next) s->next->prev = s->prev;
-    ht_del(&g_stream_tab, (uint64_t)(uintptr_t)s);
+    ht_del(&g_stream_tab, (uint64_t)(uintptr_t)s->handle);
     free(s);
 }
 
@@ -624,8 +811,10 @@ static CUresult stream_resolve_locked(CUstream h, struct stream **out)
         return CUDA_SUCCESS;
     }
     struct stream *s = ht_get(&g_stream_tab, (uint64_t)(uintptr_t)h);
-    if (!s || s->destroyed || s->kind != SK_USER || s->ctx->destroyed)
-        return CUDA_ERROR_INVALID_HANDLE;
+    if (s && s->kind != SK_USER) s = NULL;
+    if ((!s && id_of(h, STREAM_HANDLE_BASE, g_next_stream_id)) || (s && s->destroyed))
+        return misuse(CUDA_ERROR_INVALID_HANDLE, "stream %p was destroyed", (void *)h);
+    if (!s) return CUDA_ERROR_INVALID_HANDLE;
     *out = s;
     return CUDA_SUCCESS;
 }
@@ -652,11 +841,74 @@ static int push_wait_locked(struct stream *s, struct stream *on, uint64_t pos)
 
 static void settle_locked(struct stream *s);
 
+/* ---- stream capture ---------------------------------------------------------------------------
+ * A capturing stream does not run what is queued on it: the work is appended to its capture
+ * sequence and replayed by cuGraphLaunch. The rules (cuda.h, cuThreadExchangeStreamCaptureMode):
+ * synchronizing or querying a capturing stream or an event recorded in a capture fails and
+ * invalidates the capture; the legacy stream cannot be used while a blocking stream of its context
+ * captures; "potentially unsafe" calls (cuMemAlloc, cuMemFree, synchronous copies) fail while the
+ * calling thread's mode prohibits them. */
+
+/* Captures in context c (blocking streams only when `blocking_only`), optionally invalidated. */
+static int ctx_captures_locked(struct ctx *c, int blocking_only, int invalidate)
+{
+    int found = 0;
+    for (struct stream *b = g_streams; b; b = b->next) {
+        if (b->ctx != c || !b->cap || !b->cap->active) continue;
+        if (blocking_only && b->kind != SK_PER_THREAD && (b->flags & CU_STREAM_NON_BLOCKING)) continue;
+        found = 1;
+        if (invalidate) b->cap->invalidated = 1;
+    }
+    return found;
+}
+
+/* A potentially unsafe call (it may synchronize implicitly, or is not captured): refused while
+ * the calling thread's capture mode prohibits it, invalidating the captures responsible. */
+static CUresult capture_unsafe_locked(void)
+{
+    if (tls_capture_mode == CU_STREAM_CAPTURE_MODE_RELAXED) return CUDA_SUCCESS;
+    uint64_t me = thread_id();
+    int prohibited = 0;
+    for (struct capture *c = g_captures; c; c = c->next) {
+        if (!c->active) continue;
+        int own = c->thread == me && c->mode != CU_STREAM_CAPTURE_MODE_RELAXED;
+        int other = tls_capture_mode == CU_STREAM_CAPTURE_MODE_GLOBAL && c->thread != me &&
+                    c->mode == CU_STREAM_CAPTURE_MODE_GLOBAL;
+        if (own || other) {
+            c->invalidated = 1;
+            prohibited = 1;
+        }
+    }
+    return prohibited ? CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED : CUDA_SUCCESS;
+}
+
+/* Synchronizing or querying s: impossible while it captures, and for the legacy stream while a
+ * blocking stream of its context captures. Both invalidate the capture. */
+static CUresult capture_sync_conflict_locked(struct stream *s)
+{
+    if (s->cap) {
+        s->cap->invalidated = 1;
+        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    }
+    if (s->kind == SK_LEGACY && ctx_captures_locked(s->ctx, 1, 1)) return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+    return CUDA_SUCCESS;
+}
+
 /* Queue an item, adding the implicit waits of the legacy default stream: work on the legacy
  * stream waits for all earlier work on the context's blocking streams, and work on a blocking
- * stream waits for earlier work on the legacy stream (CUDA's "NULL stream semantics"). */
+ * stream waits for earlier work on the legacy stream (CUDA's "NULL stream semantics"). On a
+ * capturing stream the item is captured instead. */
 static CUresult enqueue_locked(struct stream *s, struct item *it)
 {
+    if (s->cap) {
+        if (s->cap->invalidated) return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+        it->next = NULL;
+        if (s->cap->tail) s->cap->tail->next = it; else s->cap->head = it;
+        s->cap->tail = it;
+        s->cap_items++;
+        return CUDA_SUCCESS;
+    }
+    if (s->kind == SK_LEGACY && ctx_captures_locked(s->ctx, 1, 1)) return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
     if (s->kind == SK_LEGACY) {
         for (struct stream *b = g_streams; b; b = b->next)
             if (b != s && b->ctx == s->ctx && stream_blocking(b) && b->enqueued > b->completed)
@@ -714,12 +966,39 @@ static int head_runnable_locked(const struct stream *s)
     return 1;
 }
 
-/* Run the head item of s (runnable). A host function runs without the lock, with the stream
- * marked busy so nobody else starts its next item. */
+static int device_access_locked(int dev, CUdeviceptr p, size_t n, int write, int kernel,
+                                struct ctx *c, char *why, size_t whylen);
+
+/* Run the head item of s (runnable). A host function, copy, set or kernel runs without the lock,
+ * with the stream marked busy so nobody else starts its next item. Work that touches device
+ * memory is checked first against the access of the stream's device: a violation is a device
+ * fault (misuse) and the work does not run. */
 static void run_head_locked(struct stream *s)
 {
     struct item *it = s->head;
-    if (it->kind == IT_FN) {
+    if (it->kind == IT_COPY || it->kind == IT_SET || it->kind == IT_KERNEL) {
+        char why[200];
+        int dev = s->ctx->device, bad = 0;
+        if (it->kind == IT_KERNEL) {
+            bad = device_access_locked(dev, it->dst, it->n, it->write, 1, s->ctx, why, sizeof why);
+        } else {
+            if (it->chk_dst) bad = device_access_locked(dev, it->dst, it->n, 1, 0, s->ctx, why, sizeof why);
+            if (!bad && it->chk_src)
+                bad = device_access_locked(dev, it->src, it->n, 0, 0, s->ctx, why, sizeof why);
+        }
+        if (bad) {
+            tls_api = it->kind == IT_KERNEL ? "an emulated kernel" : "a queued copy or set";
+            misuse(CUDA_ERROR_ILLEGAL_ADDRESS, "%s", why);
+        } else {
+            s->busy = 1;
+            pthread_mutex_unlock(&g_lock);
+            if (it->kind == IT_COPY) memmove((void *)(uintptr_t)it->dst, (const void *)(uintptr_t)it->src, it->n);
+            else if (it->kind == IT_SET) memset((void *)(uintptr_t)it->dst, it->value, it->n);
+            else it->fn(it->arg);
+            pthread_mutex_lock(&g_lock);
+            s->busy = 0;
+        }
+    } else if (it->kind == IT_FN) {
         s->busy = 1;
         pthread_mutex_unlock(&g_lock);
         it->fn(it->arg);
@@ -881,9 +1160,10 @@ static int memfd_take_locked(size_t size, off_t *off)
 static void phys_maybe_free_locked(struct phys *p)
 {
     if (p->refs > 0 || p->maps > 0) return;
-    if (fallocate(g_memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, p->off, (off_t)p->size))
+    if (p->fd >= 0) close(p->fd);   /* a shareable handle: an exported fd keeps its pages alive */
+    else if (fallocate(g_memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, p->off, (off_t)p->size))
         warn("hole punch failed: %s%s", strerror(errno), "");
-    uncharge_locked(p->device, p->size);
+    if (p->charged) uncharge_locked(p->device, p->size);
     g_counts.handles--;
     free(p);
 }
@@ -895,28 +1175,136 @@ static struct resv *resv_containing_locked(CUdeviceptr va, size_t size)
     return NULL;
 }
 
+/* Every granularity page of every mapping is in g_page_tab (page address -> mapping), so finding
+ * the mapping behind an address is O(1) however many mappings exist. */
 static struct vmap *vmap_containing_locked(CUdeviceptr va)
 {
-    for (struct resv *r = g_resvs; r; r = r->next) {
-        if (va < r->base || va - r->base >= r->size) continue;
-        for (struct vmap *m = r->maps; m; m = m->next)
-            if (va >= m->va && va - m->va < m->size) return m;
-        return NULL;
+    return ht_get(&g_page_tab, (uint64_t)(va & ~(CUdeviceptr)(g_cfg.granularity - 1)));
+}
+
+static int pages_index_locked(struct vmap *m)
+{
+    for (size_t off = 0; off < m->size; off += g_cfg.granularity)
+        if (ht_put(&g_page_tab, (uint64_t)(m->va + off), m)) {
+            for (size_t o = 0; o < off; o += g_cfg.granularity) ht_del(&g_page_tab, (uint64_t)(m->va + o));
+            return -1;
+        }
+    return 0;
+}
+
+static void pages_unindex_locked(struct vmap *m)
+{
+    for (size_t off = 0; off < m->size; off += g_cfg.granularity) ht_del(&g_page_tab, (uint64_t)(m->va + off));
+}
+
+static struct resv *resv_of_locked(CUdeviceptr p)
+{
+    for (struct resv *r = g_resvs; r; r = r->next)
+        if (p >= r->base && p - r->base < r->size) return r;
+    return NULL;
+}
+
+/* The cuMemAlloc block containing p (a scan: plain allocations are few in tests). */
+static struct dalloc *dalloc_containing_locked(CUdeviceptr p)
+{
+    for (size_t i = 0; i < g_alloc_tab.cap; i++) {
+        if (g_alloc_tab.keys[i] <= HT_TOMB) continue;
+        struct dalloc *a = g_alloc_tab.vals[i];
+        if (p >= a->ptr && p - a->ptr < a->size) return a;
     }
     return NULL;
 }
 
-/* Bytes of [va, va+size) covered by mappings of r; *partial set when a mapping sticks out. */
-static size_t covered_locked(struct resv *r, CUdeviceptr va, size_t size, int *partial)
+static int is_device_memory_locked(CUdeviceptr p)
+{
+    return resv_of_locked(p) || dalloc_containing_locked(p);
+}
+
+/* May device `dev` touch [p, p + n) (for writing when `write`)? This is how the double decides
+ * what a device may do (docs/test-double.md): VMM memory needs a mapping of every page with
+ * access granted to `dev` (cuMemSetAccess, per device), except that a copy (not a kernel) of
+ * memory owned by a device that is not peer capable with `dev` is staged, so the owner's access
+ * counts; cuMemAlloc memory must contain the whole range, and a kernel running in context c on
+ * another device needs peer access enabled from c. Returns 0, or 1 with the reason in why. */
+static int device_access_locked(int dev, CUdeviceptr p, size_t n, int write, int kernel,
+                                struct ctx *c, char *why, size_t whylen)
+{
+    if (!n) return 0;
+    if (p + n < p) {
+        snprintf(why, whylen, "range at %#llx wraps around", (unsigned long long)p);
+        return 1;
+    }
+    if (resv_of_locked(p)) {
+        size_t g = g_cfg.granularity;
+        for (CUdeviceptr a = p & ~(CUdeviceptr)(g - 1); a < p + n; a += g) {
+            struct vmap *m = ht_get(&g_page_tab, (uint64_t)a);
+            CUdeviceptr at = a < p ? p : a;
+            if (!m) {
+                snprintf(why, whylen, "device %d touched %#llx: reserved but not mapped", dev,
+                         (unsigned long long)at);
+                return 1;
+            }
+            /* a copy between devices that cannot reach each other is staged by the driver: the
+             * owner touches its own memory; between peers the copying device does */
+            int who = dev, owner = m->p->device;
+            if (!kernel && owner != dev && !g_peer[dev][owner]) who = owner;
+            unsigned f = m->access[who];
+            if (f == CU_MEM_ACCESS_FLAGS_PROT_NONE || (write && f != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)) {
+                snprintf(why, whylen, "device %d %s %#llx (memory of device %d) without %s access "
+                         "(cuMemSetAccess grants it per device)", who, write ? "wrote" : "read",
+                         (unsigned long long)at, owner, write ? "read-write" : "read");
+                return 1;
+            }
+        }
+        return 0;
+    }
+    struct dalloc *d = dalloc_containing_locked(p);
+    if (!d) {
+        snprintf(why, whylen, "device %d touched %#llx, which is not device memory", dev,
+                 (unsigned long long)p);
+        return 1;
+    }
+    if (p + n > d->ptr + d->size) {
+        snprintf(why, whylen, "device %d touched [%#llx, +%zu), past the end of the allocation at %#llx",
+                 dev, (unsigned long long)p, n, (unsigned long long)d->ptr);
+        return 1;
+    }
+    if (kernel && d->device != dev && !(c && (c->peer_mask & (1u << d->device)))) {
+        snprintf(why, whylen, "a kernel on device %d touched %#llx (cuMemAlloc memory of device %d) "
+                 "without peer access", dev, (unsigned long long)p, d->device);
+        return 1;
+    }
+    return 0;
+}
+
+/* The next mapping at or after address *a within [*a, end), or NULL; *a moves past it. */
+static struct vmap *next_map_locked(CUdeviceptr *a, CUdeviceptr end)
+{
+    size_t g = g_cfg.granularity;
+    for (CUdeviceptr x = *a & ~(CUdeviceptr)(g - 1); x < end; x += g) {
+        struct vmap *m = ht_get(&g_page_tab, (uint64_t)x);
+        if (m) {
+            *a = m->va + m->size;
+            return m;
+        }
+    }
+    *a = end;
+    return NULL;
+}
+
+/* Bytes of [va, va+size) covered by mappings; *partial set when a mapping sticks out. */
+static size_t covered_locked(CUdeviceptr va, size_t size, int *partial)
 {
     size_t covered = 0;
+    CUdeviceptr end = va + size;
     *partial = 0;
-    for (struct vmap *m = r->maps; m; m = m->next) {
+    for (CUdeviceptr a = va; a < end;) {
+        struct vmap *m = next_map_locked(&a, end);
+        if (!m) break;
         CUdeviceptr lo = m->va > va ? m->va : va;
-        CUdeviceptr hi = m->va + m->size < va + size ? m->va + m->size : va + size;
-        if (lo >= hi) continue;
+        CUdeviceptr hi = m->va + m->size < end ? m->va + m->size : end;
         covered += hi - lo;
-        if (m->va < va || m->va + m->size > va + size) *partial = 1;
+        if (m->va < va || m->va + m->size > end) *partial = 1;
     }
     return covered;
 }
@@ -964,6 +1352,7 @@ CUresult CUDAAPI cuInit(unsigned int flags)
     pthread_mutex_lock(&g_lock);
     if (!atomic_load(&g_inited)) {
         if (!g_configured_by_api) config_from_env();
+        if (!g_peer_configured) peer_from_env();
         for (int d = 0; d < MAX_DEVICES; d++) {
             g_primary[d] = ctx_new_locked(d, 1);
             if (!g_primary[d]) { pthread_mutex_unlock(&g_lock); return CUDA_ERROR_OUT_OF_MEMORY; }
@@ -1030,7 +1419,7 @@ CUresult CUDAAPI cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevi
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: v = 9; break;
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: v = 0; break;
     case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: v = 0; break;
+    case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: v = 1; break;
     case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: v = 1; break;
     case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: v = 1; break;
     case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: v = 132; break;
@@ -1210,14 +1599,61 @@ static struct ctx *ctx_current_locked(void)
     return c && ctx_valid_locked(c) ? c : NULL;
 }
 
+/* Waiting for a context whose stream captures cannot end: refused, and the captures are
+ * invalidated (as cuCtxRecordEvent documents for a context with a capturing stream). */
 CUresult CUDAAPI cuCtxSynchronize(void)
 {
     ENTER(cuCtxSynchronize);
     pthread_mutex_lock(&g_lock);
     struct ctx *c = ctx_current_locked();
-    if (c) sync_streams_locked(c, -1);
+    CUresult rc = !c ? CUDA_ERROR_INVALID_CONTEXT
+                : ctx_captures_locked(c, 0, 1) ? CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED : CUDA_SUCCESS;
+    if (rc == CUDA_SUCCESS) sync_streams_locked(c, -1);
     pthread_mutex_unlock(&g_lock);
-    return c ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+    return rc;
+}
+
+/* ---- peers --------------------------------------------------------------------------------------
+ * Capability is CUDBL_PEER (default: every pair). Enabling peer access lets kernels of the current
+ * context touch cuMemAlloc memory of the peer context's device; it does not cover VMM mappings,
+ * which need cuMemSetAccess for each device (as on a GPU). */
+CUresult CUDAAPI cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDev)
+{
+    ENTER(cuDeviceCanAccessPeer);
+    if (!canAccessPeer) return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_valid(dev) || !dev_valid(peerDev)) return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&g_lock);
+    *canAccessPeer = dev != peerDev && g_peer[dev][peerDev];
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Flags)
+{
+    ENTER(cuCtxEnablePeerAccess);
+    if (Flags) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    struct ctx *c = ctx_current_locked(), *p = ctx_arg_locked(peerContext);
+    CUresult rc = !c || !p ? CUDA_ERROR_INVALID_CONTEXT
+                : p->device == c->device ? CUDA_ERROR_INVALID_DEVICE
+                : !g_peer[c->device][p->device] ? CUDA_ERROR_PEER_ACCESS_UNSUPPORTED
+                : (c->peer_mask & (1u << p->device)) ? CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+                                                     : CUDA_SUCCESS;
+    if (rc == CUDA_SUCCESS) c->peer_mask |= 1u << p->device;
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+CUresult CUDAAPI cuCtxDisablePeerAccess(CUcontext peerContext)
+{
+    ENTER(cuCtxDisablePeerAccess);
+    pthread_mutex_lock(&g_lock);
+    struct ctx *c = ctx_current_locked(), *p = ctx_arg_locked(peerContext);
+    CUresult rc = !c || !p ? CUDA_ERROR_INVALID_CONTEXT
+                : !(c->peer_mask & (1u << p->device)) ? CUDA_ERROR_PEER_ACCESS_NOT_ENABLED : CUDA_SUCCESS;
+    if (rc == CUDA_SUCCESS) c->peer_mask &= ~(1u << p->device);
+    pthread_mutex_unlock(&g_lock);
+    return rc;
 }
 
 /* ---- plain allocations ----------------------------------------------------------------------- */
@@ -1242,7 +1678,8 @@ CUresult CUDAAPI cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     if (!dptr || bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_lock);
     struct ctx *c = ctx_current_locked();
-    CUresult rc = c ? dalloc_new_locked(dptr, bytesize, c->device) : CUDA_ERROR_INVALID_CONTEXT;
+    CUresult rc = c ? capture_unsafe_locked() : CUDA_ERROR_INVALID_CONTEXT;
+    if (rc == CUDA_SUCCESS) rc = dalloc_new_locked(dptr, bytesize, c->device);
     pthread_mutex_unlock(&g_lock);
     return rc;
 }
@@ -1255,8 +1692,9 @@ CUresult CUDAAPI cuMemFree_v2(CUdeviceptr dptr)
     if (dptr == 0) return CUDA_SUCCESS;
     pthread_mutex_lock(&g_lock);
     struct dalloc *a = ht_get(&g_alloc_tab, dptr);
-    CUresult rc = CUDA_ERROR_INVALID_VALUE;
-    if (a && !a->free_pending) {
+    CUresult rc = capture_unsafe_locked();
+    if (rc == CUDA_SUCCESS) rc = CUDA_ERROR_INVALID_VALUE;
+    if (rc == CUDA_ERROR_INVALID_VALUE && a && !a->free_pending) {
         a->free_pending = 1;
         sync_streams_locked(NULL, a->device);
         dalloc_destroy_locked(a);
@@ -1273,6 +1711,8 @@ CUresult CUDAAPI cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hS
     pthread_mutex_lock(&g_lock);
     struct stream *s;
     CUresult rc = stream_resolve_locked(hStream, &s);
+    /* allocation nodes in captured graphs are not emulated */
+    if (rc == CUDA_SUCCESS && s->cap) rc = CUDA_ERROR_NOT_SUPPORTED;
     if (rc == CUDA_SUCCESS) rc = dalloc_new_locked(dptr, bytesize, s->ctx->device);
     pthread_mutex_unlock(&g_lock);
     return rc;
@@ -1286,6 +1726,7 @@ CUresult CUDAAPI cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
     struct stream *s;
     CUresult rc = stream_resolve_locked(hStream, &s);
     struct dalloc *a = rc == CUDA_SUCCESS ? ht_get(&g_alloc_tab, dptr) : NULL;
+    if (rc == CUDA_SUCCESS && s->cap) rc = CUDA_ERROR_NOT_SUPPORTED; /* no free nodes in graphs */
     if (rc == CUDA_SUCCESS && (!a || a->free_pending)) rc = CUDA_ERROR_INVALID_VALUE;
     if (rc == CUDA_SUCCESS) {
         struct item *it = calloc(1, sizeof *it);
@@ -1303,70 +1744,303 @@ CUresult CUDAAPI cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
     return rc;
 }
 
+/* The allocation containing dptr: a cuMemAlloc block, or the one mapping (cuMemMap) it lies in.
+ * Like the driver, each cuMemMap is its own range, whatever was mapped next to it. */
 CUresult CUDAAPI cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr)
 {
     ENTER(cuMemGetAddressRange);
     CUresult rc = CUDA_ERROR_NOT_FOUND;
     pthread_mutex_lock(&g_lock);
-    for (size_t i = 0; i < g_alloc_tab.cap && rc != CUDA_SUCCESS; i++) {
-        if (g_alloc_tab.keys[i] <= HT_TOMB) continue;
-        struct dalloc *a = g_alloc_tab.vals[i];
-        if (dptr >= a->ptr && dptr - a->ptr < a->size) {
-            if (pbase) *pbase = a->ptr;
-            if (psize) *psize = a->size;
-            rc = CUDA_SUCCESS;
-        }
-    }
-    struct vmap *m = rc == CUDA_SUCCESS ? NULL : vmap_containing_locked(dptr);
-    if (m) {
-        if (pbase) *pbase = m->va;
-        if (psize) *psize = m->size;
+    if (!ctx_current_locked()) rc = CUDA_ERROR_INVALID_CONTEXT;
+    struct dalloc *a = rc == CUDA_ERROR_NOT_FOUND ? dalloc_containing_locked(dptr) : NULL;
+    struct vmap *m = rc == CUDA_ERROR_NOT_FOUND && !a ? vmap_containing_locked(dptr) : NULL;
+    if (a || m) {
+        if (pbase) *pbase = a ? a->ptr : m->va;
+        if (psize) *psize = a ? a->size : m->size;
         rc = CUDA_SUCCESS;
     }
     pthread_mutex_unlock(&g_lock);
     return rc;
 }
 
-/* Copies and sets are synchronous: they wait for the device, then touch host memory directly
- * (an address without access faults, as a bad device address would). */
-static void device_sync_all(void)
+/* ---- pointer attributes ------------------------------------------------------------------------
+ * Answered per allocation as the driver does: a cuMemAlloc block, or the single mapping an address
+ * lies in (RANGE_START_ADDR/RANGE_SIZE describe that mapping, not what was mapped beside it).
+ * Needs a current context (CUDA_ERROR_INVALID_CONTEXT). */
+static CUresult pointer_attr_locked(void *data, CUpointer_attribute attr, CUdeviceptr ptr, int lenient)
+{
+    struct ctx *cur = ctx_current_locked();
+    struct dalloc *a = dalloc_containing_locked(ptr);
+    struct vmap *m = a ? NULL : vmap_containing_locked(ptr);
+    if (!a && !m) {
+        if (!lenient) return CUDA_ERROR_INVALID_VALUE;
+        /* cuPointerGetAttributes: not a CUDA pointer gives zero values and success */
+        size_t sz = attr == CU_POINTER_ATTRIBUTE_CONTEXT ? sizeof(CUcontext)
+                    : attr == CU_POINTER_ATTRIBUTE_MEMORY_TYPE || attr == CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL ||
+                              attr == CU_POINTER_ATTRIBUTE_IS_MANAGED || attr == CU_POINTER_ATTRIBUTE_MAPPED ||
+                              attr == CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
+                        ? sizeof(int)
+                        : sizeof(unsigned long long);
+        if (attr == CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL) *(int *)data = -2;
+        else memset(data, 0, sz);
+        return CUDA_SUCCESS;
+    }
+    int dev = a ? a->device : m->p->device;
+    switch (attr) {
+    case CU_POINTER_ATTRIBUTE_CONTEXT: *(CUcontext *)data = (CUcontext)g_primary[dev]; break;
+    case CU_POINTER_ATTRIBUTE_MEMORY_TYPE: *(unsigned int *)data = CU_MEMORYTYPE_DEVICE; break;
+    case CU_POINTER_ATTRIBUTE_DEVICE_POINTER: *(CUdeviceptr *)data = ptr; break;
+    case CU_POINTER_ATTRIBUTE_HOST_POINTER: return CUDA_ERROR_INVALID_VALUE;
+    case CU_POINTER_ATTRIBUTE_IS_MANAGED: *(int *)data = 0; break;
+    case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: *(int *)data = dev; break;
+    case CU_POINTER_ATTRIBUTE_BUFFER_ID:
+        *(unsigned long long *)data = a ? (unsigned long long)a->ptr : (unsigned long long)m->va;
+        break;
+    case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: *(CUdeviceptr *)data = a ? a->ptr : m->va; break;
+    case CU_POINTER_ATTRIBUTE_RANGE_SIZE: *(size_t *)data = a ? a->size : m->size; break;
+    case CU_POINTER_ATTRIBUTE_MAPPED: *(int *)data = 1; break;
+    case CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: *(int *)data = a != NULL; break;
+    case CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES:
+        *(unsigned long long *)data = a ? 0 : m->p->handle_types;
+        break;
+    case CU_POINTER_ATTRIBUTE_ACCESS_FLAGS:
+        if (!cur) return CUDA_ERROR_INVALID_CONTEXT;
+        *(unsigned int *)data = a ? (a->device == cur->device ? CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READWRITE
+                                                               : CU_POINTER_ATTRIBUTE_ACCESS_FLAG_NONE)
+                                  : m->access[cur->device] == CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                                        ? CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READWRITE
+                                  : m->access[cur->device] ? CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READ
+                                                           : CU_POINTER_ATTRIBUTE_ACCESS_FLAG_NONE;
+        break;
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr)
+{
+    ENTER(cuPointerGetAttribute);
+    if (!data) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    CUresult rc = ctx_current_locked() ? pointer_attr_locked(data, attribute, ptr, 0) : CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+CUresult CUDAAPI cuPointerGetAttributes(unsigned int n, CUpointer_attribute *attributes, void **data,
+                                        CUdeviceptr ptr)
+{
+    ENTER(cuPointerGetAttributes);
+    if (!n || !attributes || !data) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    CUresult rc = ctx_current_locked() ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+    for (unsigned i = 0; i < n && rc == CUDA_SUCCESS; i++)
+        rc = data[i] ? pointer_attr_locked(data[i], attributes[i], ptr, 1) : CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+/* ---- legacy IPC ---------------------------------------------------------------------------------
+ * Only the base of a cuMemAlloc block can be exported (cuda.h: "an existing device memory
+ * allocation created with cuMemAlloc"): VMM memory is refused, as on a GPU. Opening a handle in
+ * the process that exported it is refused too; other processes cannot be emulated. */
+#define IPC_MAGIC 0x4344424c49504331ull /* "CDBLIPC1" */
+
+CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr)
+{
+    ENTER(cuIpcGetMemHandle);
+    if (!pHandle) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    CUresult rc = ctx_current_locked() ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+    struct dalloc *a = rc == CUDA_SUCCESS ? ht_get(&g_alloc_tab, dptr) : NULL;
+    if (rc == CUDA_SUCCESS && (!a || a->free_pending)) rc = CUDA_ERROR_INVALID_VALUE;
+    if (rc == CUDA_SUCCESS) {
+        uint64_t words[4] = {IPC_MAGIC, (uint64_t)getpid(), (uint64_t)dptr, (uint64_t)a->size};
+        memset(pHandle, 0, sizeof *pHandle);
+        memcpy(pHandle->reserved, words, sizeof words);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+CUresult CUDAAPI cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags)
+{
+    ENTER(cuIpcOpenMemHandle);
+    if (!pdptr || (Flags & ~(unsigned)CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t words[4];
+    memcpy(words, handle.reserved, sizeof words);
+    if (words[0] != IPC_MAGIC) return CUDA_ERROR_INVALID_VALUE;
+    if (words[1] == (uint64_t)getpid()) return CUDA_ERROR_INVALID_CONTEXT; /* same process */
+    return CUDA_ERROR_NOT_SUPPORTED;    /* another process's memory: beyond the double */
+}
+
+CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr dptr)
+{
+    ENTER(cuIpcCloseMemHandle);
+    (void)dptr;
+    return CUDA_ERROR_INVALID_VALUE;    /* nothing can have been opened */
+}
+
+/* ---- copies and sets ---------------------------------------------------------------------------
+ * Which device touches memory (docs/test-double.md): a synchronous copy or set runs on the device
+ * of the calling thread's current context, an asynchronous one (and cudbl_launch) on the device of
+ * its stream, cuMemcpyPeer reads with the source context's device and writes with the destination
+ * context's. Arguments that must be device memory and are not fail with CUDA_ERROR_INVALID_VALUE;
+ * device memory the device may not touch is a device fault: misuse (CUDA_ERROR_ILLEGAL_ADDRESS when
+ * misuse is only counted). Synchronous ones wait for the device first, as the driver's do, and
+ * are potentially unsafe during stream capture. */
+
+enum { ARG_HOST_OK = 0, ARG_DEVICE = 1 };
+
+/* Check one argument of a copy: `need` ARG_DEVICE for a device-only argument. Host memory is
+ * fine where host memory is allowed (cuMemcpy decides per pointer, with unified addressing). */
+static CUresult copy_arg_locked(int dev, struct ctx *c, CUdeviceptr p, size_t n, int write, int need)
+{
+    if (!n) return CUDA_SUCCESS;
+    if (!is_device_memory_locked(p)) return need == ARG_DEVICE ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+    char why[200];
+    if (device_access_locked(dev, p, n, write, 0, c, why, sizeof why))
+        return misuse(CUDA_ERROR_ILLEGAL_ADDRESS, "%s", why);
+    return CUDA_SUCCESS;
+}
+
+/* A synchronous copy (src may be 0 for a set) from the current context: wait for the device,
+ * then check and do it on host memory. */
+static CUresult copy_sync(CUdeviceptr dst, int dst_need, CUdeviceptr src, int src_need, size_t n,
+                          int set, int value)
 {
     pthread_mutex_lock(&g_lock);
-    struct ctx *c = ctx_current_locked();
-    sync_streams_locked(NULL, c ? c->device : -1);
+    struct ctx *c = ctx_current();
+    CUresult rc = c && ctx_valid_locked(c) ? capture_unsafe_locked() : CUDA_ERROR_INVALID_CONTEXT;
+    if (rc == CUDA_SUCCESS) {
+        sync_streams_locked(NULL, c->device);
+        rc = copy_arg_locked(c->device, c, dst, n, 1, dst_need);
+        if (rc == CUDA_SUCCESS && !set) rc = copy_arg_locked(c->device, c, src, n, 0, src_need);
+    }
     pthread_mutex_unlock(&g_lock);
+    if (rc != CUDA_SUCCESS || !n) return rc;
+    if (set) memset((void *)(uintptr_t)dst, value, n);
+    else memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n)
 {
     ENTER(cuMemcpyHtoD);
-    device_sync_all();
-    if (n) memcpy((void *)(uintptr_t)dst, src, n);
-    return CUDA_SUCCESS;
+    return copy_sync(dst, ARG_DEVICE, (CUdeviceptr)(uintptr_t)src, ARG_HOST_OK, n, 0, 0);
 }
 
 CUresult CUDAAPI cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n)
 {
     ENTER(cuMemcpyDtoH);
-    device_sync_all();
-    if (n) memcpy(dst, (const void *)(uintptr_t)src, n);
-    return CUDA_SUCCESS;
+    return copy_sync((CUdeviceptr)(uintptr_t)dst, ARG_HOST_OK, src, ARG_DEVICE, n, 0, 0);
 }
 
 CUresult CUDAAPI cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n)
 {
     ENTER(cuMemcpyDtoD);
-    device_sync_all();
-    if (n) memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
-    return CUDA_SUCCESS;
+    return copy_sync(dst, ARG_DEVICE, src, ARG_DEVICE, n, 0, 0);
 }
 
 CUresult CUDAAPI cuMemsetD8_v2(CUdeviceptr dst, unsigned char uc, size_t n)
 {
     ENTER(cuMemsetD8);
-    device_sync_all();
-    if (n) memset((void *)(uintptr_t)dst, uc, n);
-    return CUDA_SUCCESS;
+    return copy_sync(dst, ARG_DEVICE, 0, ARG_HOST_OK, n, 1, uc);
+}
+
+/* Unified addressing: each pointer is device or host memory by where it lies. */
+CUresult CUDAAPI cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n)
+{
+    ENTER(cuMemcpy);
+    return copy_sync(dst, ARG_HOST_OK, src, ARG_HOST_OK, n, 0, 0);
+}
+
+/* Each side is touched by the device of its own context (the copy may be staged). */
+CUresult CUDAAPI cuMemcpyPeer(CUdeviceptr dst, CUcontext dstCtx, CUdeviceptr src, CUcontext srcCtx, size_t n)
+{
+    ENTER(cuMemcpyPeer);
+    pthread_mutex_lock(&g_lock);
+    struct ctx *dc = ctx_arg_locked(dstCtx), *sc = ctx_arg_locked(srcCtx);
+    CUresult rc = dc && sc ? capture_unsafe_locked() : CUDA_ERROR_INVALID_CONTEXT;
+    if (rc == CUDA_SUCCESS) {
+        sync_streams_locked(NULL, dc->device);
+        sync_streams_locked(NULL, sc->device);
+        rc = copy_arg_locked(dc->device, dc, dst, n, 1, ARG_DEVICE);
+        if (rc == CUDA_SUCCESS) rc = copy_arg_locked(sc->device, sc, src, n, 0, ARG_DEVICE);
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (rc == CUDA_SUCCESS && n) memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    return rc;
+}
+
+/* Asynchronous copies and sets are queued; the device of the stream touches the memory when
+ * the item runs (run_head_locked checks). Device-only arguments are checked at once. */
+static CUresult copy_async(CUstream h, CUdeviceptr dst, int dst_need, CUdeviceptr src, int src_need,
+                           size_t n, int set, int value)
+{
+    struct item *it = calloc(1, sizeof *it);
+    if (!it) return CUDA_ERROR_OUT_OF_MEMORY;
+    it->kind = set ? IT_SET : IT_COPY;
+    it->dst = dst;
+    it->src = src;
+    it->n = n;
+    it->value = value;
+    pthread_mutex_lock(&g_lock);
+    struct stream *s;
+    CUresult rc = stream_resolve_locked(h, &s);
+    if (rc == CUDA_SUCCESS && n) {
+        if (dst_need == ARG_DEVICE && !is_device_memory_locked(dst)) rc = CUDA_ERROR_INVALID_VALUE;
+        if (!set && src_need == ARG_DEVICE && !is_device_memory_locked(src)) rc = CUDA_ERROR_INVALID_VALUE;
+        /* host memory on one side: only the device side is checked when the copy runs */
+        it->chk_dst = is_device_memory_locked(dst);
+        it->chk_src = !set && is_device_memory_locked(src);
+    }
+    if (rc == CUDA_SUCCESS && n) rc = enqueue_locked(s, it);
+    pthread_mutex_unlock(&g_lock);
+    if (rc != CUDA_SUCCESS || !n) free(it);
+    return rc;
+}
+
+CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s)
+{
+    ENTER(cuMemcpyAsync);
+    return copy_async(s, dst, ARG_HOST_OK, src, ARG_HOST_OK, n, 0, 0);
+}
+
+CUresult CUDAAPI cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s)
+{
+    ENTER(cuMemcpyHtoDAsync);
+    return copy_async(s, dst, ARG_DEVICE, (CUdeviceptr)(uintptr_t)src, ARG_HOST_OK, n, 0, 0);
+}
+
+CUresult CUDAAPI cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream s)
+{
+    ENTER(cuMemcpyDtoHAsync);
+    return copy_async(s, (CUdeviceptr)(uintptr_t)dst, ARG_HOST_OK, src, ARG_DEVICE, n, 0, 0);
+}
+
+CUresult CUDAAPI cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s)
+{
+    ENTER(cuMemcpyDtoDAsync);
+    return copy_async(s, dst, ARG_DEVICE, src, ARG_DEVICE, n, 0, 0);
+}
+
+CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dst, unsigned char uc, size_t n, CUstream s)
+{
+    ENTER(cuMemsetD8Async);
+    return copy_async(s, dst, ARG_DEVICE, 0, ARG_HOST_OK, n, 1, uc);
+}
+
+/* Queued on the stream; the stream's device touches both sides (peer contexts must be valid). */
+CUresult CUDAAPI cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dstCtx, CUdeviceptr src, CUcontext srcCtx,
+                                   size_t n, CUstream s)
+{
+    ENTER(cuMemcpyPeerAsync);
+    pthread_mutex_lock(&g_lock);
+    int ok = ctx_arg_locked(dstCtx) && ctx_arg_locked(srcCtx);
+    pthread_mutex_unlock(&g_lock);
+    if (!ok) return CUDA_ERROR_INVALID_CONTEXT;
+    return copy_async(s, dst, ARG_DEVICE, src, ARG_DEVICE, n, 0, 0);
 }
 
 /* ---- virtual memory management --------------------------------------------------------------- */
@@ -1392,6 +2066,20 @@ CUresult CUDAAPI cuMemGetAllocationGranularity(size_t *granularity, const CUmemA
     return CUDA_SUCCESS;
 }
 
+/* A shareable handle (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) gets a memfd of its own, named
+ * after its device so an importing process can tell where it lives; other handles share one. */
+static int shareable_fd_new(int dev, size_t size)
+{
+    char name[32];
+    snprintf(name, sizeof name, "cudbl-dev%d", dev);
+    int fd = memfd_create(name, MFD_CLOEXEC);
+    if (fd >= 0 && ftruncate(fd, (off_t)size)) {
+        close(fd);
+        fd = -1;
+    }
+    return fd;
+}
+
 CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                              const CUmemAllocationProp *prop, unsigned long long flags)
 {
@@ -1399,27 +2087,123 @@ CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     if (!handle || flags != 0) return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = check_prop(prop);
     if (rc != CUDA_SUCCESS) return rc;
-    if (prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE) return CUDA_ERROR_NOT_SUPPORTED;
+    if (prop->requestedHandleTypes & ~(unsigned long long)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        return CUDA_ERROR_NOT_SUPPORTED;
     if (size == 0 || size % g_cfg.granularity) return CUDA_ERROR_INVALID_VALUE;
     int dev = prop->location.id;
     struct phys *p = calloc(1, sizeof *p);
     if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
+    p->fd = -1;
+    int shareable = prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE;
     pthread_mutex_lock(&g_lock);
     if (charge_locked(dev, size)) {
         rc = CUDA_ERROR_OUT_OF_MEMORY;
-    } else if (memfd_take_locked(size, &p->off) || ht_put(&g_handle_tab, g_next_handle, p)) {
+    } else if ((shareable ? (p->fd = shareable_fd_new(dev, size)) < 0 : memfd_take_locked(size, &p->off)) ||
+               ht_put(&g_handle_tab, g_next_handle, p)) {
         uncharge_locked(dev, size);
+        if (p->fd >= 0) close(p->fd);
         rc = CUDA_ERROR_OUT_OF_MEMORY;
     } else {
+        struct stat st;
+        if (p->fd >= 0 && fstat(p->fd, &st) == 0) {
+            p->fd_dev = st.st_dev;
+            p->fd_ino = st.st_ino;
+        }
         p->id = g_next_handle++;
         p->device = dev;
         p->size = size;
         p->refs = 1;
+        p->charged = 1;
+        p->handle_types = prop->requestedHandleTypes;
         g_counts.handles++;
         *handle = p->id;
     }
     pthread_mutex_unlock(&g_lock);
     if (rc != CUDA_SUCCESS) free(p);
+    return rc;
+}
+
+/* Export works only for a type the handle was created with (requestedHandleTypes). The caller
+ * owns the returned descriptor. */
+CUresult CUDAAPI cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                                              CUmemAllocationHandleType type, unsigned long long flags)
+{
+    ENTER(cuMemExportToShareableHandle);
+    if (!shareableHandle || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_NOT_SUPPORTED;
+    pthread_mutex_lock(&g_lock);
+    struct phys *p = ht_get(&g_handle_tab, handle);
+    CUresult rc = CUDA_SUCCESS;
+    if (!p || !(p->handle_types & (unsigned long long)type) || p->fd < 0) {
+        rc = CUDA_ERROR_INVALID_VALUE;
+    } else {
+        int fd = fcntl(p->fd, F_DUPFD_CLOEXEC, 0);
+        if (fd < 0) rc = CUDA_ERROR_OUT_OF_MEMORY;
+        else *(int *)shareableHandle = fd;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+/* The device a shareable fd belongs to, from the name shareable_fd_new gave it. */
+static int shareable_fd_device(int fd)
+{
+    char path[64], target[128];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(path, target, sizeof target - 1);
+    if (n <= 0) return -1;
+    target[n] = 0;
+    const char *d = strstr(target, "cudbl-dev");
+    return d ? atoi(d + 9) : -1;
+}
+
+/* Importing a handle of this process gives another reference to the same allocation; a handle
+ * of another process (an fd received over a socket) becomes a handle here, not charged to this
+ * process's capacity. */
+CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                                                CUmemAllocationHandleType type)
+{
+    ENTER(cuMemImportFromShareableHandle);
+    if (!handle) return CUDA_ERROR_INVALID_VALUE;
+    if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_NOT_SUPPORTED;
+    int fd = (int)(intptr_t)osHandle;
+    struct stat st;
+    int dev = fd >= 0 ? shareable_fd_device(fd) : -1;
+    if (fd < 0 || fstat(fd, &st) || dev < 0 || !dev_valid(dev) || st.st_size <= 0 ||
+        (size_t)st.st_size % g_cfg.granularity)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    CUresult rc = CUDA_SUCCESS;
+    struct phys *found = NULL;
+    for (size_t i = 0; i < g_handle_tab.cap && !found; i++) {
+        if (g_handle_tab.keys[i] <= HT_TOMB) continue;
+        struct phys *p = g_handle_tab.vals[i];
+        if (p->fd >= 0 && p->fd_dev == st.st_dev && p->fd_ino == st.st_ino) found = p;
+    }
+    if (found) {
+        found->refs++;
+        *handle = found->id;
+    } else {
+        struct phys *p = calloc(1, sizeof *p);
+        int nfd = p ? fcntl(fd, F_DUPFD_CLOEXEC, 0) : -1;
+        if (!p || nfd < 0 || ht_put(&g_handle_tab, g_next_handle, p)) {
+            if (nfd >= 0) close(nfd);
+            free(p);
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+        } else {
+            p->fd = nfd;
+            p->fd_dev = st.st_dev;
+            p->fd_ino = st.st_ino;
+            p->id = g_next_handle++;
+            p->device = dev;
+            p->size = (size_t)st.st_size;
+            p->refs = 1;
+            p->handle_types = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+            g_counts.handles++;
+            *handle = p->id;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
     return rc;
 }
 
@@ -1484,7 +2268,7 @@ CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size)
     while (*pp && !((*pp)->base == ptr && (*pp)->size == size)) pp = &(*pp)->next;
     struct resv *r = *pp;
     /* the whole reservation, and nothing may still be mapped in it */
-    CUresult rc = !r || r->maps ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+    CUresult rc = !r || r->nmaps ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
     if (rc == CUDA_SUCCESS) {
         *pp = r->next;
         g_counts.reservations--;
@@ -1509,19 +2293,22 @@ CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
     struct vmap *m = NULL;
     int partial;
     if (!p || p->size != size || !r) rc = CUDA_ERROR_INVALID_VALUE;
-    else if (covered_locked(r, ptr, size, &partial)) rc = CUDA_ERROR_INVALID_VALUE; /* already mapped */
+    else if (covered_locked(ptr, size, &partial)) rc = CUDA_ERROR_INVALID_VALUE; /* already mapped */
     else if (!(m = calloc(1, sizeof *m))) rc = CUDA_ERROR_OUT_OF_MEMORY;
-    else if (mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, g_memfd, p->off)
-             == MAP_FAILED)
-        rc = CUDA_ERROR_OUT_OF_MEMORY;
     if (rc == CUDA_SUCCESS) {
         m->va = ptr;
         m->size = size;
         m->p = p;
-        struct vmap **pp = &r->maps;
-        while (*pp && (*pp)->va < ptr) pp = &(*pp)->next;
-        m->next = *pp;
-        *pp = m;
+        if (pages_index_locked(m)) rc = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (rc == CUDA_SUCCESS &&
+        mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, p->fd >= 0 ? p->fd : g_memfd,
+             p->fd >= 0 ? 0 : p->off) == MAP_FAILED) {
+        pages_unindex_locked(m);
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (rc == CUDA_SUCCESS) {
+        r->nmaps++;
         p->maps++;
         g_counts.mappings++;
     } else {
@@ -1540,14 +2327,15 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)
     struct resv *r = resv_containing_locked(ptr, size);
     int partial = 0;
     CUresult rc = CUDA_SUCCESS;
-    if (!r || covered_locked(r, ptr, size, &partial) != size || partial) rc = CUDA_ERROR_INVALID_VALUE;
-    for (struct vmap **pp = r && rc == CUDA_SUCCESS ? &r->maps : NULL; pp && *pp;) {
-        struct vmap *m = *pp;
-        if (m->va < ptr || m->va >= ptr + size) { pp = &m->next; continue; }
+    if (!r || covered_locked(ptr, size, &partial) != size || partial) rc = CUDA_ERROR_INVALID_VALUE;
+    for (CUdeviceptr a = ptr; rc == CUDA_SUCCESS && a < ptr + size;) {
+        struct vmap *m = next_map_locked(&a, ptr + size);
+        if (!m) break;
         /* back to an inaccessible reservation; the memfd keeps the data */
         mmap((void *)(uintptr_t)m->va, m->size, PROT_NONE,
              MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
-        *pp = m->next;
+        r->nmaps--;
+        pages_unindex_locked(m);
         m->p->maps--;
         g_counts.mappings--;
         phys_maybe_free_locked(m->p);
@@ -1557,11 +2345,14 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)
     return rc;
 }
 
+/* Access is per device (location): each mapping keeps the flags of every device. A device may be
+ * granted access to memory of another device only if the two are peer capable (CUDBL_PEER). The
+ * host protection is the union of all devices' access, so a test can still write through a
+ * device pointer from the host once some device may. */
 CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)
 {
     ENTER(cuMemSetAccess);
     if (!ptr || !size || !desc || count == 0) return CUDA_ERROR_INVALID_VALUE;
-    unsigned long long flags = 0;
     for (size_t i = 0; i < count; i++) {
         if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE) return CUDA_ERROR_INVALID_VALUE;
         if (!dev_valid(desc[i].location.id)) return CUDA_ERROR_INVALID_DEVICE;
@@ -1569,20 +2360,35 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
             desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READ &&
             desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
             return CUDA_ERROR_INVALID_VALUE;
-        flags |= desc[i].flags;
     }
     pthread_mutex_lock(&g_lock);
     struct resv *r = resv_containing_locked(ptr, size);
     int partial;
     CUresult rc = CUDA_SUCCESS;
-    if (!r || covered_locked(r, ptr, size, &partial) != size) rc = CUDA_ERROR_INVALID_VALUE;
-    if (rc == CUDA_SUCCESS) {
-        int prot = PROT_NONE;
-        if (flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE) prot = PROT_READ | PROT_WRITE;
-        else if (flags == CU_MEM_ACCESS_FLAGS_PROT_READ) prot = PROT_READ;
-        if (mprotect((void *)(uintptr_t)ptr, size, prot)) rc = CUDA_ERROR_INVALID_VALUE;
-        for (struct vmap *m = r->maps; m && rc == CUDA_SUCCESS; m = m->next)
-            if (m->va < ptr + size && m->va + m->size > ptr) m->access = flags;
+    if (!r || covered_locked(ptr, size, &partial) != size) rc = CUDA_ERROR_INVALID_VALUE;
+    /* every device named must be able to reach every mapping's memory: checked before any change */
+    for (CUdeviceptr a = ptr; rc == CUDA_SUCCESS && a < ptr + size;) {
+        struct vmap *m = next_map_locked(&a, ptr + size);
+        if (!m) break;
+        for (size_t i = 0; i < count && rc == CUDA_SUCCESS; i++) {
+            int d = desc[i].location.id;
+            if (d != m->p->device && !g_peer[d][m->p->device] &&
+                desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE)
+                rc = CUDA_ERROR_INVALID_DEVICE;
+        }
+    }
+    for (CUdeviceptr a = ptr; rc == CUDA_SUCCESS && a < ptr + size;) {
+        struct vmap *m = next_map_locked(&a, ptr + size);
+        if (!m) break;
+        unsigned char access[MAX_DEVICES];
+        memcpy(access, m->access, sizeof access);
+        for (size_t i = 0; i < count; i++) access[desc[i].location.id] = (unsigned char)desc[i].flags;
+        unsigned any = 0;
+        for (int d = 0; d < MAX_DEVICES; d++) any |= access[d];
+        /* READWRITE (3) includes READ (1): bit 2 means some device may write */
+        int prot = (any & 2) ? PROT_READ | PROT_WRITE : any ? PROT_READ : PROT_NONE;
+        if (mprotect((void *)(uintptr_t)m->va, m->size, prot)) rc = CUDA_ERROR_INVALID_VALUE;
+        else memcpy(m->access, access, sizeof access);
     }
     pthread_mutex_unlock(&g_lock);
     return rc;
@@ -1596,7 +2402,7 @@ CUresult CUDAAPI cuMemGetAccess(unsigned long long *flags, const CUmemLocation *
     if (!dev_valid(location->id)) return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&g_lock);
     struct vmap *m = vmap_containing_locked(ptr);
-    if (m) *flags = m->access;
+    if (m) *flags = m->access[location->id];
     pthread_mutex_unlock(&g_lock);
     return m ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
@@ -1632,6 +2438,7 @@ CUresult CUDAAPI cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *pro
         prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
         prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
         prop->location.id = p->device;
+        prop->requestedHandleTypes = (CUmemAllocationHandleType)p->handle_types;
     }
     pthread_mutex_unlock(&g_lock);
     return p ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
@@ -1649,7 +2456,7 @@ static CUresult stream_create(CUstream *ph, unsigned int flags)
     pthread_mutex_unlock(&g_lock);
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
     if (!s) return CUDA_ERROR_OUT_OF_MEMORY;
-    *ph = (CUstream)s;
+    *ph = s->handle;
     return CUDA_SUCCESS;
 }
 
@@ -1666,7 +2473,8 @@ CUresult CUDAAPI cuStreamCreateWithPriority(CUstream *phStream, unsigned int fla
     return stream_create(phStream, flags);
 }
 
-/* Like the driver, destroying a stream with queued work returns at once; the work still runs. */
+/* Like the driver, destroying a stream with queued work returns at once; the work still runs.
+ * The handle is dead from now on: any later use is misuse. */
 CUresult CUDAAPI cuStreamDestroy_v2(CUstream hStream)
 {
     ENTER(cuStreamDestroy);
@@ -1675,6 +2483,10 @@ CUresult CUDAAPI cuStreamDestroy_v2(CUstream hStream)
     pthread_mutex_lock(&g_lock);
     struct stream *s;
     CUresult rc = stream_resolve_locked(hStream, &s);
+    if (rc == CUDA_SUCCESS && s->cap) { /* a stream must leave its capture first */
+        s->cap->invalidated = 1;
+        rc = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    }
     if (rc == CUDA_SUCCESS) {
         s->destroyed = 1;
         g_counts.streams--;
@@ -1690,6 +2502,7 @@ CUresult CUDAAPI cuStreamSynchronize(CUstream hStream)
     pthread_mutex_lock(&g_lock);
     struct stream *s;
     CUresult rc = stream_resolve_locked(hStream, &s);
+    if (rc == CUDA_SUCCESS) rc = capture_sync_conflict_locked(s);
     if (rc == CUDA_SUCCESS) advance_locked(s, s->enqueued);
     pthread_mutex_unlock(&g_lock);
     return rc;
@@ -1701,11 +2514,37 @@ CUresult CUDAAPI cuStreamQuery(CUstream hStream)
     pthread_mutex_lock(&g_lock);
     struct stream *s;
     CUresult rc = stream_resolve_locked(hStream, &s);
+    if (rc == CUDA_SUCCESS) rc = capture_sync_conflict_locked(s);
     if (rc == CUDA_SUCCESS) {
         settle_locked(s);
         if (s->completed < s->enqueued) rc = CUDA_ERROR_NOT_READY;
     }
     pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+CUresult CUDAAPI cuStreamGetCtx(CUstream hStream, CUcontext *pctx)
+{
+    ENTER(cuStreamGetCtx);
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    struct stream *s;
+    CUresult rc = stream_resolve_locked(hStream, &s);
+    if (rc == CUDA_SUCCESS) *pctx = (CUcontext)s->ctx;
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+static CUresult enqueue_item(CUstream hStream, struct item *it, int kernel)
+{
+    pthread_mutex_lock(&g_lock);
+    struct stream *s;
+    CUresult rc = stream_resolve_locked(hStream, &s);
+    /* an emulated kernel, like a launch, runs in the current context: its stream must be of it */
+    if (rc == CUDA_SUCCESS && kernel && s->ctx != ctx_current_locked()) rc = CUDA_ERROR_INVALID_HANDLE;
+    if (rc == CUDA_SUCCESS) rc = enqueue_locked(s, it);
+    pthread_mutex_unlock(&g_lock);
+    if (rc != CUDA_SUCCESS) free(it);
     return rc;
 }
 
@@ -1717,13 +2556,7 @@ static CUresult enqueue_fn(CUstream hStream, void (*fn)(void *), void *arg)
     it->kind = IT_FN;
     it->fn = fn;
     it->arg = arg;
-    pthread_mutex_lock(&g_lock);
-    struct stream *s;
-    CUresult rc = stream_resolve_locked(hStream, &s);
-    if (rc == CUDA_SUCCESS) rc = enqueue_locked(s, it);
-    pthread_mutex_unlock(&g_lock);
-    if (rc != CUDA_SUCCESS) free(it);
-    return rc;
+    return enqueue_item(hStream, it, 0);
 }
 
 CUresult CUDAAPI cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData)
@@ -1732,11 +2565,284 @@ CUresult CUDAAPI cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData)
     return enqueue_fn(hStream, fn, userData);
 }
 
+/* ---- stream capture and graphs ----------------------------------------------------------------- */
+
+CUresult CUDAAPI cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode)
+{
+    ENTER(cuStreamBeginCapture);
+    if (mode != CU_STREAM_CAPTURE_MODE_GLOBAL && mode != CU_STREAM_CAPTURE_MODE_THREAD_LOCAL &&
+        mode != CU_STREAM_CAPTURE_MODE_RELAXED)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct capture *c = calloc(1, sizeof *c);
+    if (!c) return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&g_lock);
+    struct stream *s;
+    CUresult rc = stream_resolve_locked(hStream, &s);
+    if (rc == CUDA_SUCCESS && s->kind == SK_LEGACY) rc = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    if (rc == CUDA_SUCCESS && s->cap) rc = CUDA_ERROR_ILLEGAL_STATE;   /* already capturing */
+    if (rc == CUDA_SUCCESS) {
+        c->id = g_next_capture_id++;
+        c->origin = s;
+        c->mode = mode;
+        c->thread = thread_id();
+        c->active = 1;
+        c->next = g_captures;
+        g_captures = c;
+        s->cap = c;
+        s->cap_items = s->cap_joined = 0;
+        c = NULL;
+    }
+    pthread_mutex_unlock(&g_lock);
+    free(c);
+    return rc;
+}
+
+static void items_free(struct item *it)
+{
+    while (it) {
+        struct item *n = it->next;
+        free(it);
+        it = n;
+    }
+}
+
+static struct graph *graph_get_locked(CUgraph h, int want_exec, CUresult *rc)
+{
+    struct graph *g = ht_get(&g_graph_tab, (uint64_t)(uintptr_t)h);
+    if (!g && id_of(h, GRAPH_HANDLE_BASE, g_next_graph_id)) {
+        *rc = misuse(CUDA_ERROR_INVALID_VALUE, "graph %p was destroyed", (void *)h);
+        return NULL;
+    }
+    if (!g || g->is_exec != want_exec) {
+        *rc = CUDA_ERROR_INVALID_VALUE;
+        return NULL;
+    }
+    return g;
+}
+
+static struct graph *graph_new_locked(struct item *items, int is_exec)
+{
+    struct graph *g = calloc(1, sizeof *g);
+    if (!g) return NULL;
+    g->id = g_next_graph_id++;
+    g->is_exec = is_exec;
+    g->head = items;
+    if (ht_put(&g_graph_tab, handle_of(GRAPH_HANDLE_BASE, g->id), g)) {
+        free(g);
+        return NULL;
+    }
+    return g;
+}
+
+/* Ends the sequence for every stream in it. A capture that was invalidated, or whose forked
+ * streams were not joined back into the origin, yields no graph. */
+CUresult CUDAAPI cuStreamEndCapture(CUstream hStream, CUgraph *phGraph)
+{
+    ENTER(cuStreamEndCapture);
+    if (!phGraph) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    struct stream *s;
+    CUresult rc = stream_resolve_locked(hStream, &s);
+    struct capture *c = rc == CUDA_SUCCESS ? s->cap : NULL;
+    if (rc == CUDA_SUCCESS && !c) rc = CUDA_ERROR_ILLEGAL_STATE;
+    if (rc == CUDA_SUCCESS && c->origin != s) {
+        c->invalidated = 1;
+        rc = CUDA_ERROR_STREAM_CAPTURE_UNMATCHED;
+    }
+    if (rc == CUDA_SUCCESS && c->mode != CU_STREAM_CAPTURE_MODE_RELAXED && c->thread != thread_id())
+        rc = CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD;
+    if (rc == CUDA_SUCCESS) {
+        int unjoined = 0;
+        for (struct stream *t = g_streams; t; t = t->next) {
+            if (t->cap != c) continue;
+            if (t != s && t->cap_items > t->cap_joined) unjoined = 1;
+            t->cap = NULL;
+        }
+        c->active = 0;
+        struct item *items = c->head;
+        c->head = c->tail = NULL;
+        *phGraph = NULL;
+        if (c->invalidated || unjoined) {
+            items_free(items);
+            rc = c->invalidated ? CUDA_ERROR_STREAM_CAPTURE_INVALIDATED : CUDA_ERROR_STREAM_CAPTURE_UNJOINED;
+        } else {
+            struct graph *g = graph_new_locked(items, 0);
+            if (!g) {
+                items_free(items);
+                rc = CUDA_ERROR_OUT_OF_MEMORY;
+            } else {
+                *phGraph = (CUgraph)(uintptr_t)handle_of(GRAPH_HANDLE_BASE, g->id);
+            }
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+static CUresult capture_status_locked(CUstream h, CUstreamCaptureStatus *st, struct capture **cap)
+{
+    struct stream *s;
+    CUresult rc = stream_resolve_locked(h, &s);
+    if (rc != CUDA_SUCCESS) return rc;
+    /* the legacy stream cannot be queried while a blocking stream captures (not invalidated) */
+    if (s->kind == SK_LEGACY && ctx_captures_locked(s->ctx, 1, 0)) return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+    *cap = s->cap;
+    *st = !s->cap ? CU_STREAM_CAPTURE_STATUS_NONE
+          : s->cap->invalidated ? CU_STREAM_CAPTURE_STATUS_INVALIDATED : CU_STREAM_CAPTURE_STATUS_ACTIVE;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureStatus)
+{
+    ENTER(cuStreamIsCapturing);
+    if (!captureStatus) return CUDA_ERROR_INVALID_VALUE;
+    struct capture *c;
+    pthread_mutex_lock(&g_lock);
+    CUresult rc = capture_status_locked(hStream, captureStatus, &c);
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+/* The graph being captured and the dependency set are not exposed (NULL and 0). */
+CUresult CUDAAPI cuStreamGetCaptureInfo_v3(CUstream hStream, CUstreamCaptureStatus *status, cuuint64_t *id,
+                                           CUgraph *graph, const CUgraphNode **deps,
+                                           const CUgraphEdgeData **edges, size_t *ndeps)
+{
+    ENTER(cuStreamGetCaptureInfo);
+    if (!status || (edges && !deps)) return CUDA_ERROR_INVALID_VALUE;
+    struct capture *c = NULL;
+    pthread_mutex_lock(&g_lock);
+    CUresult rc = capture_status_locked(hStream, status, &c);
+    pthread_mutex_unlock(&g_lock);
+    if (rc == CUDA_SUCCESS && *status == CU_STREAM_CAPTURE_STATUS_ACTIVE) {
+        if (id) *id = c->id;
+        if (graph) *graph = NULL;
+        if (deps) *deps = NULL;
+        if (edges) *edges = NULL;
+        if (ndeps) *ndeps = 0;
+    }
+    return rc;
+}
+
+CUresult CUDAAPI cuStreamGetCaptureInfo_v2(CUstream hStream, CUstreamCaptureStatus *status, cuuint64_t *id,
+                                           CUgraph *graph, const CUgraphNode **deps, size_t *ndeps)
+{
+    return cuStreamGetCaptureInfo_v3(hStream, status, id, graph, deps, NULL, ndeps);
+}
+
+CUresult CUDAAPI cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode)
+{
+    ENTER(cuThreadExchangeStreamCaptureMode);
+    if (!mode || (*mode != CU_STREAM_CAPTURE_MODE_GLOBAL && *mode != CU_STREAM_CAPTURE_MODE_THREAD_LOCAL &&
+                  *mode != CU_STREAM_CAPTURE_MODE_RELAXED))
+        return CUDA_ERROR_INVALID_VALUE;
+    CUstreamCaptureMode old = tls_capture_mode;
+    tls_capture_mode = *mode;
+    *mode = old;
+    return CUDA_SUCCESS;
+}
+
+static struct item *items_copy(const struct item *it)
+{
+    struct item *head = NULL, **tail = &head;
+    for (; it; it = it->next) {
+        struct item *c = malloc(sizeof *c);
+        if (!c) {
+            items_free(head);
+            return (struct item *)-1;
+        }
+        *c = *it;
+        c->next = NULL;
+        *tail = c;
+        tail = &c->next;
+    }
+    return head;
+}
+
+CUresult CUDAAPI cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
+{
+    ENTER(cuGraphInstantiate);
+    if (!phGraphExec || flags) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    CUresult rc = CUDA_SUCCESS;
+    struct graph *g = graph_get_locked(hGraph, 0, &rc);
+    if (g) {
+        struct item *items = items_copy(g->head);
+        struct graph *e = items == (struct item *)-1 ? NULL : graph_new_locked(items, 1);
+        if (!e) {
+            if (items != (struct item *)-1) items_free(items);
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+        } else {
+            *phGraphExec = (CUgraphExec)(uintptr_t)handle_of(GRAPH_HANDLE_BASE, e->id);
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+/* The graph's work is queued on the stream in capture order (dependencies between captured
+ * streams become one order). */
+CUresult CUDAAPI cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
+{
+    ENTER(cuGraphLaunch);
+    pthread_mutex_lock(&g_lock);
+    CUresult rc = CUDA_SUCCESS;
+    struct graph *e = graph_get_locked((CUgraph)hGraphExec, 1, &rc);
+    struct stream *s = NULL;
+    if (e) rc = stream_resolve_locked(hStream, &s);
+    if (e && rc == CUDA_SUCCESS && s->cap) rc = CUDA_ERROR_NOT_SUPPORTED; /* child graphs: not emulated */
+    for (const struct item *it = e && rc == CUDA_SUCCESS ? e->head : NULL; it && rc == CUDA_SUCCESS; it = it->next) {
+        struct item *c = malloc(sizeof *c);
+        if (!c) {
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+            break;
+        }
+        *c = *it;
+        c->next = NULL;
+        rc = enqueue_locked(s, c);
+        if (rc != CUDA_SUCCESS) free(c);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+static CUresult graph_destroy(CUgraph h, int is_exec)
+{
+    pthread_mutex_lock(&g_lock);
+    CUresult rc = CUDA_SUCCESS;
+    struct graph *g = graph_get_locked(h, is_exec, &rc);
+    if (g) {
+        ht_del(&g_graph_tab, handle_of(GRAPH_HANDLE_BASE, g->id));
+        items_free(g->head);
+        free(g);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+CUresult CUDAAPI cuGraphExecDestroy(CUgraphExec hGraphExec)
+{
+    ENTER(cuGraphExecDestroy);
+    return graph_destroy((CUgraph)hGraphExec, 1);
+}
+
+CUresult CUDAAPI cuGraphDestroy(CUgraph hGraph)
+{
+    ENTER(cuGraphDestroy);
+    return graph_destroy(hGraph, 0);
+}
+
 /* ---- events ---------------------------------------------------------------------------------- */
 
-static struct event *event_get_locked(CUevent h)
+/* The event behind a handle; a destroyed one is misuse (its handle value is never reused). */
+static CUresult event_lookup_locked(CUevent h, struct event **out)
 {
-    return h ? ht_get(&g_event_tab, (uint64_t)(uintptr_t)h) : NULL;
+    struct event *e = h ? ht_get(&g_event_tab, (uint64_t)(uintptr_t)h) : NULL;
+    if (!e && id_of(h, EVENT_HANDLE_BASE, g_next_event_id))
+        return misuse(CUDA_ERROR_INVALID_HANDLE, "event %p was destroyed", (void *)h);
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    *out = e;
+    return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuEventCreate(CUevent *phEvent, unsigned int Flags)
@@ -1750,18 +2856,33 @@ CUresult CUDAAPI cuEventCreate(CUevent *phEvent, unsigned int Flags)
     if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
     e->flags = Flags;
     pthread_mutex_lock(&g_lock);
-    CUresult rc = ctx_current_locked() ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
-    if (rc == CUDA_SUCCESS && ht_put(&g_event_tab, (uint64_t)(uintptr_t)e, e))
-        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    e->ctx = ctx_current_locked();
+    CUresult rc = e->ctx ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+    if (rc == CUDA_SUCCESS) {
+        e->id = g_next_event_id++;
+        e->handle = (CUevent)(uintptr_t)handle_of(EVENT_HANDLE_BASE, e->id);
+        if (ht_put(&g_event_tab, (uint64_t)(uintptr_t)e->handle, e)) rc = CUDA_ERROR_OUT_OF_MEMORY;
+    }
     if (rc == CUDA_SUCCESS) g_counts.events++;
     pthread_mutex_unlock(&g_lock);
     if (rc != CUDA_SUCCESS) { free(e); return rc; }
-    *phEvent = (CUevent)e;
+    *phEvent = e->handle;
     return CUDA_SUCCESS;
 }
 
+static void event_forget_record_locked(struct event *e)
+{
+    if (e->recorded) stream_unref_locked(e->s);
+    e->recorded = 0;
+    e->s = NULL;
+    e->cap = NULL;
+    e->cap_s = NULL;
+}
+
 /* An event is a position in a stream: recording it queues a marker (so the legacy stream's
- * implicit waits apply to it too) and remembers how many items must complete. */
+ * implicit waits apply to it too) and remembers how many items must complete. The event and
+ * the stream must belong to the same context (cuda.h: else CUDA_ERROR_INVALID_HANDLE). In a
+ * capturing stream it marks a point of the capture instead. */
 CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream)
 {
     ENTER(cuEventRecord);
@@ -1769,17 +2890,28 @@ CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream)
     if (!marker) return CUDA_ERROR_OUT_OF_MEMORY;
     marker->kind = IT_NOP;
     pthread_mutex_lock(&g_lock);
-    struct event *e = event_get_locked(hEvent);
+    struct event *e = NULL;
     struct stream *s = NULL;
-    CUresult rc = e ? stream_resolve_locked(hStream, &s) : CUDA_ERROR_INVALID_HANDLE;
-    if (rc == CUDA_SUCCESS) {
+    CUresult rc = event_lookup_locked(hEvent, &e);
+    if (rc == CUDA_SUCCESS) rc = stream_resolve_locked(hStream, &s);
+    if (rc == CUDA_SUCCESS && e->ctx != s->ctx) rc = CUDA_ERROR_INVALID_HANDLE;
+    if (rc == CUDA_SUCCESS && s->cap) {
+        if (s->cap->invalidated) {
+            rc = CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+        } else {
+            event_forget_record_locked(e);
+            e->cap = s->cap;
+            e->cap_s = s;
+            e->cap_pos = s->cap_items;
+        }
+    } else if (rc == CUDA_SUCCESS) {
         s->refs++;          /* before enqueue: settling may pop the marker at once */
         rc = enqueue_locked(s, marker);
         if (rc != CUDA_SUCCESS) {
             stream_unref_locked(s);
         } else {
             marker = NULL;
-            if (e->recorded) stream_unref_locked(e->s);
+            event_forget_record_locked(e);
             e->recorded = 1;
             e->s = s;
             e->pos = s->enqueued;
@@ -1798,13 +2930,23 @@ static int event_done_locked(struct event *e)
     return e->s->completed >= e->pos;
 }
 
+/* Waiting for or querying an event last recorded inside a capture is impossible: it fails with
+ * CUDA_ERROR_CAPTURED_EVENT and invalidates that capture if it is still going on. */
+static CUresult event_captured_locked(struct event *e)
+{
+    if (!e->cap) return CUDA_SUCCESS;
+    if (e->cap->active) e->cap->invalidated = 1;
+    return CUDA_ERROR_CAPTURED_EVENT;
+}
+
 CUresult CUDAAPI cuEventQuery(CUevent hEvent)
 {
     ENTER(cuEventQuery);
     pthread_mutex_lock(&g_lock);
-    struct event *e = event_get_locked(hEvent);
-    CUresult rc = !e ? CUDA_ERROR_INVALID_HANDLE : event_done_locked(e) ? CUDA_SUCCESS
-                                                                         : CUDA_ERROR_NOT_READY;
+    struct event *e = NULL;
+    CUresult rc = event_lookup_locked(hEvent, &e);
+    if (rc == CUDA_SUCCESS) rc = event_captured_locked(e);
+    if (rc == CUDA_SUCCESS && !event_done_locked(e)) rc = CUDA_ERROR_NOT_READY;
     pthread_mutex_unlock(&g_lock);
     return rc;
 }
@@ -1813,25 +2955,29 @@ CUresult CUDAAPI cuEventSynchronize(CUevent hEvent)
 {
     ENTER(cuEventSynchronize);
     pthread_mutex_lock(&g_lock);
-    struct event *e = event_get_locked(hEvent);
-    if (e && e->recorded) advance_locked(e->s, e->pos);
+    struct event *e = NULL;
+    CUresult rc = event_lookup_locked(hEvent, &e);
+    if (rc == CUDA_SUCCESS) rc = event_captured_locked(e);
+    if (rc == CUDA_SUCCESS && e->recorded) advance_locked(e->s, e->pos);
     pthread_mutex_unlock(&g_lock);
-    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return rc;
 }
 
+/* Destroying is allowed before completion; the handle is dead from now on. */
 CUresult CUDAAPI cuEventDestroy_v2(CUevent hEvent)
 {
     ENTER(cuEventDestroy);
     pthread_mutex_lock(&g_lock);
-    struct event *e = event_get_locked(hEvent);
-    if (e) {
-        ht_del(&g_event_tab, (uint64_t)(uintptr_t)e);
+    struct event *e = NULL;
+    CUresult rc = event_lookup_locked(hEvent, &e);
+    if (rc == CUDA_SUCCESS) {
+        ht_del(&g_event_tab, (uint64_t)(uintptr_t)e->handle);
         if (e->recorded) stream_unref_locked(e->s);
         g_counts.events--;
         free(e);
     }
     pthread_mutex_unlock(&g_lock);
-    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return rc;
 }
 
 /* Host time between the two records, once both events completed. */
@@ -1840,10 +2986,15 @@ CUresult CUDAAPI cuEventElapsedTime_v2(float *pMilliseconds, CUevent hStart, CUe
     ENTER(cuEventElapsedTime);
     if (!pMilliseconds) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_lock);
-    struct event *a = event_get_locked(hStart), *b = event_get_locked(hEnd);
-    CUresult rc = CUDA_SUCCESS;
-    if (!a || !b || !a->recorded || !b->recorded || (a->flags & CU_EVENT_DISABLE_TIMING) ||
-        (b->flags & CU_EVENT_DISABLE_TIMING))
+    struct event *a = NULL, *b = NULL;
+    CUresult rc = event_lookup_locked(hStart, &a);
+    if (rc == CUDA_SUCCESS) rc = event_lookup_locked(hEnd, &b);
+    if (rc == CUDA_SUCCESS) rc = event_captured_locked(a);
+    if (rc == CUDA_SUCCESS) rc = event_captured_locked(b);
+    if (rc != CUDA_SUCCESS)
+        ;
+    else if (!a->recorded || !b->recorded || (a->flags & CU_EVENT_DISABLE_TIMING) ||
+             (b->flags & CU_EVENT_DISABLE_TIMING))
         rc = CUDA_ERROR_INVALID_HANDLE;
     else if (!event_done_locked(a) || !event_done_locked(b))
         rc = CUDA_ERROR_NOT_READY;
@@ -1854,6 +3005,42 @@ CUresult CUDAAPI cuEventElapsedTime_v2(float *pMilliseconds, CUevent hStart, CUe
     return rc;
 }
 
+/* A wait that involves a capture: joining a capture (a stream that waits on an event recorded in
+ * one becomes part of it), joining back (the dependency on a forked stream's work), merging two
+ * captures (refused) or depending on work outside the capture (refused unless
+ * CU_EVENT_WAIT_EXTERNAL, as the CUDA programming guide says). */
+static CUresult capture_wait_locked(struct stream *s, struct event *e, unsigned int flags)
+{
+    struct capture *ec = e->cap && e->cap->active ? e->cap : NULL;
+    if (s->cap && s->cap->invalidated) return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+    if (ec) {
+        if (s->kind == SK_LEGACY) {
+            ec->invalidated = 1;
+            return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+        }
+        if (s->cap && s->cap != ec) {
+            s->cap->invalidated = ec->invalidated = 1;
+            return CUDA_ERROR_STREAM_CAPTURE_MERGE;
+        }
+        if (!s->cap) {
+            s->cap = ec;
+            s->cap_items = s->cap_joined = 0;
+        }
+        if (e->cap_s != s && e->cap_pos > e->cap_s->cap_joined) e->cap_s->cap_joined = e->cap_pos;
+        return CUDA_SUCCESS;
+    }
+    /* s captures; the event is not part of this capture */
+    if (e->cap) {
+        s->cap->invalidated = 1;
+        return CUDA_ERROR_CAPTURED_EVENT;     /* recorded in a capture that has ended */
+    }
+    if (e->recorded && !(flags & CU_EVENT_WAIT_EXTERNAL)) {
+        s->cap->invalidated = 1;
+        return CUDA_ERROR_STREAM_CAPTURE_ISOLATION;
+    }
+    return CUDA_SUCCESS;
+}
+
 /* Work queued on hStream from now on waits until everything before the event's record ran. */
 CUresult CUDAAPI cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
 {
@@ -1862,10 +3049,17 @@ CUresult CUDAAPI cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned in
     struct item *w = calloc(1, sizeof *w);
     if (!w) return CUDA_ERROR_OUT_OF_MEMORY;
     pthread_mutex_lock(&g_lock);
-    struct event *e = event_get_locked(hEvent);
+    struct event *e = NULL;
     struct stream *s = NULL;
-    CUresult rc = e ? stream_resolve_locked(hStream, &s) : CUDA_ERROR_INVALID_HANDLE;
-    if (rc == CUDA_SUCCESS && !event_done_locked(e)) {
+    CUresult rc = event_lookup_locked(hEvent, &e);
+    if (rc == CUDA_SUCCESS) rc = stream_resolve_locked(hStream, &s);
+    /* CU_EVENT_WAIT_EXTERNAL "is invalid outside of stream capture" (cuda.h) */
+    if (rc == CUDA_SUCCESS && (Flags & CU_EVENT_WAIT_EXTERNAL) && !s->cap) rc = CUDA_ERROR_INVALID_VALUE;
+    if (rc == CUDA_SUCCESS && (s->cap || (e->cap && e->cap->active))) {
+        rc = capture_wait_locked(s, e, Flags);
+    } else if (rc == CUDA_SUCCESS && e->cap) {
+        rc = CUDA_ERROR_CAPTURED_EVENT;
+    } else if (rc == CUDA_SUCCESS && !event_done_locked(e)) {
         w->kind = IT_WAIT;
         w->wait_s = e->s;
         w->wait_pos = e->pos;
@@ -1910,6 +3104,72 @@ CUresult CUDAAPI cuLaunchHostFunc_ptsz(CUstream hStream, CUhostFn fn, void *user
 CUresult CUDAAPI cuLaunchHostFunc_ptsz(CUstream hStream, CUhostFn fn, void *userData)
 {
     return cuLaunchHostFunc(PTSZ(hStream), fn, userData);
+}
+CUresult CUDAAPI cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s);
+CUresult CUDAAPI cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s)
+{
+    return cuMemcpyAsync(dst, src, n, PTSZ(s));
+}
+CUresult CUDAAPI cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dst, const void *src, size_t n, CUstream s);
+CUresult CUDAAPI cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dst, const void *src, size_t n, CUstream s)
+{
+    return cuMemcpyHtoDAsync_v2(dst, src, n, PTSZ(s));
+}
+CUresult CUDAAPI cuMemcpyDtoHAsync_v2_ptsz(void *dst, CUdeviceptr src, size_t n, CUstream s);
+CUresult CUDAAPI cuMemcpyDtoHAsync_v2_ptsz(void *dst, CUdeviceptr src, size_t n, CUstream s)
+{
+    return cuMemcpyDtoHAsync_v2(dst, src, n, PTSZ(s));
+}
+CUresult CUDAAPI cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s);
+CUresult CUDAAPI cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s)
+{
+    return cuMemcpyDtoDAsync_v2(dst, src, n, PTSZ(s));
+}
+CUresult CUDAAPI cuMemsetD8Async_ptsz(CUdeviceptr dst, unsigned char uc, size_t n, CUstream s);
+CUresult CUDAAPI cuMemsetD8Async_ptsz(CUdeviceptr dst, unsigned char uc, size_t n, CUstream s)
+{
+    return cuMemsetD8Async(dst, uc, n, PTSZ(s));
+}
+CUresult CUDAAPI cuMemcpyPeerAsync_ptsz(CUdeviceptr dst, CUcontext dc, CUdeviceptr src, CUcontext sc, size_t n,
+                                        CUstream s);
+CUresult CUDAAPI cuMemcpyPeerAsync_ptsz(CUdeviceptr dst, CUcontext dc, CUdeviceptr src, CUcontext sc, size_t n,
+                                        CUstream s)
+{
+    return cuMemcpyPeerAsync(dst, dc, src, sc, n, PTSZ(s));
+}
+CUresult CUDAAPI cuStreamBeginCapture_v2_ptsz(CUstream hStream, CUstreamCaptureMode mode);
+CUresult CUDAAPI cuStreamBeginCapture_v2_ptsz(CUstream hStream, CUstreamCaptureMode mode)
+{
+    return cuStreamBeginCapture_v2(PTSZ(hStream), mode);
+}
+CUresult CUDAAPI cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph);
+CUresult CUDAAPI cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph)
+{
+    return cuStreamEndCapture(PTSZ(hStream), phGraph);
+}
+CUresult CUDAAPI cuStreamIsCapturing_ptsz(CUstream hStream, CUstreamCaptureStatus *st);
+CUresult CUDAAPI cuStreamIsCapturing_ptsz(CUstream hStream, CUstreamCaptureStatus *st)
+{
+    return cuStreamIsCapturing(PTSZ(hStream), st);
+}
+CUresult CUDAAPI cuStreamGetCaptureInfo_v2_ptsz(CUstream h, CUstreamCaptureStatus *st, cuuint64_t *id, CUgraph *g,
+                                                const CUgraphNode **d, size_t *n);
+CUresult CUDAAPI cuStreamGetCaptureInfo_v2_ptsz(CUstream h, CUstreamCaptureStatus *st, cuuint64_t *id, CUgraph *g,
+                                                const CUgraphNode **d, size_t *n)
+{
+    return cuStreamGetCaptureInfo_v2(PTSZ(h), st, id, g, d, n);
+}
+CUresult CUDAAPI cuStreamGetCaptureInfo_v3_ptsz(CUstream h, CUstreamCaptureStatus *st, cuuint64_t *id, CUgraph *g,
+                                                const CUgraphNode **d, const CUgraphEdgeData **e, size_t *n);
+CUresult CUDAAPI cuStreamGetCaptureInfo_v3_ptsz(CUstream h, CUstreamCaptureStatus *st, cuuint64_t *id, CUgraph *g,
+                                                const CUgraphNode **d, const CUgraphEdgeData **e, size_t *n)
+{
+    return cuStreamGetCaptureInfo_v3(PTSZ(h), st, id, g, d, e, n);
+}
+CUresult CUDAAPI cuGraphLaunch_ptsz(CUgraphExec exec, CUstream hStream);
+CUresult CUDAAPI cuGraphLaunch_ptsz(CUgraphExec exec, CUstream hStream)
+{
+    return cuGraphLaunch(exec, PTSZ(hStream));
 }
 
 /* ---- errors ---------------------------------------------------------------------------------- */
@@ -2037,6 +3297,36 @@ static const struct proc_entry proc_table[] = {
     P("cuGetProcAddress", 12000, cuGetProcAddress_v2),
     P("cuGetErrorString", 6000, cuGetErrorString),
     P("cuGetErrorName", 6000, cuGetErrorName),
+    P("cuDeviceCanAccessPeer", 4000, cuDeviceCanAccessPeer),
+    P("cuCtxEnablePeerAccess", 4000, cuCtxEnablePeerAccess),
+    P("cuCtxDisablePeerAccess", 4000, cuCtxDisablePeerAccess),
+    P("cuMemcpy", 4000, cuMemcpy),
+    PS("cuMemcpyAsync", 4000, cuMemcpyAsync),
+    P("cuMemcpyPeer", 4000, cuMemcpyPeer),
+    PS("cuMemcpyPeerAsync", 4000, cuMemcpyPeerAsync),
+    PS("cuMemcpyHtoDAsync", 3020, cuMemcpyHtoDAsync_v2),
+    PS("cuMemcpyDtoHAsync", 3020, cuMemcpyDtoHAsync_v2),
+    PS("cuMemcpyDtoDAsync", 3020, cuMemcpyDtoDAsync_v2),
+    PS("cuMemsetD8Async", 3020, cuMemsetD8Async),
+    P("cuPointerGetAttribute", 4000, cuPointerGetAttribute),
+    P("cuPointerGetAttributes", 7000, cuPointerGetAttributes),
+    P("cuIpcGetMemHandle", 4010, cuIpcGetMemHandle),
+    P("cuIpcOpenMemHandle", 11000, cuIpcOpenMemHandle_v2),
+    P("cuIpcCloseMemHandle", 4010, cuIpcCloseMemHandle),
+    P("cuMemExportToShareableHandle", 10020, cuMemExportToShareableHandle),
+    P("cuMemImportFromShareableHandle", 10020, cuMemImportFromShareableHandle),
+    PS("cuStreamBeginCapture", 10010, cuStreamBeginCapture_v2),
+    PS("cuStreamEndCapture", 10000, cuStreamEndCapture),
+    PS("cuStreamIsCapturing", 10000, cuStreamIsCapturing),
+    PS("cuStreamGetCaptureInfo", 11030, cuStreamGetCaptureInfo_v2),
+    PS("cuStreamGetCaptureInfo", 12030, cuStreamGetCaptureInfo_v3),
+    P("cuThreadExchangeStreamCaptureMode", 10010, cuThreadExchangeStreamCaptureMode),
+    P("cuGraphInstantiate", 11040, cuGraphInstantiateWithFlags),
+    P("cuGraphInstantiateWithFlags", 11040, cuGraphInstantiateWithFlags),
+    PS("cuGraphLaunch", 10000, cuGraphLaunch),
+    P("cuGraphExecDestroy", 10000, cuGraphExecDestroy),
+    P("cuGraphDestroy", 10000, cuGraphDestroy),
+    P("cuStreamGetCtx", 9020, cuStreamGetCtx),
 };
 #undef P
 #undef PS
@@ -2089,13 +3379,59 @@ void cudbl_get_counts(struct cudbl_counts *out)
     if (!out) return;
     pthread_mutex_lock(&g_lock);
     *out = g_counts;
+    out->misuse = atomic_load(&g_misuse);
     pthread_mutex_unlock(&g_lock);
 }
 
 int cudbl_stream_enqueue(CUstream s, void (*fn)(void *), void *arg)
 {
     if (!atomic_load(&g_inited)) return CUDA_ERROR_NOT_INITIALIZED;
+    tls_api = "cudbl_stream_enqueue";
     return enqueue_fn(s, fn, arg);
+}
+
+int cudbl_launch(CUstream s, CUdeviceptr p, size_t n, int write, void (*fn)(void *), void *arg)
+{
+    if (!atomic_load(&g_inited)) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!fn || !n) return CUDA_ERROR_INVALID_VALUE;
+    tls_api = "cudbl_launch";
+    struct item *it = calloc(1, sizeof *it);
+    if (!it) return CUDA_ERROR_OUT_OF_MEMORY;
+    it->kind = IT_KERNEL;
+    it->fn = fn;
+    it->arg = arg;
+    it->dst = p;
+    it->n = n;
+    it->write = write != 0;
+    return enqueue_item(s, it, 1);
+}
+
+int cudbl_check_access(int device, CUdeviceptr p, size_t n, int write)
+{
+    if (!atomic_load(&g_inited)) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!dev_valid(device)) return CUDA_ERROR_INVALID_DEVICE;
+    char why[200];
+    pthread_mutex_lock(&g_lock);
+    int bad = device_access_locked(device, p, n, write, 1, NULL, why, sizeof why); /* directly, as a kernel */
+    pthread_mutex_unlock(&g_lock);
+    return bad ? CUDA_ERROR_ILLEGAL_ADDRESS : CUDA_SUCCESS;
+}
+
+void cudbl_set_misuse_abort(int on)
+{
+    pthread_once(&g_env_once, env_once);
+    atomic_store(&g_misuse_abort, on ? 1 : 0);
+}
+
+int cudbl_set_peer(int a, int b, int can)
+{
+    if (a < 0 || b < 0 || a >= MAX_DEVICES || b >= MAX_DEVICES || a == b) return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&g_lock);
+    if (!g_peer_configured && !atomic_load(&g_inited)) peer_from_env();
+    g_peer_configured = 1;
+    g_peer[a][b] = g_peer[b][a] = can != 0;
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
 }
 
 int cudbl_progress(int max_items)
@@ -2212,8 +3548,8 @@ __attribute__((destructor)) static void cudbl_at_exit(void)
         cudbl_get_counts(&c);
         char buf[240];
         int n = snprintf(buf, sizeof buf, "cudbl: exit handles=%ld mappings=%ld reservations=%ld "
-                         "allocs=%ld events=%ld bytes=%zu\n", c.handles, c.mappings, c.reservations, c.allocs,
-                         c.events, c.bytes_in_use);
+                         "allocs=%ld events=%ld misuse=%ld bytes=%zu\n", c.handles, c.mappings, c.reservations,
+                         c.allocs, c.events, c.misuse, c.bytes_in_use);
         if (n > 0) {
             ssize_t w = write(2, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf - 1);
             (void)w;

@@ -52,6 +52,29 @@ static struct {
     CUresult (*eventElapsedTime)(float *, CUevent, CUevent);
     CUresult (*getProcAddress)(const char *, void **, int, cuuint64_t,
                                CUdriverProcAddressQueryResult *);
+    CUresult (*memcpy_)(CUdeviceptr, CUdeviceptr, size_t);
+    CUresult (*memcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+    CUresult (*memsetD8)(CUdeviceptr, unsigned char, size_t);
+    CUresult (*memsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
+    CUresult (*memcpyPeer)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t);
+    CUresult (*memcpyPeerAsync)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t, CUstream);
+    CUresult (*canAccessPeer)(int *, CUdevice, CUdevice);
+    CUresult (*ctxEnablePeerAccess)(CUcontext, unsigned int);
+    CUresult (*ctxDisablePeerAccess)(CUcontext);
+    CUresult (*ipcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
+    CUresult (*ipcOpenMemHandle)(CUdeviceptr *, CUipcMemHandle, unsigned int);
+    CUresult (*ipcCloseMemHandle)(CUdeviceptr);
+    CUresult (*pointerGetAttributes)(unsigned int, CUpointer_attribute *, void **, CUdeviceptr);
+    CUresult (*streamBeginCapture)(CUstream, CUstreamCaptureMode);
+    CUresult (*streamEndCapture)(CUstream, CUgraph *);
+    CUresult (*streamIsCapturing)(CUstream, CUstreamCaptureStatus *);
+    CUresult (*streamGetCaptureInfo)(CUstream, CUstreamCaptureStatus *, cuuint64_t *, CUgraph *,
+                                     const CUgraphNode **, const CUgraphEdgeData **, size_t *);
+    CUresult (*threadExchangeStreamCaptureMode)(CUstreamCaptureMode *);
+    CUresult (*graphInstantiate)(CUgraphExec *, CUgraph, unsigned long long);
+    CUresult (*graphLaunch)(CUgraphExec, CUstream);
+    CUresult (*graphExecDestroy)(CUgraphExec);
+    CUresult (*graphDestroy)(CUgraph);
 } drv;
 
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
@@ -88,6 +111,19 @@ static cudaError_t map_error(CUresult r)
     case CUDA_ERROR_NOT_SUPPORTED: return cudaErrorNotSupported;
     case CUDA_ERROR_CONTEXT_IS_DESTROYED: return cudaErrorContextIsDestroyed;
     case CUDA_ERROR_TIMEOUT: return cudaErrorTimeout;
+    case CUDA_ERROR_ILLEGAL_STATE: return cudaErrorIllegalState;
+    case CUDA_ERROR_PEER_ACCESS_UNSUPPORTED: return cudaErrorPeerAccessUnsupported;
+    case CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: return cudaErrorPeerAccessAlreadyEnabled;
+    case CUDA_ERROR_PEER_ACCESS_NOT_ENABLED: return cudaErrorPeerAccessNotEnabled;
+    case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: return cudaErrorStreamCaptureUnsupported;
+    case CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: return cudaErrorStreamCaptureInvalidated;
+    case CUDA_ERROR_STREAM_CAPTURE_MERGE: return cudaErrorStreamCaptureMerge;
+    case CUDA_ERROR_STREAM_CAPTURE_UNMATCHED: return cudaErrorStreamCaptureUnmatched;
+    case CUDA_ERROR_STREAM_CAPTURE_UNJOINED: return cudaErrorStreamCaptureUnjoined;
+    case CUDA_ERROR_STREAM_CAPTURE_ISOLATION: return cudaErrorStreamCaptureIsolation;
+    case CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: return cudaErrorStreamCaptureImplicit;
+    case CUDA_ERROR_CAPTURED_EVENT: return cudaErrorCapturedEvent;
+    case CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD: return cudaErrorStreamCaptureWrongThread;
     default: return cudaErrorUnknown;
     }
 }
@@ -147,6 +183,28 @@ static void load_driver(void)
     R(eventSynchronize, "cuEventSynchronize");
     R(eventDestroy, "cuEventDestroy");
     R(eventElapsedTime, "cuEventElapsedTime");
+    R(memcpy_, "cuMemcpy");
+    R(memcpyAsync, "cuMemcpyAsync");
+    R(memsetD8, "cuMemsetD8");
+    R(memsetD8Async, "cuMemsetD8Async");
+    R(memcpyPeer, "cuMemcpyPeer");
+    R(memcpyPeerAsync, "cuMemcpyPeerAsync");
+    R(canAccessPeer, "cuDeviceCanAccessPeer");
+    R(ctxEnablePeerAccess, "cuCtxEnablePeerAccess");
+    R(ctxDisablePeerAccess, "cuCtxDisablePeerAccess");
+    R(ipcGetMemHandle, "cuIpcGetMemHandle");
+    R(ipcOpenMemHandle, "cuIpcOpenMemHandle");
+    R(ipcCloseMemHandle, "cuIpcCloseMemHandle");
+    R(pointerGetAttributes, "cuPointerGetAttributes");
+    R(streamBeginCapture, "cuStreamBeginCapture");
+    R(streamEndCapture, "cuStreamEndCapture");
+    R(streamIsCapturing, "cuStreamIsCapturing");
+    R(streamGetCaptureInfo, "cuStreamGetCaptureInfo");
+    R(threadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode");
+    R(graphInstantiate, "cuGraphInstantiate");
+    R(graphLaunch, "cuGraphLaunch");
+    R(graphExecDestroy, "cuGraphExecDestroy");
+    R(graphDestroy, "cuGraphDestroy");
 #undef R
     if (!ok) { init_error = cudaErrorInsufficientDriver; return; }
     CUresult r = drv.init(0);
@@ -330,65 +388,203 @@ cudaError_t CUDARTAPI cudaFreeAsync_ptsz(void *devPtr, cudaStream_t hStream)
     return free_async(devPtr, PTSZ_STREAM(hStream));
 }
 
-/* Synchronous copies and sets: wait for the device, then plain host memory operations. */
+/* Copies and sets go through the driver, which decides what each device may touch (the current
+ * device for synchronous ones, the stream's device for asynchronous ones). The copy kind is
+ * checked, then unified addressing decides, as in the real runtime with cudaMemcpyDefault. */
+#define DPTR(p) ((CUdeviceptr)(uintptr_t)(p))
+
 cudaError_t CUDARTAPI cudaMemset(void *devPtr, int value, size_t count)
 {
     NEED_CONTEXT();
-    CUresult r = drv.ctxSynchronize();
-    if (r == CUDA_SUCCESS && count) memset(devPtr, value, count);
-    return ret_cu(r);
+    return ret_cu(drv.memsetD8(DPTR(devPtr), (unsigned char)value, count));
 }
 
 cudaError_t CUDARTAPI cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind)
 {
     if ((unsigned)kind > cudaMemcpyDefault) return ret(cudaErrorInvalidMemcpyDirection);
     NEED_CONTEXT();
-    CUresult r = drv.ctxSynchronize();
-    if (r == CUDA_SUCCESS && count) memmove(dst, src, count);
-    return ret_cu(r);
-}
-
-/* Asynchronous ones run in stream order as a host function queued on the stream. */
-struct async_op { void *dst; const void *src; int value; size_t count; };
-
-static void CUDA_CB run_copy(void *arg)
-{
-    struct async_op *op = arg;
-    memmove(op->dst, op->src, op->count);
-    free(op);
-}
-
-static void CUDA_CB run_set(void *arg)
-{
-    struct async_op *op = arg;
-    memset(op->dst, op->value, op->count);
-    free(op);
-}
-
-static cudaError_t queue_op(cudaStream_t stream, void (*fn)(void *), struct async_op *tmpl)
-{
-    NEED_CONTEXT();
-    if (!tmpl->count) return cudaSuccess;
-    struct async_op *op = malloc(sizeof *op);
-    if (!op) return ret(cudaErrorMemoryAllocation);
-    *op = *tmpl;
-    CUresult r = drv.launchHostFunc((CUstream)stream, fn, op);
-    if (r != CUDA_SUCCESS) free(op);
-    return ret_cu(r);
+    return ret_cu(drv.memcpy_(DPTR(dst), DPTR(src), count));
 }
 
 cudaError_t CUDARTAPI cudaMemcpyAsync(void *dst, const void *src, size_t count,
                                       enum cudaMemcpyKind kind, cudaStream_t stream)
 {
     if ((unsigned)kind > cudaMemcpyDefault) return ret(cudaErrorInvalidMemcpyDirection);
-    struct async_op op = {dst, src, 0, count};
-    return queue_op(stream, run_copy, &op);
+    NEED_CONTEXT();
+    return ret_cu(drv.memcpyAsync(DPTR(dst), DPTR(src), count, (CUstream)stream));
 }
 
 cudaError_t CUDARTAPI cudaMemsetAsync(void *devPtr, int value, size_t count, cudaStream_t stream)
 {
-    struct async_op op = {devPtr, NULL, value, count};
-    return queue_op(stream, run_set, &op);
+    NEED_CONTEXT();
+    return ret_cu(drv.memsetD8Async(DPTR(devPtr), (unsigned char)value, count, (CUstream)stream));
+}
+
+static int device_ok(int d) { return d >= 0 && d < device_count; }
+
+cudaError_t CUDARTAPI cudaMemcpyPeer(void *dst, int dstDevice, const void *src, int srcDevice, size_t count)
+{
+    NEED_CONTEXT();
+    if (!device_ok(dstDevice) || !device_ok(srcDevice)) return ret(cudaErrorInvalidDevice);
+    CUcontext dc, sc;
+    cudaError_t e = primary_of(dstDevice, &dc);
+    if (e == cudaSuccess) e = primary_of(srcDevice, &sc);
+    if (e != cudaSuccess) return ret(e);
+    return ret_cu(drv.memcpyPeer(DPTR(dst), dc, DPTR(src), sc, count));
+}
+
+cudaError_t CUDARTAPI cudaMemcpyPeerAsync(void *dst, int dstDevice, const void *src, int srcDevice,
+                                          size_t count, cudaStream_t stream)
+{
+    NEED_CONTEXT();
+    if (!device_ok(dstDevice) || !device_ok(srcDevice)) return ret(cudaErrorInvalidDevice);
+    CUcontext dc, sc;
+    cudaError_t e = primary_of(dstDevice, &dc);
+    if (e == cudaSuccess) e = primary_of(srcDevice, &sc);
+    if (e != cudaSuccess) return ret(e);
+    return ret_cu(drv.memcpyPeerAsync(DPTR(dst), dc, DPTR(src), sc, count, (CUstream)stream));
+}
+
+/* ---- peers, IPC, pointer attributes -------------------------------------------------------------- */
+
+cudaError_t CUDARTAPI cudaDeviceCanAccessPeer(int *canAccessPeer, int device, int peerDevice)
+{
+    cudaError_t e = rt_init();
+    if (e != cudaSuccess) return ret(e);
+    return ret_cu(drv.canAccessPeer(canAccessPeer, device, peerDevice));
+}
+
+cudaError_t CUDARTAPI cudaDeviceEnablePeerAccess(int peerDevice, unsigned int flags)
+{
+    NEED_CONTEXT();
+    if (!device_ok(peerDevice)) return ret(cudaErrorInvalidDevice);
+    CUcontext pc;
+    cudaError_t e = primary_of(peerDevice, &pc);
+    if (e != cudaSuccess) return ret(e);
+    return ret_cu(drv.ctxEnablePeerAccess(pc, flags));
+}
+
+cudaError_t CUDARTAPI cudaDeviceDisablePeerAccess(int peerDevice)
+{
+    NEED_CONTEXT();
+    if (!device_ok(peerDevice)) return ret(cudaErrorInvalidDevice);
+    CUcontext pc;
+    cudaError_t e = primary_of(peerDevice, &pc);
+    if (e != cudaSuccess) return ret(e);
+    return ret_cu(drv.ctxDisablePeerAccess(pc));
+}
+
+cudaError_t CUDARTAPI cudaIpcGetMemHandle(cudaIpcMemHandle_t *handle, void *devPtr)
+{
+    if (!handle) return ret(cudaErrorInvalidValue);
+    NEED_CONTEXT();
+    return ret_cu(drv.ipcGetMemHandle((CUipcMemHandle *)handle, DPTR(devPtr)));
+}
+
+cudaError_t CUDARTAPI cudaIpcOpenMemHandle(void **devPtr, cudaIpcMemHandle_t handle, unsigned int flags)
+{
+    if (!devPtr) return ret(cudaErrorInvalidValue);
+    NEED_CONTEXT();
+    CUipcMemHandle h;
+    memcpy(&h, &handle, sizeof h);
+    CUdeviceptr p = 0;
+    CUresult r = drv.ipcOpenMemHandle(&p, h, flags);
+    if (r == CUDA_SUCCESS) *devPtr = (void *)(uintptr_t)p;
+    return ret_cu(r);
+}
+
+cudaError_t CUDARTAPI cudaIpcCloseMemHandle(void *devPtr)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.ipcCloseMemHandle(DPTR(devPtr)));
+}
+
+/* Unregistered host memory is not an error (CUDA 11 and later): type cudaMemoryTypeUnregistered. */
+cudaError_t CUDARTAPI cudaPointerGetAttributes(struct cudaPointerAttributes *attributes, const void *ptr)
+{
+    if (!attributes) return ret(cudaErrorInvalidValue);
+    NEED_CONTEXT();
+    unsigned int type = 0;
+    int ordinal = -2;
+    CUdeviceptr dp = 0;
+    CUpointer_attribute which[3] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                    CU_POINTER_ATTRIBUTE_DEVICE_POINTER};
+    void *out[3] = {&type, &ordinal, &dp};
+    CUresult r = drv.pointerGetAttributes(3, which, out, DPTR(ptr));
+    if (r != CUDA_SUCCESS) return ret_cu(r);
+    memset(attributes, 0, sizeof *attributes);
+    if (type == CU_MEMORYTYPE_DEVICE) {
+        attributes->type = cudaMemoryTypeDevice;
+        attributes->device = ordinal;
+        attributes->devicePointer = (void *)(uintptr_t)dp;
+    } else {
+        attributes->type = cudaMemoryTypeUnregistered;
+        attributes->device = -2;
+        attributes->hostPointer = (void *)ptr;
+    }
+    return cudaSuccess;
+}
+
+/* ---- stream capture and graphs -------------------------------------------------------------------- */
+
+cudaError_t CUDARTAPI cudaStreamBeginCapture(cudaStream_t stream, enum cudaStreamCaptureMode mode)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.streamBeginCapture((CUstream)stream, (CUstreamCaptureMode)mode));
+}
+
+cudaError_t CUDARTAPI cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *pGraph)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.streamEndCapture((CUstream)stream, (CUgraph *)pGraph));
+}
+
+cudaError_t CUDARTAPI cudaStreamIsCapturing(cudaStream_t stream, enum cudaStreamCaptureStatus *pCaptureStatus)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.streamIsCapturing((CUstream)stream, (CUstreamCaptureStatus *)pCaptureStatus));
+}
+
+cudaError_t CUDARTAPI cudaStreamGetCaptureInfo(cudaStream_t stream, enum cudaStreamCaptureStatus *status,
+                                               unsigned long long *id, cudaGraph_t *graph,
+                                               const cudaGraphNode_t **deps, const cudaGraphEdgeData **edges,
+                                               size_t *ndeps)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.streamGetCaptureInfo((CUstream)stream, (CUstreamCaptureStatus *)status, (cuuint64_t *)id,
+                                           (CUgraph *)graph, (const CUgraphNode **)deps,
+                                           (const CUgraphEdgeData **)edges, ndeps));
+}
+
+cudaError_t CUDARTAPI cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *mode)
+{
+    cudaError_t e = rt_init();
+    if (e != cudaSuccess) return ret(e);
+    return ret_cu(drv.threadExchangeStreamCaptureMode((CUstreamCaptureMode *)mode));
+}
+
+cudaError_t CUDARTAPI cudaGraphInstantiate(cudaGraphExec_t *pGraphExec, cudaGraph_t graph, unsigned long long flags)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.graphInstantiate((CUgraphExec *)pGraphExec, (CUgraph)graph, flags));
+}
+
+cudaError_t CUDARTAPI cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.graphLaunch((CUgraphExec)graphExec, (CUstream)stream));
+}
+
+cudaError_t CUDARTAPI cudaGraphExecDestroy(cudaGraphExec_t graphExec)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.graphExecDestroy((CUgraphExec)graphExec));
+}
+
+cudaError_t CUDARTAPI cudaGraphDestroy(cudaGraph_t graph)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.graphDestroy((CUgraph)graph));
 }
 
 cudaError_t CUDARTAPI cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void *userData)
@@ -573,6 +769,28 @@ static const struct rt_err rt_errors[] = {
     {cudaErrorNotPermitted, "cudaErrorNotPermitted", "operation not permitted"},
     {cudaErrorNotSupported, "cudaErrorNotSupported", "operation not supported"},
     {cudaErrorTimeout, "cudaErrorTimeout", "wait operation timed out"},
+    {cudaErrorIllegalState, "cudaErrorIllegalState", "the operation is not permitted in the current state"},
+    {cudaErrorPeerAccessUnsupported, "cudaErrorPeerAccessUnsupported",
+     "peer access is not supported between these two devices"},
+    {cudaErrorPeerAccessAlreadyEnabled, "cudaErrorPeerAccessAlreadyEnabled", "peer access is already enabled"},
+    {cudaErrorPeerAccessNotEnabled, "cudaErrorPeerAccessNotEnabled", "peer access has not been enabled"},
+    {cudaErrorStreamCaptureUnsupported, "cudaErrorStreamCaptureUnsupported",
+     "operation not permitted when stream is capturing"},
+    {cudaErrorStreamCaptureInvalidated, "cudaErrorStreamCaptureInvalidated",
+     "operation failed due to a previous error during capture"},
+    {cudaErrorStreamCaptureMerge, "cudaErrorStreamCaptureMerge",
+     "operation would result in a merge of separate capture sequences"},
+    {cudaErrorStreamCaptureUnmatched, "cudaErrorStreamCaptureUnmatched",
+     "capture was not ended in the same stream as it began"},
+    {cudaErrorStreamCaptureUnjoined, "cudaErrorStreamCaptureUnjoined", "capturing stream has unjoined work"},
+    {cudaErrorStreamCaptureIsolation, "cudaErrorStreamCaptureIsolation",
+     "dependency created on uncaptured work in another stream"},
+    {cudaErrorStreamCaptureImplicit, "cudaErrorStreamCaptureImplicit",
+     "operation would make the legacy stream depend on a capturing blocking stream"},
+    {cudaErrorCapturedEvent, "cudaErrorCapturedEvent",
+     "operation not permitted on an event last recorded in a capturing stream"},
+    {cudaErrorStreamCaptureWrongThread, "cudaErrorStreamCaptureWrongThread",
+     "attempt to terminate a thread-local capture sequence from another thread"},
     {cudaErrorUnknown, "cudaErrorUnknown", "unknown error"},
 };
 

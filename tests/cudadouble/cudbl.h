@@ -20,12 +20,35 @@ extern "C" {
  * handle that is still mapped counts until its last unmap); mappings: cuMemMap ranges;
  * reservations: cuMemAddressReserve ranges; allocs: cuMemAlloc/cuMemAllocAsync blocks not yet
  * freed (a cuMemFreeAsync still queued counts); events, streams: created and not destroyed
- * (internal default streams are not counted); bytes_in_use: device bytes charged on all devices. */
+ * (internal default streams are not counted); bytes_in_use: device bytes charged on all devices;
+ * misuse: undefined behaviour seen so far (only when misuse is counted, see below). */
 struct cudbl_counts {
     long handles, mappings, reservations, allocs, events, streams;
     size_t bytes_in_use;
+    long misuse;
 };
 void cudbl_get_counts(struct cudbl_counts *out);
+
+/* Misuse is what a real driver leaves undefined: a destroyed stream, event or graph handle used
+ * again, a device touching memory it has no access to (VMM access is per device), a kernel
+ * touching another device's cuMemAlloc memory without peer access. The double prints
+ * "cudbl: MISUSE in <function>: <what>" and aborts, so the test fails. With on = 0 (or env
+ * CUDBL_MISUSE=count) it counts the misuse in cudbl_counts.misuse instead, and the call fails
+ * (CUDA_ERROR_INVALID_HANDLE, or CUDA_ERROR_ILLEGAL_ADDRESS for a bad access; queued work that
+ * faults does not run). */
+void cudbl_set_misuse_abort(int on);
+
+/* An emulated kernel: like cudbl_stream_enqueue, but it touches [p, p + n) (writes when write is
+ * non-zero) from the device of stream s, whose context must be current (as for a launch). When
+ * it runs, the double checks that the device may: a violation is misuse and fn does not run. */
+int cudbl_launch(CUstream s, CUdeviceptr p, size_t n, int write, void (*fn)(void *), void *arg);
+/* Whether `device` may touch [p, p + n) directly now, as a kernel would (no staged copy, no
+ * peer access enabled): CUDA_SUCCESS or CUDA_ERROR_ILLEGAL_ADDRESS, by the rules in
+ * docs/test-double.md; counts nothing. */
+int cudbl_check_access(int device, CUdeviceptr p, size_t n, int write);
+/* Peer capability between devices a and b (both ways), as cuDeviceCanAccessPeer reports it;
+ * overrides CUDBL_PEER. */
+int cudbl_set_peer(int a, int b, int can);
 
 /* Enqueue fn(arg) on stream s (0, CU_STREAM_LEGACY and CU_STREAM_PER_THREAD mean the current
  * context's default streams): an emulated kernel. It runs later, in stream order, on the thread

@@ -86,7 +86,9 @@ else
            cudaGetDriverEntryPointByVersion cudaGetDriverEntryPointByVersion_ptsz
            cuMemAlloc_v2 cuMemFree_v2 cuMemGetInfo_v2 cuMemAllocAsync cuMemFreeAsync
            cuMemAllocAsync_ptsz cuMemFreeAsync_ptsz cuMemCreate cuMemRelease cuMemMap cuMemUnmap
-           cuGetProcAddress cuGetProcAddress_v2"
+           cuGetProcAddress cuGetProcAddress_v2 cudaStreamDestroy cudaPointerGetAttributes
+           cudaIpcGetMemHandle cuStreamDestroy cuStreamDestroy_v2 cuMemGetAddressRange_v2
+           cuPointerGetAttribute cuPointerGetAttributes cuIpcGetMemHandle"
     exported=$(nm -D --defined-only "$LIB" | awk '$2 != "A" {print $3}' | sed 's/@.*//' | sort -u)
     extra=""
     for s in $exported; do
@@ -131,6 +133,31 @@ ENV_EXTRA=(MEMSHIM_LIMIT=8M MEMSHIM_LOG=error)
 run_prog gc_reentry gc_reentry
 ENV_EXTRA=(CUDBL_DEVICES=2)
 run_prog multidev_free multidev_free
+
+# ---- issue 8: peers, streams that go away, address ranges, legacy IPC, cudaFree ---------------
+ENV_EXTRA=(CUDBL_DEVICES=2)
+run_prog peer_copy peer_copy
+ENV_EXTRA=()
+run_prog stream_destroy stream_destroy
+run_prog ranges ranges
+ENV_EXTRA=(MEMSHIM_LOG=warn)
+run_prog ipc ipc
+# the refusal names memshim and the setting that avoids it, once
+n=$(grep -c 'memshim\[[0-9]*\]: warning: cudaIpcGetMemHandle.*memshim.s pool.*MEMSHIM_MODE=off' "$TMP/ipc.err")
+if [ "$n" = 1 ]; then ok "ipc_log_names_memshim_and_the_setting"
+else fail "ipc_log_names_memshim_and_the_setting" "$n matching lines"; show_tail "$TMP/ipc.err"; fi
+ENV_EXTRA=(MEMSHIM_MODE=off EXPECT_OFF=1)
+run_prog ipc_off ipc
+ENV_EXTRA=()
+run_prog free_release free_release
+ENV_EXTRA=(MEMSHIM_EMPTY_CACHE=never EXPECT_KEEP=1)
+run_prog free_release_never free_release
+ENV_EXTRA=(TENSOR_MODE=1 EXPECT_KEEP=1)
+run_prog free_release_tensor_mode free_release
+ENV_EXTRA=(MEMSHIM_GC=threshold)
+run_prog gc_threshold_cost gc_threshold_cost
+ENV_EXTRA=()
+run_prog capture_reuse capture_reuse
 mkdir -p "$TMP/epoch-reports"
 ENV_EXTRA=(MEMSHIM_EPOCH=seconds MEMSHIM_EPOCH_SECONDS=0.5 MEMSHIM_REPORT_DIR="$TMP/epoch-reports"
            REPORTS="$TMP/epoch-reports")

@@ -27,6 +27,14 @@ static const char *const names[] = {
     "cuStreamQuery", "cuStreamWaitEvent", "cuLaunchHostFunc", "cuEventCreate", "cuEventRecord",
     "cuEventQuery", "cuEventSynchronize", "cuEventDestroy", "cuEventElapsedTime",
     "cuGetProcAddress", "cuGetErrorString", "cuGetErrorName",
+    /* added with the strict double (issue 8) */
+    "cuDeviceCanAccessPeer", "cuCtxEnablePeerAccess", "cuCtxDisablePeerAccess", "cuMemcpy",
+    "cuMemcpyAsync", "cuMemcpyPeer", "cuMemcpyPeerAsync", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync",
+    "cuMemcpyDtoDAsync", "cuMemsetD8Async", "cuPointerGetAttribute", "cuPointerGetAttributes",
+    "cuIpcGetMemHandle", "cuIpcOpenMemHandle", "cuIpcCloseMemHandle", "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle", "cuStreamBeginCapture", "cuStreamEndCapture", "cuStreamGetCaptureInfo",
+    "cuStreamIsCapturing", "cuThreadExchangeStreamCaptureMode", "cuGraphInstantiate", "cuGraphLaunch",
+    "cuGraphExecDestroy", "cuGraphDestroy", "cuStreamGetCtx",
 };
 
 __attribute__((destructor)) static void reli_print_calls(void)

@@ -61,7 +61,35 @@ inside[0] = False
 print("RESULT", r, True in ran)
 '''
 
+# Issue 8: a callback set with memshim_set_gc_callback (the documented use: gc.collect()) runs under
+# the same rules as memshim's own step: never for a caller that does not hold the GIL.
+USER_CB = r'''
+import ctypes, gc, sys
+lib = ctypes.CDLL(sys.argv[2])
+held = ctypes.PyDLL(sys.argv[2])
+for l in (lib, held):
+    l.memshim_malloc.restype = ctypes.c_void_p
+    l.memshim_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+calls = []
+CB = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_void_p)
+cb = CB(lambda arg: (calls.append(1), gc.collect(), 0)[2])
+lib.memshim_set_gc_callback(cb, None)
+a = lib.memshim_malloc(48 << 20, 0, None)
+no_gil = lib.memshim_malloc(48 << 20, 0, None)    # over the limit, GIL released by ctypes.CDLL
+n_no_gil = len(calls)
+with_gil = held.memshim_malloc(48 << 20, 0, None)  # over the limit, GIL held (PyDLL)
+print("CALLS", n_no_gil, len(calls), bool(a))
+'''
+
 with tempfile.TemporaryDirectory() as tmp:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSHIM_")}
+    env.update({"LD_LIBRARY_PATH": os.path.join(BUILD, "double"), "CUDBL_CAPACITY": "1G",
+                "MEMSHIM_LIMIT": "64M", "MEMSHIM_GC": "oom", "MEMSHIM_LOG": "error"})
+    p = subprocess.run([sys.executable, "-c", USER_CB, "x", LIB], env=env, capture_output=True, text=True,
+                       timeout=120)
+    case("a user GC callback does not run for a caller without the GIL, and does with it",
+         p.returncode == 0 and "CALLS 0 1 True" in p.stdout, (p.stdout + p.stderr)[-400:])
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSHIM_")}
     env.update({"LD_LIBRARY_PATH": os.path.join(BUILD, "double"), "LD_PRELOAD": LIB, "MEMSHIM_EPOCH": "signal",
                 "MEMSHIM_GC": "epoch", "MEMSHIM_LOG": "error"})

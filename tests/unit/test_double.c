@@ -33,6 +33,22 @@
         CHECKF(cu_is_r_ == (want), "%s returned %d, want %d", #expr, (int)cu_is_r_, (int)(want)); \
     } while (0)
 
+/* expr must be reported as misuse (counted, not aborted) and fail with `want` */
+static long misuse_count(void)
+{
+    struct cudbl_counts c;
+    cudbl_get_counts(&c);
+    return c.misuse;
+}
+#define CU_MISUSE(expr, want)                                                                   \
+    do {                                                                                        \
+        cudbl_set_misuse_abort(0);                                                              \
+        long cu_mis_before_ = misuse_count();                                                   \
+        CU_IS(expr, want);                                                                      \
+        CHECKF(misuse_count() == cu_mis_before_ + 1, "%s was not reported as misuse", #expr);   \
+        cudbl_set_misuse_abort(1);                                                              \
+    } while (0)
+
 /* ABI names cuda.h only declares for the driver's own build */
 CUresult CUDAAPI cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev);
 
@@ -580,9 +596,13 @@ TEST(deferred_completion)
     CU_IS(cuEventElapsedTime(&ms, e, never), CUDA_ERROR_INVALID_HANDLE);
     CU_OK(cuEventDestroy(e));
     CU_OK(cuEventDestroy(never));
-    CU_IS(cuEventDestroy(never), CUDA_ERROR_INVALID_HANDLE);
+    /* a destroyed handle is poisoned: using it again is misuse, not a clean error */
+    CU_MISUSE(cuEventDestroy(never), CUDA_ERROR_INVALID_HANDLE);
+    CU_MISUSE(cuEventQuery(e), CUDA_ERROR_INVALID_HANDLE);
     CU_OK(cuStreamDestroy(s));
-    CU_IS(cuStreamDestroy(s), CUDA_ERROR_INVALID_HANDLE);
+    CU_MISUSE(cuStreamDestroy(s), CUDA_ERROR_INVALID_HANDLE);
+    CU_MISUSE(cuLaunchHostFunc(s, set_flag, (void *)&ran), CUDA_ERROR_INVALID_HANDLE);
+    CU_IS(cuStreamQuery((CUstream)(uintptr_t)0x1234560), CUDA_ERROR_INVALID_HANDLE); /* never a handle */
     CHECK(counts_zero());
 }
 
@@ -958,6 +978,487 @@ TEST(multi_device)
     CHECK(cudbl_configure(n0, 0, 0) == CUDA_SUCCESS);
 }
 
+/* ---- strict rules: per-device access, peers, contexts, poisoned handles ------------------------ */
+
+static CUcontext ctx_of(int dev)
+{
+    CUcontext c = NULL;
+    cuDevicePrimaryCtxRetain(&c, dev);
+    return c;
+}
+
+static CUresult grant_dev(CUdeviceptr va, size_t size, int dev, unsigned flags)
+{
+    CUmemAccessDesc d = {{CU_MEM_LOCATION_TYPE_DEVICE, dev}, (CUmemAccess_flags)flags};
+    return cuMemSetAccess(va, size, &d, 1);
+}
+
+static void note_kernel(void *arg) { (*(volatile int *)arg)++; }
+
+TEST(access_is_per_device)
+{
+    REQUIRE(setup() == 0);
+    int n0 = 0;
+    CU_OK(cuDeviceGetCount(&n0));
+    REQUIRE(cudbl_configure(2, 0, 0) == CUDA_SUCCESS);
+    size_t g = gran();
+    CUdeviceptr va = reserve(2 * g);
+    CUmemGenericAllocationHandle h = create(g);     /* device 0's memory */
+    REQUIRE(va && h);
+    CU_OK(cuMemMap(va, g, 0, h, 0));
+    CU_OK(grant_dev(va, g, 0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE));
+    unsigned long long f = 99;
+    CUmemLocation l0 = {CU_MEM_LOCATION_TYPE_DEVICE, 0}, l1 = {CU_MEM_LOCATION_TYPE_DEVICE, 1};
+    CU_OK(cuMemGetAccess(&f, &l0, va));
+    CHECK(f == CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+    CU_OK(cuMemGetAccess(&f, &l1, va));
+    CHECK(f == CU_MEM_ACCESS_FLAGS_PROT_NONE);       /* answered per location */
+    CHECK(cudbl_check_access(0, va, 64, 1) == CUDA_SUCCESS);
+    CHECK(cudbl_check_access(1, va, 64, 0) == CUDA_ERROR_ILLEGAL_ADDRESS);
+    CHECK(cudbl_check_access(0, va + g, 64, 0) == CUDA_ERROR_ILLEGAL_ADDRESS);  /* not mapped */
+    /* a copy runs on the current context's device: device 1 may not touch it yet */
+    CUcontext c1 = ctx_of(1);
+    char buf[64] = "peer";
+    CU_OK(cuCtxPushCurrent(c1));
+    CU_MISUSE(cuMemcpyHtoD(va, buf, sizeof buf), CUDA_ERROR_ILLEGAL_ADDRESS);
+    /* read-only access: reads pass, writes fault */
+    CU_OK(grant_dev(va, g, 1, CU_MEM_ACCESS_FLAGS_PROT_READ));
+    CU_OK(cuMemcpyDtoH(buf, va, sizeof buf));
+    CU_MISUSE(cuMemcpyHtoD(va, buf, sizeof buf), CUDA_ERROR_ILLEGAL_ADDRESS);
+    CU_OK(grant_dev(va, g, 1, CU_MEM_ACCESS_FLAGS_PROT_READWRITE));
+    CU_OK(cuMemcpyHtoD(va, "peer", 5));
+    CU_OK(cuMemGetAccess(&f, &l0, va));
+    CHECK(f == CU_MEM_ACCESS_FLAGS_PROT_READWRITE);  /* device 0 keeps its own */
+    /* an emulated kernel on device 1 touching it: allowed now; checked when it runs */
+    volatile int ran = 0;
+    CHECK(cudbl_launch(NULL, va, 64, 1, note_kernel, (void *)&ran) == CUDA_SUCCESS);
+    CU_OK(cuCtxSynchronize());
+    CHECK(ran == 1);
+    CU_OK(grant_dev(va, g, 1, CU_MEM_ACCESS_FLAGS_PROT_NONE));
+    cudbl_set_misuse_abort(0);
+    long m0 = misuse_count();
+    CHECK(cudbl_launch(NULL, va, 64, 0, note_kernel, (void *)&ran) == CUDA_SUCCESS);
+    CU_OK(cuCtxSynchronize());
+    CHECK(ran == 1 && misuse_count() == m0 + 1);     /* faulted: it did not run */
+    cudbl_set_misuse_abort(1);
+    /* a launch needs its stream's context current */
+    CUstream s0;
+    CU_OK(cuCtxPopCurrent(NULL));
+    CU_OK(cuStreamCreate(&s0, CU_STREAM_NON_BLOCKING));
+    CU_OK(cuCtxPushCurrent(c1));
+    CHECK(cudbl_launch(s0, va, 64, 0, note_kernel, (void *)&ran) == CUDA_ERROR_INVALID_HANDLE);
+    CU_OK(cuCtxPopCurrent(NULL));
+    CU_OK(cuStreamDestroy(s0));
+    /* device-only arguments that are host memory are a clean error */
+    CU_IS(cuMemcpyHtoD((CUdeviceptr)(uintptr_t)buf, buf, 8), CUDA_ERROR_INVALID_VALUE);
+    char other[8];
+    CU_OK(cuMemcpyDtoH(buf, va, 5));                 /* what device 1 wrote */
+    CU_OK(cuMemcpy((CUdeviceptr)(uintptr_t)other, (CUdeviceptr)(uintptr_t)buf, 5));  /* host to host */
+    CHECK(memcmp(other, "peer", 5) == 0);
+    CU_OK(cuMemUnmap(va, g));
+    CU_OK(cuMemRelease(h));
+    CU_OK(cuMemAddressFree(va, 2 * g));
+    CU_OK(cuDevicePrimaryCtxRelease(1));
+    CHECK(counts_zero());
+    CHECK(cudbl_configure(n0, 0, 0) == CUDA_SUCCESS);
+}
+
+TEST(peer_capability)
+{
+    REQUIRE(setup() == 0);
+    int n0 = 0, can = -1;
+    CU_OK(cuDeviceGetCount(&n0));
+    REQUIRE(cudbl_configure(3, 0, 0) == CUDA_SUCCESS);
+    CU_OK(cuDeviceCanAccessPeer(&can, 0, 1));
+    CHECK(can == 1);                                 /* default: every pair */
+    CU_OK(cuDeviceCanAccessPeer(&can, 0, 0));
+    CHECK(can == 0);
+    CU_IS(cuDeviceCanAccessPeer(&can, 0, 3), CUDA_ERROR_INVALID_DEVICE);
+    REQUIRE(cudbl_set_peer(0, 2, 0) == CUDA_SUCCESS);
+    CU_OK(cuDeviceCanAccessPeer(&can, 2, 0));
+    CHECK(can == 0);
+    size_t g = gran();
+    CUdeviceptr va = reserve(g);
+    CUmemGenericAllocationHandle h = create(g);
+    REQUIRE(va && h);
+    CU_OK(cuMemMap(va, g, 0, h, 0));
+    /* device 2 cannot reach device 0: no access can be granted, and nothing changes */
+    CUmemAccessDesc two[2] = {{{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE},
+                              {{CU_MEM_LOCATION_TYPE_DEVICE, 2}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE}};
+    CU_IS(cuMemSetAccess(va, g, two, 2), CUDA_ERROR_INVALID_DEVICE);
+    unsigned long long f = 99;
+    CUmemLocation l0 = {CU_MEM_LOCATION_TYPE_DEVICE, 0};
+    CU_OK(cuMemGetAccess(&f, &l0, va));
+    CHECK(f == CU_MEM_ACCESS_FLAGS_PROT_NONE);
+    two[1].location.id = 1;
+    CU_OK(cuMemSetAccess(va, g, two, 2));
+    CHECK(cudbl_check_access(1, va, g, 1) == CUDA_SUCCESS);
+    /* from device 2 (no P2P with 0) a copy is staged through the owner; a kernel cannot be */
+    unsigned char tmp[16];
+    CU_OK(cuCtxPushCurrent(ctx_of(2)));
+    CU_OK(cuMemcpyDtoH(tmp, va, sizeof tmp));
+    volatile int k2 = 0;
+    CU_MISUSE((cudbl_launch(NULL, va, 16, 0, note_kernel, (void *)&k2), cuCtxSynchronize()), CUDA_SUCCESS);
+    CHECK(k2 == 0);
+    CU_OK(cuCtxPopCurrent(NULL));
+    CU_OK(cuDevicePrimaryCtxRelease(2));
+    /* cuCtxEnablePeerAccess: for cuMemAlloc memory only (kernels); VMM needs cuMemSetAccess */
+    CUcontext c0 = ctx_of(0), c1 = ctx_of(1), c2 = ctx_of(2);
+    CUdeviceptr d1 = 0;
+    CU_OK(cuCtxPushCurrent(c1));
+    CU_OK(cuMemAlloc(&d1, 4096));
+    CU_OK(cuCtxPopCurrent(NULL));
+    volatile int ran = 0;
+    CU_MISUSE((cudbl_launch(NULL, d1, 64, 1, note_kernel, (void *)&ran), cuCtxSynchronize()), CUDA_SUCCESS);
+    CHECK(ran == 0);
+    CU_OK(cuCtxEnablePeerAccess(c1, 0));
+    CU_IS(cuCtxEnablePeerAccess(c1, 0), CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED);
+    CU_IS(cuCtxEnablePeerAccess(c0, 0), CUDA_ERROR_INVALID_DEVICE);
+    CU_IS(cuCtxEnablePeerAccess(c2, 0), CUDA_ERROR_PEER_ACCESS_UNSUPPORTED);
+    CHECK(cudbl_launch(NULL, d1, 64, 1, note_kernel, (void *)&ran) == CUDA_SUCCESS);
+    CU_OK(cuCtxSynchronize());
+    CHECK(ran == 1);
+    CU_OK(cuCtxDisablePeerAccess(c1));
+    CU_IS(cuCtxDisablePeerAccess(c1), CUDA_ERROR_PEER_ACCESS_NOT_ENABLED);
+    /* a peer copy: each side by its own context's device */
+    CUdeviceptr d0 = 0;
+    CU_OK(cuMemAlloc(&d0, 4096));
+    CU_OK(cuMemsetD8(d0, 0x3c, 4096));
+    CU_OK(cuMemcpyPeer(d1, c1, d0, c0, 4096));
+    unsigned char back = 0;
+    CU_OK(cuMemcpyDtoH(&back, d1 + 4095, 1));
+    CHECK(back == 0x3c);
+    CU_OK(cuMemFree(d0));
+    CU_OK(cuMemFree(d1));
+    CU_OK(cuMemUnmap(va, g));
+    CU_OK(cuMemRelease(h));
+    CU_OK(cuMemAddressFree(va, g));
+    cudbl_set_peer(0, 2, 1);
+    for (int d = 0; d < 3; d++) CU_OK(cuDevicePrimaryCtxRelease(d));
+    CHECK(counts_zero());
+    CHECK(cudbl_configure(n0, 0, 0) == CUDA_SUCCESS);
+}
+
+TEST(events_and_streams_belong_to_a_context)
+{
+    REQUIRE(setup() == 0);
+    CUcontext other;
+    CU_OK(cuCtxCreate_v2(&other, 0, 0));    /* current now */
+    CUevent e;
+    CU_OK(cuEventCreate(&e, CU_EVENT_DISABLE_TIMING));
+    CU_OK(cuCtxPopCurrent(NULL));
+    CUstream s;
+    CU_OK(cuStreamCreate(&s, 0));
+    CU_IS(cuEventRecord(e, s), CUDA_ERROR_INVALID_HANDLE);      /* different contexts */
+    CU_IS(cuEventRecord(e, NULL), CUDA_ERROR_INVALID_HANDLE);
+    CUcontext sc = NULL;
+    CU_OK(cuStreamGetCtx(s, &sc));
+    CHECK(sc == g_ctx);
+    CU_OK(cuEventDestroy(e));
+    CU_OK(cuStreamDestroy(s));
+    /* the streams of a destroyed context are dead handles */
+    CU_OK(cuCtxPushCurrent(other));
+    CU_OK(cuStreamCreate(&s, 0));
+    CU_OK(cuCtxDestroy(other));
+    CU_MISUSE(cuStreamQuery(s), CUDA_ERROR_INVALID_HANDLE);
+    REQUIRE(setup() == 0);
+    CHECK(counts_zero());
+}
+
+TEST(vmm_calls_need_no_context_but_queries_do)
+{
+    /* cuda.h lists CUDA_ERROR_INVALID_CONTEXT for none of the VMM calls, and for
+     * cuMemGetAddressRange, cuPointerGetAttribute and cuIpcGetMemHandle */
+    REQUIRE(setup() == 0);
+    CU_OK(cuCtxSetCurrent(NULL));
+    size_t g = gran();
+    CUdeviceptr va = reserve(g), base = 0;
+    CUmemGenericAllocationHandle h = create(g);
+    REQUIRE(va && h);
+    CU_OK(cuMemMap(va, g, 0, h, 0));
+    CU_OK(grant(va, g));
+    size_t sz = 0;
+    CU_IS(cuMemGetAddressRange(&base, &sz, va), CUDA_ERROR_INVALID_CONTEXT);
+    CU_IS(cuPointerGetAttribute(&base, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, va), CUDA_ERROR_INVALID_CONTEXT);
+    REQUIRE(setup() == 0);
+    CU_OK(cuMemGetAddressRange(&base, &sz, va + 100));
+    CHECK(base == va && sz == g);
+    CU_OK(cuMemUnmap(va, g));
+    CU_OK(cuMemRelease(h));
+    CU_OK(cuMemAddressFree(va, g));
+    CHECK(counts_zero());
+}
+
+TEST(pointer_attributes_describe_one_allocation)
+{
+    REQUIRE(setup() == 0);
+    size_t g = gran();
+    CUdeviceptr va = reserve(4 * g);
+    CUmemGenericAllocationHandle h1 = create(g), h2 = create(g);
+    REQUIRE(va && h1 && h2);
+    CU_OK(cuMemMap(va, g, 0, h1, 0));
+    CU_OK(cuMemMap(va + g, g, 0, h2, 0));
+    CU_OK(grant(va, 2 * g));
+    /* two adjacent mappings are two ranges, whatever a caller placed across them */
+    CUdeviceptr start = 0;
+    size_t size = 0;
+    int ipc = -1, ord = -1;
+    CU_OK(cuPointerGetAttribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, va + g + 10));
+    CU_OK(cuPointerGetAttribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, va + g + 10));
+    CHECK(start == va + g && size == g);
+    CU_OK(cuPointerGetAttribute(&ipc, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, va));
+    CHECK(ipc == 0);
+    CUdeviceptr d = 0;
+    CU_OK(cuMemAlloc(&d, 10000));
+    CU_OK(cuPointerGetAttribute(&ipc, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, d + 7));
+    CU_OK(cuPointerGetAttribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, d + 7));
+    CU_OK(cuPointerGetAttribute(&ord, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, d + 7));
+    CHECK(ipc == 1 && start == d && ord == 0);
+    char host[16];
+    CU_IS(cuPointerGetAttribute(&ord, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, (CUdeviceptr)(uintptr_t)host),
+          CUDA_ERROR_INVALID_VALUE);
+    unsigned int type = 99;
+    CUpointer_attribute at[2] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_RANGE_SIZE};
+    void *out[2] = {&type, &size};
+    CU_OK(cuPointerGetAttributes(2, at, out, (CUdeviceptr)(uintptr_t)host));  /* not an error */
+    CHECK(type == 0 && size == 0);
+    CU_OK(cuPointerGetAttributes(2, at, out, d));
+    CHECK(type == CU_MEMORYTYPE_DEVICE && size == 10000);
+    CU_OK(cuMemFree(d));
+    CU_OK(cuMemUnmap(va, 2 * g));
+    CU_OK(cuMemRelease(h1));
+    CU_OK(cuMemRelease(h2));
+    CU_OK(cuMemAddressFree(va, 4 * g));
+    CHECK(counts_zero());
+}
+
+TEST(legacy_ipc_refuses_vmm_memory)
+{
+    REQUIRE(setup() == 0);
+    size_t g = gran();
+    CUdeviceptr va = reserve(g), d = 0, opened = 0;
+    CUmemGenericAllocationHandle h = create(g);
+    REQUIRE(va && h);
+    CU_OK(cuMemMap(va, g, 0, h, 0));
+    CU_OK(grant(va, g));
+    CUipcMemHandle ih;
+    CU_IS(cuIpcGetMemHandle(&ih, va), CUDA_ERROR_INVALID_VALUE);    /* VMM memory */
+    CU_OK(cuMemAlloc(&d, 4096));
+    CU_IS(cuIpcGetMemHandle(&ih, d + 512), CUDA_ERROR_INVALID_VALUE); /* not the base */
+    CU_OK(cuIpcGetMemHandle(&ih, d));
+    CU_IS(cuIpcOpenMemHandle(&opened, ih, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), CUDA_ERROR_INVALID_CONTEXT);
+    CU_OK(cuMemFree(d));
+    CU_OK(cuMemUnmap(va, g));
+    CU_OK(cuMemRelease(h));
+    CU_OK(cuMemAddressFree(va, g));
+    CHECK(counts_zero());
+}
+
+TEST(shareable_handles_export_and_import)
+{
+    REQUIRE(setup() == 0);
+    size_t g = gran();
+    int v = 0;
+    CU_OK(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, 0));
+    CHECK(v == 1);
+    CUmemAllocationProp p = prop_on(0);
+    CUmemGenericAllocationHandle plain = create(g), sh = 0, imp = 0;
+    int fd = -1;
+    REQUIRE(plain);
+    CU_IS(cuMemExportToShareableHandle(&fd, plain, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+          CUDA_ERROR_INVALID_VALUE);                 /* not created shareable */
+    p.requestedHandleTypes = CU_MEM_HANDLE_TYPE_FABRIC;
+    CU_IS(cuMemCreate(&sh, g, &p, 0), CUDA_ERROR_NOT_SUPPORTED);
+    p.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    CU_OK(cuMemCreate(&sh, g, &p, 0));
+    CU_OK(cuMemExportToShareableHandle(&fd, sh, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+    CHECK(fd >= 0);
+    CU_OK(cuMemImportFromShareableHandle(&imp, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+    CHECK(imp == sh);                                /* same process: the same allocation */
+    CUdeviceptr va = reserve(2 * g);
+    CU_OK(cuMemMap(va, g, 0, sh, 0));
+    CU_OK(cuMemMap(va + g, g, 0, imp, 0));
+    CU_OK(grant(va, 2 * g));
+    ((volatile char *)(uintptr_t)va)[9] = 'x';
+    CHECK(((volatile char *)(uintptr_t)(va + g))[9] == 'x');
+    unsigned long long types = 0;
+    CU_OK(cuPointerGetAttribute(&types, CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, va));
+    CHECK(types == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    CU_OK(cuMemUnmap(va, 2 * g));
+    CU_OK(cuMemRelease(sh));
+    CU_OK(cuMemRelease(imp));
+    CU_OK(cuMemRelease(plain));
+    CU_OK(cuMemAddressFree(va, 2 * g));
+    close(fd);
+    CHECK(counts_zero());
+}
+
+/* ---- stream capture ---------------------------------------------------------------------------- */
+
+static void count_up(void *arg) { __atomic_fetch_add((int *)arg, 1, __ATOMIC_RELAXED); }
+
+struct other_thread { CUstreamCaptureMode mode; CUstream s; CUresult r; };
+static void *unsafe_from_other_thread(void *arg)
+{
+    struct other_thread *o = arg;
+    cuCtxSetCurrent(g_ctx);
+    CUstreamCaptureMode m = o->mode;
+    cuThreadExchangeStreamCaptureMode(&m);
+    CUdeviceptr d = 0;
+    o->r = o->s ? cuStreamEndCapture(o->s, &(CUgraph){0}) : cuMemAlloc(&d, 4096);
+    if (d) cuMemFree(d);
+    return NULL;
+}
+
+static CUresult run_other(CUstreamCaptureMode mode, CUstream end)
+{
+    struct other_thread o = {mode, end, CUDA_SUCCESS};
+    pthread_t t;
+    pthread_create(&t, NULL, unsafe_from_other_thread, &o);
+    pthread_join(t, NULL);
+    return o.r;
+}
+
+TEST(stream_capture_records_and_replays)
+{
+    REQUIRE(setup() == 0);
+    CUstream s, t;
+    CU_OK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    CU_OK(cuStreamCreate(&t, CU_STREAM_NON_BLOCKING));
+    CUevent fork, join;
+    CU_OK(cuEventCreate(&fork, CU_EVENT_DISABLE_TIMING));
+    CU_OK(cuEventCreate(&join, CU_EVENT_DISABLE_TIMING));
+    CU_IS(cuStreamBeginCapture(NULL, CU_STREAM_CAPTURE_MODE_GLOBAL), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    CU_OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    CU_IS(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL), CUDA_ERROR_ILLEGAL_STATE);
+    int n = 0;
+    CU_OK(cuLaunchHostFunc(s, count_up, &n));
+    CU_OK(cuEventRecord(fork, s));
+    CU_OK(cuStreamWaitEvent(t, fork, 0));            /* t joins the capture */
+    CUstreamCaptureStatus st;
+    cuuint64_t id1 = 0, id2 = 0;
+    CU_OK(cuStreamIsCapturing(t, &st));
+    CHECK(st == CU_STREAM_CAPTURE_STATUS_ACTIVE);
+    CU_OK(cuStreamGetCaptureInfo(s, &st, &id1, NULL, NULL, NULL, NULL));
+    CU_OK(cuStreamGetCaptureInfo(t, &st, &id2, NULL, NULL, NULL, NULL));
+    CHECK(id1 && id1 == id2);
+    CU_OK(cuLaunchHostFunc(t, count_up, &n));
+    CU_OK(cuEventRecord(join, t));
+    CU_OK(cuStreamWaitEvent(s, join, 0));            /* joined back */
+    CHECK(n == 0);                                   /* captured, not run */
+    CU_IS(cuEventQuery(join), CUDA_ERROR_CAPTURED_EVENT);   /* ... and that invalidates */
+    CUgraph gr = (CUgraph)1;
+    CU_IS(cuStreamEndCapture(s, &gr), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    CHECK(gr == NULL);
+    CU_OK(cuStreamIsCapturing(t, &st));
+    CHECK(st == CU_STREAM_CAPTURE_STATUS_NONE);      /* the whole sequence ended */
+    /* again, properly */
+    CU_OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    CU_OK(cuLaunchHostFunc(s, count_up, &n));
+    CU_OK(cuEventRecord(fork, s));
+    CU_OK(cuStreamWaitEvent(t, fork, 0));
+    CU_OK(cuLaunchHostFunc(t, count_up, &n));
+    CU_OK(cuEventRecord(join, t));
+    CU_OK(cuStreamWaitEvent(s, join, 0));
+    CU_OK(cuStreamEndCapture(s, &gr));
+    CHECK(gr != NULL && n == 0);
+    CUgraphExec ex;
+    CU_OK(cuGraphInstantiate(&ex, gr, 0));
+    CU_OK(cuGraphLaunch(ex, s));
+    CU_OK(cuGraphLaunch(ex, s));
+    CU_OK(cuStreamSynchronize(s));
+    CHECK(n == 4);
+    CU_OK(cuGraphExecDestroy(ex));
+    CU_OK(cuGraphDestroy(gr));
+    CU_MISUSE(cuGraphDestroy(gr), CUDA_ERROR_INVALID_VALUE);
+    /* a fork that is not joined back */
+    CU_OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    CU_OK(cuEventRecord(fork, s));
+    CU_OK(cuStreamWaitEvent(t, fork, 0));
+    CU_OK(cuLaunchHostFunc(t, count_up, &n));
+    CU_IS(cuStreamEndCapture(t, &gr), CUDA_ERROR_STREAM_CAPTURE_UNMATCHED);
+    CU_IS(cuStreamEndCapture(s, &gr), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    CU_OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    CU_OK(cuEventRecord(fork, s));
+    CU_OK(cuStreamWaitEvent(t, fork, 0));
+    CU_OK(cuLaunchHostFunc(t, count_up, &n));
+    CU_IS(cuStreamEndCapture(s, &gr), CUDA_ERROR_STREAM_CAPTURE_UNJOINED);
+    CU_OK(cuEventDestroy(fork));
+    CU_OK(cuEventDestroy(join));
+    CU_OK(cuStreamDestroy(s));
+    CU_OK(cuStreamDestroy(t));
+    CHECK(counts_zero());
+}
+
+static int capture_sink; /* host functions run later: their argument must outlive the call */
+
+TEST(stream_capture_refuses_unsafe_calls)
+{
+    REQUIRE(setup() == 0);
+    CUstream s, other;
+    CU_OK(cuStreamCreate(&s, 0));                    /* blocking */
+    CU_OK(cuStreamCreate(&other, CU_STREAM_NON_BLOCKING));
+    CUdeviceptr d = 0;
+    CUgraph gr = NULL;
+    CUstreamCaptureStatus st;
+    /* synchronizing what captures */
+    CU_OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    CU_IS(cuStreamSynchronize(s), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    CU_OK(cuStreamIsCapturing(s, &st));
+    CHECK(st == CU_STREAM_CAPTURE_STATUS_INVALIDATED);
+    CU_IS(cuLaunchHostFunc(s, count_up, &capture_sink), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    CU_IS(cuStreamEndCapture(s, &gr), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    CU_OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    CU_IS(cuCtxSynchronize(), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    CU_IS(cuStreamEndCapture(s, &gr), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    /* the legacy stream while a blocking stream captures */
+    CU_OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    CU_IS(cuStreamIsCapturing(NULL, &st), CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);  /* not invalidating */
+    CU_OK(cuStreamIsCapturing(s, &st));
+    CHECK(st == CU_STREAM_CAPTURE_STATUS_ACTIVE);
+    CU_IS(cuLaunchHostFunc(NULL, count_up, &capture_sink), CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+    CU_IS(cuStreamEndCapture(s, &gr), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    /* potentially unsafe calls, by capture mode */
+    CU_OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    CU_IS(cuMemAlloc(&d, 4096), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    CU_IS(cuStreamEndCapture(s, &gr), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    CU_OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    CUstreamCaptureMode m = CU_STREAM_CAPTURE_MODE_RELAXED;
+    CU_OK(cuThreadExchangeStreamCaptureMode(&m));    /* as PyTorch does around cudaMalloc */
+    CHECK(m == CU_STREAM_CAPTURE_MODE_GLOBAL);
+    CU_OK(cuMemAlloc(&d, 4096));
+    CU_OK(cuThreadExchangeStreamCaptureMode(&m));
+    /* another thread: prohibited in global mode, not in thread-local mode */
+    CHECK(run_other(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, NULL) == CUDA_SUCCESS);
+    CU_OK(cuStreamIsCapturing(s, &st));
+    CHECK(st == CU_STREAM_CAPTURE_STATUS_ACTIVE);
+    CHECK(run_other(CU_STREAM_CAPTURE_MODE_GLOBAL, s) == CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD);
+    CHECK(run_other(CU_STREAM_CAPTURE_MODE_GLOBAL, NULL) == CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    CU_IS(cuStreamEndCapture(s, &gr), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    /* waiting on work outside the capture */
+    CUevent e;
+    CU_OK(cuEventCreate(&e, CU_EVENT_DISABLE_TIMING));
+    CU_IS(cuStreamWaitEvent(other, e, CU_EVENT_WAIT_EXTERNAL), CUDA_ERROR_INVALID_VALUE);  /* not capturing */
+    CU_OK(cuLaunchHostFunc(other, count_up, &capture_sink));
+    CU_OK(cuEventRecord(e, other));
+    CU_OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    CU_OK(cuStreamWaitEvent(s, e, CU_EVENT_WAIT_EXTERNAL));
+    CU_IS(cuStreamWaitEvent(s, e, 0), CUDA_ERROR_STREAM_CAPTURE_ISOLATION);
+    CU_IS(cuStreamEndCapture(s, &gr), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    /* nothing captured runs; allocation nodes are not emulated */
+    CU_OK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_RELAXED));
+    CUdeviceptr a2 = 0;
+    CU_IS(cuMemAllocAsync(&a2, 4096, s), CUDA_ERROR_NOT_SUPPORTED);
+    CU_OK(cuStreamEndCapture(s, &gr));
+    CU_OK(cuGraphDestroy(gr));
+    CU_OK(cuCtxSynchronize());
+    CU_OK(cuMemFree(d));
+    CU_OK(cuEventDestroy(e));
+    CU_OK(cuStreamDestroy(s));
+    CU_OK(cuStreamDestroy(other));
+    CHECK(counts_zero());
+}
+
 /* ---- the runtime double ------------------------------------------------------------------------ */
 
 TEST(runtime_double)
@@ -1067,7 +1568,7 @@ TEST(exit_report_counts_leaks)
     int status = 0;
     waitpid(pid, &status, 0);
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    CHECKF(strstr(buf, "cudbl: exit handles=1 mappings=0 reservations=1 allocs=0 events=0 bytes=2097152\n"),
+    CHECKF(strstr(buf, "cudbl: exit handles=1 mappings=0 reservations=1 allocs=0 events=0 misuse=0 bytes=2097152\n"),
            "child stderr: %s", buf);
 }
 

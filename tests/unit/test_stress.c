@@ -302,6 +302,9 @@ static void *worker_main(void *arg)
         if (h[i].addr) release_block(w, &h[i]);
     for (int i = 0; i < NSTREAMS; i++) {
         cuStreamSynchronize(st[i]);
+        /* the pool's contract: it must name no stream that is destroyed (the strict double
+         * aborts on a destroyed handle used later) */
+        msh_pool_forget_stream(w->pool, (uint64_t)(uintptr_t)st[i]);
         cuStreamDestroy(st[i]);
     }
     return NULL;
@@ -446,6 +449,8 @@ static int reuse_sequence(bool lie, atomic_int *detected)
         msh_pool_free(pool, b, (uint64_t)(uintptr_t)s2);
     }
     cuStreamSynchronize(s2);
+    msh_pool_forget_stream(pool, (uint64_t)(uintptr_t)s1);
+    msh_pool_forget_stream(pool, (uint64_t)(uintptr_t)s2);
     cuStreamDestroy(s1);
     cuStreamDestroy(s2);
     msh_pool_destroy(pool);
