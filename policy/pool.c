@@ -73,7 +73,9 @@ struct blk {
     uint64_t free_gen;   /* pool->free_gen when freed on a stream (work may still be queued) */
     uint64_t serial;     /* live: the allocation's number in the step log */
     uint32_t prio;
-    uint8_t state, ns, sync_needed, pad;
+    uint8_t state, ns, sync_needed;
+    uint8_t claimed;     /* pending: counted on its pages (a pending block waiting for another
+                          * thread's pages has not claimed them yet) */
 };
 
 /* One granularity-sized page of a region. A handle covers a run of pages; its first page (the
@@ -926,6 +928,7 @@ static int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size
         p = next;
     }
     for (uint32_t p = p0; p <= p1; p++) page_touch(pool, r, p);
+    b->claimed = 1;
     size_t need = 0;
     /* missing: unmapped, or in a handle this claim splits (the only ones unmapping here) */
 #define MISSING_(q) (!r->pages[q].hd || r->pages[pg_head(&r->pages[q])].state == PG_UNMAPPING)
@@ -1026,6 +1029,7 @@ static int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size
     return 0;
 fail_touched:
     for (uint32_t p = p0; p <= p1; p++) page_untouch(pool, r, p);
+    b->claimed = 0;
 fail:
     /* give the victims back (split ones and reclaimed ones), at the head of their lists as the
      * oldest they were */
@@ -1574,10 +1578,12 @@ static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64
     if (!rc && pool->hcount >= pool->hcap && hash_grow(pool)) rc = ENOMEM;
     if (rc) {
         block_untouch(pool, b);
+        b->claimed = 0;
         blk_make_free(pool, b);
         return rc;
     }
     sref_clear(pool, b); /* the waits are enqueued: the new stream owns the extent */
+    b->claimed = 0;
     b->state = B_LIVE;
     b->req = req;
     b->s[0] = (struct sref){.stream = stream, .ev = NO_EV}; /* [0]: the allocation stream */
@@ -2909,7 +2915,7 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
     pthread_mutex_lock(&pool->lock);
     /* Requests doing driver work hold claims (pending blocks, pages in progress) that the rest of
      * the pool accounts for only once they publish: the exact checks need a quiet pool. */
-    bool quiet = pool->jobs == 0;
+    bool quiet = pool->jobs == 0 && pool->waiters == 0; /* a waiter holds a pending block too */
     size_t nfree[NAREAS] = {0}, nlive = 0, live_bytes = 0, mapped = 0, touched = 0, cached = 0, heads = 0;
     size_t va = 0;
     if (pool->nevs) {
@@ -2983,7 +2989,7 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
                 } else {
                     CHECK_FAIL("block %#llx in state %u with no request in flight", (unsigned long long)b->addr, b->state);
                 }
-                if (b->state != B_FREE) {
+                if (b->state != B_FREE && !(b->state == B_PENDING && !b->claimed)) {
                     uint32_t p0, p1;
                     page_range(pool, b, &p0, &p1);
                     if (p1 >= r->hi_page) CHECK_FAIL("block %#llx touches page %u above hi_page %u",
