@@ -156,9 +156,8 @@ static void text_drv(const uint64_t *calls, const uint64_t *bytes, const struct 
 }
 
 /* ---- --device: every device call timed (wall clock), so the cost table can be checked --------
- * The wrapper sits between the pool and the real backend. The backend's map includes the access
- * grant (cuMemMap + cuMemSetAccess), so "map" here is both; the pool counts one set_access per
- * map, which the timing cannot separate. */
+ * The wrapper sits between the pool and the real backend; map (cuMemMap) and set_access
+ * (cuMemSetAccess) are separate backend calls, timed each under its own kind. */
 #define TIMING_MAX_SAMPLES (1u << 20)
 struct dev_timing {
     struct msh_device outer;
@@ -204,18 +203,26 @@ static int tm_create(struct msh_device *d, size_t size, uint64_t *h)
 {
     TIMED_(MSH_DRV_CREATE, IN_(d)->ops->create(IN_(d), size, h));
 }
-static int tm_release(struct msh_device *d, uint64_t h) { TIMED_(MSH_DRV_RELEASE, IN_(d)->ops->release(IN_(d), h)); }
+static int tm_release(struct msh_device *d, uint64_t h, size_t size)
+{
+    TIMED_(MSH_DRV_RELEASE, IN_(d)->ops->release(IN_(d), h, size));
+}
 static int tm_map(struct msh_device *d, uint64_t va, size_t size, uint64_t h)
 {
     TIMED_(MSH_DRV_MAP, IN_(d)->ops->map(IN_(d), va, size, h));
+}
+static int tm_set_access(struct msh_device *d, uint64_t va, size_t size)
+{
+    TIMED_(MSH_DRV_SET_ACCESS, IN_(d)->ops->set_access(IN_(d), va, size));
 }
 static int tm_unmap(struct msh_device *d, uint64_t va, size_t size)
 {
     TIMED_(MSH_DRV_UNMAP, IN_(d)->ops->unmap(IN_(d), va, size));
 }
-static int tm_event_record(struct msh_device *d, uint64_t stream, uint64_t *ev)
+static int tm_event_create(struct msh_device *d, uint64_t *ev) { return IN_(d)->ops->event_create(IN_(d), ev); }
+static int tm_event_record(struct msh_device *d, uint64_t ev, uint64_t stream)
 {
-    TIMED_(MSH_DRV_EVENT_RECORD, IN_(d)->ops->event_record(IN_(d), stream, ev));
+    TIMED_(MSH_DRV_EVENT_RECORD, IN_(d)->ops->event_record(IN_(d), ev, stream));
 }
 static int tm_event_query(struct msh_device *d, uint64_t ev) { return IN_(d)->ops->event_query(IN_(d), ev); }
 static int tm_event_release(struct msh_device *d, uint64_t ev) { return IN_(d)->ops->event_release(IN_(d), ev); }
@@ -228,9 +235,22 @@ static int tm_synchronize(struct msh_device *d) { TIMED_(MSH_DRV_SYNCHRONIZE, IN
 #undef IN_
 #undef TM_
 static const struct msh_device_ops timed_ops = {
-    "timed",      tm_mem_info,    tm_gran,          tm_reserve,     tm_unreserve,  tm_create,
-    tm_release,   tm_map,         tm_unmap,         tm_event_record, tm_event_query, tm_event_release,
-    tm_stream_wait, tm_synchronize,
+    .name = "timed",
+    .mem_info = tm_mem_info,
+    .granularity = tm_gran,
+    .reserve = tm_reserve,
+    .unreserve = tm_unreserve,
+    .create = tm_create,
+    .release = tm_release,
+    .map = tm_map,
+    .set_access = tm_set_access,
+    .unmap = tm_unmap,
+    .event_create = tm_event_create,
+    .event_record = tm_event_record,
+    .event_query = tm_event_query,
+    .event_release = tm_event_release,
+    .stream_wait = tm_stream_wait,
+    .synchronize = tm_synchronize,
 };
 
 static struct dev_timing *dev_timing_now; /* --device: the current trace's timings, or NULL */
@@ -305,8 +325,7 @@ static void text_timing(struct dev_timing *tm)
 
 /* --device calibration: each VMM call on one handle of one page and of ten pages (PyTorch's 2 and
  * 20 MiB expandable pages when the granularity is 2 MiB), timed directly on the backend, and the
- * per-call/per-MiB split that fits the two medians. The backend's map includes the access grant,
- * so the fitted table carries map+set_access under "map" and 0 for set_access. */
+ * per-call/per-MiB split that fits the two medians. */
 #define CALIB_REPS 16
 struct calib {
     bool ok;
@@ -323,7 +342,7 @@ static void calibrate(int ordinal, const struct msh_drvcost *base, struct calib 
     c->fit = *base;
     struct msh_device d;
     if (msh_dev_cuda_init(&d, ordinal) || d.ops->granularity(&d, &c->gran) || !c->gran) return;
-    static const enum msh_drv_call vmm[] = {MSH_DRV_RESERVE, MSH_DRV_CREATE, MSH_DRV_MAP,
+    static const enum msh_drv_call vmm[] = {MSH_DRV_RESERVE, MSH_DRV_CREATE, MSH_DRV_MAP, MSH_DRV_SET_ACCESS,
                                             MSH_DRV_UNMAP, MSH_DRV_RELEASE, MSH_DRV_UNRESERVE};
     double v[MSH_DRV_NKINDS][CALIB_REPS];
     for (int si = 0; si < 2; si++) {
@@ -337,16 +356,19 @@ static void calibrate(int ordinal, const struct msh_drvcost *base, struct calib 
             double t2 = now_s();
             if (d.ops->map(&d, va, size, h)) return;
             double t3 = now_s();
+            if (d.ops->set_access(&d, va, size)) return;
+            double t3a = now_s();
             if (d.ops->unmap(&d, va, size)) return;
             double t4 = now_s();
-            if (d.ops->release(&d, h)) return;
+            if (d.ops->release(&d, h, size)) return;
             double t5 = now_s();
             if (d.ops->unreserve(&d, va, size)) return;
             double t6 = now_s();
             v[MSH_DRV_RESERVE][r] = t1 - t0;
             v[MSH_DRV_CREATE][r] = t2 - t1;
             v[MSH_DRV_MAP][r] = t3 - t2;
-            v[MSH_DRV_UNMAP][r] = t4 - t3;
+            v[MSH_DRV_SET_ACCESS][r] = t3a - t3;
+            v[MSH_DRV_UNMAP][r] = t4 - t3a;
             v[MSH_DRV_RELEASE][r] = t5 - t4;
             v[MSH_DRV_UNRESERVE][r] = t6 - t5;
         }
@@ -354,10 +376,11 @@ static void calibrate(int ordinal, const struct msh_drvcost *base, struct calib 
     }
     for (int r = 0; r < CALIB_REPS; r++) {
         uint64_t ev = 0;
+        if (d.ops->event_create(&d, &ev)) return;
         double t0 = now_s();
         if (d.ops->synchronize(&d)) return;
         double t1 = now_s();
-        if (d.ops->event_record(&d, 0, &ev)) return;
+        if (d.ops->event_record(&d, ev, 0)) return;
         double t2 = now_s();
         int rc = d.ops->stream_wait(&d, 0, ev);
         double t3 = now_s();
@@ -382,8 +405,6 @@ static void calibrate(int ordinal, const struct msh_drvcost *base, struct calib 
         c->fit.per_call_s[k] = per_call > 0 ? per_call : 0;
         c->fit.per_mib_s[k] = per_mib;
     }
-    c->fit.per_call_s[MSH_DRV_SET_ACCESS] = 0; /* folded into map by the backend */
-    c->fit.per_mib_s[MSH_DRV_SET_ACCESS] = 0;
     c->ok = true;
 }
 
@@ -398,7 +419,7 @@ static void json_calib(const struct calib *c)
            c->gran * 10, CALIB_REPS);
     bool first = true;
     for (int k = 0; k < MSH_DRV_NKINDS; k++) {
-        if (k == MSH_DRV_MALLOC || k == MSH_DRV_FREE || k == MSH_DRV_SET_ACCESS) continue;
+        if (k == MSH_DRV_MALLOC || k == MSH_DRV_FREE) continue;
         printf("%s\"%s\":[%.9f,%.9f]", first ? "" : ",", msh_drv_call_names[k], c->med[0][k], c->med[1][k]);
         first = false;
     }

@@ -3578,10 +3578,10 @@ __attribute__((destructor)) static void cudbl_at_exit(void)
     if (v && *v && strcmp(v, "0") != 0) {
         struct cudbl_counts c;
         cudbl_get_counts(&c);
-        char buf[200];
+        char buf[240];
         int n = snprintf(buf, sizeof buf, "cudbl: exit handles=%ld mappings=%ld reservations=%ld "
-                         "allocs=%ld events=%ld misuse=%ld\n", c.handles, c.mappings, c.reservations, c.allocs,
-                         c.events, c.misuse);
+                         "allocs=%ld events=%ld misuse=%ld bytes=%zu\n", c.handles, c.mappings, c.reservations,
+                         c.allocs, c.events, c.misuse, c.bytes_in_use);
         if (n > 0) {
             ssize_t w = write(2, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf - 1);
             (void)w;
