@@ -80,8 +80,9 @@ static int cu_create(struct msh_device *d, size_t size, uint64_t *h)
     return rc;
 }
 
-static int cu_release(struct msh_device *d, uint64_t h)
+static int cu_release(struct msh_device *d, uint64_t h, size_t size)
 {
+    (void)size;
     return WITH_CTX(d, msh_cu.cuMemRelease((CUmemGenericAllocationHandle)h), "cuMemRelease");
 }
 
@@ -120,15 +121,17 @@ static size_t cu_access_descs(struct msh_device *d, const CUmemAccessDesc **out)
 
 static int cu_map(struct msh_device *d, uint64_t va, size_t size, uint64_t h)
 {
-    int rc = WITH_CTX(d, msh_cu.cuMemMap((CUdeviceptr)va, size, 0, (CUmemGenericAllocationHandle)h, 0),
-                      "cuMemMap");
-    if (rc) return rc;
-    /* A mapping is unusable until access is granted (CUDA VMM rule). */
+    return WITH_CTX(d, msh_cu.cuMemMap((CUdeviceptr)va, size, 0, (CUmemGenericAllocationHandle)h, 0), "cuMemMap");
+}
+
+/* A mapping is unusable until access is granted (CUDA VMM rule), to the owner and its peers (the
+ * descriptors above). One call covers a run of adjacent mappings, so the pool grants access once
+ * per block it maps, not once per handle. */
+static int cu_set_access(struct msh_device *d, uint64_t va, size_t size)
+{
     const CUmemAccessDesc *acc;
     size_t nacc = cu_access_descs(d, &acc);
-    rc = WITH_CTX(d, msh_cu.cuMemSetAccess((CUdeviceptr)va, size, acc, nacc), "cuMemSetAccess");
-    if (rc) WITH_CTX(d, msh_cu.cuMemUnmap((CUdeviceptr)va, size), "cuMemUnmap");
-    return rc;
+    return WITH_CTX(d, msh_cu.cuMemSetAccess((CUdeviceptr)va, size, acc, nacc), "cuMemSetAccess");
 }
 
 static int cu_unmap(struct msh_device *d, uint64_t va, size_t size)
@@ -136,18 +139,17 @@ static int cu_unmap(struct msh_device *d, uint64_t va, size_t size)
     return WITH_CTX(d, msh_cu.cuMemUnmap((CUdeviceptr)va, size), "cuMemUnmap");
 }
 
-static int cu_event_record(struct msh_device *d, uint64_t stream, uint64_t *ev)
+static int cu_event_create(struct msh_device *d, uint64_t *ev)
 {
     CUevent e = NULL;
     int rc = WITH_CTX(d, msh_cu.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-    if (rc) return rc;
-    rc = WITH_CTX(d, msh_cu.cuEventRecord(e, (CUstream)(uintptr_t)stream), "cuEventRecord");
-    if (rc) {
-        WITH_CTX(d, msh_cu.cuEventDestroy(e), "cuEventDestroy");
-        return rc;
-    }
     *ev = (uint64_t)(uintptr_t)e;
-    return 0;
+    return rc;
+}
+
+static int cu_event_record(struct msh_device *d, uint64_t ev, uint64_t stream)
+{
+    return WITH_CTX(d, msh_cu.cuEventRecord((CUevent)(uintptr_t)ev, (CUstream)(uintptr_t)stream), "cuEventRecord");
 }
 
 static int cu_event_query(struct msh_device *d, uint64_t ev)
@@ -189,7 +191,9 @@ static const struct msh_device_ops cuda_ops = {
     .create = cu_create,
     .release = cu_release,
     .map = cu_map,
+    .set_access = cu_set_access,
     .unmap = cu_unmap,
+    .event_create = cu_event_create,
     .event_record = cu_event_record,
     .event_query = cu_event_query,
     .event_release = cu_event_release,

@@ -4,7 +4,8 @@
  * It only counts: capacity, handles and mappings are numbers, addresses come from a counter, and
  * events complete at once. It must never touch host memory on behalf of a "device pointer" and
  * never fail except for capacity (ENOMEM from create) and misuse (EINVAL), so a replay measures
- * the pool and nothing else.
+ * the pool and nothing else. The pool calls it without its lock, from any thread: every counter is
+ * atomic.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -13,9 +14,10 @@
 #include "msh.h"
 
 struct sim {
-    size_t capacity, gran, used;
+    size_t capacity, gran;
+    size_t used;                 /* atomic */
     uint64_t next_va, next_handle, next_event;
-    uint64_t mapped_bytes;
+    uint64_t mapped_bytes;       /* atomic */
 };
 
 static struct sim *S(struct msh_device *d) { return d->impl; }
@@ -24,8 +26,9 @@ static int sim_mem_info(struct msh_device *d, size_t *free_b, size_t *total)
 {
     struct sim *s = S(d);
     size_t cap = s->capacity ? s->capacity : ((size_t)1 << 46);
+    size_t used = __atomic_load_n(&s->used, __ATOMIC_RELAXED);
     *total = cap;
-    *free_b = cap - s->used;
+    *free_b = used < cap ? cap - used : 0;
     return 0;
 }
 
@@ -40,9 +43,10 @@ static int sim_reserve(struct msh_device *d, size_t size, size_t align, uint64_t
     struct sim *s = S(d);
     if (!size || size % s->gran) return EINVAL;
     if (align < s->gran) align = s->gran;
-    uint64_t a = (s->next_va + align - 1) / align * align;
-    *va = a;
-    s->next_va = a + size + s->gran; /* a guard gap keeps ranges apart */
+    /* a guard gap keeps ranges apart; the slack covers any alignment up to `align` */
+    uint64_t span = size + s->gran + align;
+    uint64_t a = __atomic_fetch_add(&s->next_va, span, __ATOMIC_RELAXED);
+    *va = (a + align - 1) / align * align;
     return 0;
 }
 
@@ -52,38 +56,46 @@ static int sim_create(struct msh_device *d, size_t size, uint64_t *h)
 {
     struct sim *s = S(d);
     if (!size || size % s->gran) return EINVAL;
-    if (s->capacity && s->used + size > s->capacity) return ENOMEM;
-    s->used += size;
-    *h = ++s->next_handle;
+    size_t used = __atomic_load_n(&s->used, __ATOMIC_RELAXED);
+    do {
+        if (s->capacity && used + size > s->capacity) return ENOMEM;
+    } while (!__atomic_compare_exchange_n(&s->used, &used, used + size, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    *h = __atomic_add_fetch(&s->next_handle, 1, __ATOMIC_RELAXED);
     return 0;
 }
 
-static int sim_release(struct msh_device *d, uint64_t h)
+static int sim_release(struct msh_device *d, uint64_t h, size_t size)
 {
     struct sim *s = S(d);
-    if (!h) return EINVAL;
-    s->used -= s->gran; /* the pool only creates granularity-sized handles */
+    if (!h || !size || size % s->gran) return EINVAL;
+    __atomic_fetch_sub(&s->used, size, __ATOMIC_RELAXED);
     return 0;
 }
 
 static int sim_map(struct msh_device *d, uint64_t va MSH_UNUSED, size_t size, uint64_t h MSH_UNUSED)
 {
-    S(d)->mapped_bytes += size;
+    __atomic_fetch_add(&S(d)->mapped_bytes, size, __ATOMIC_RELAXED);
     return 0;
 }
+
+static int sim_set_access(struct msh_device *d MSH_UNUSED, uint64_t va MSH_UNUSED, size_t size MSH_UNUSED) { return 0; }
 
 static int sim_unmap(struct msh_device *d, uint64_t va MSH_UNUSED, size_t size)
 {
-    S(d)->mapped_bytes -= size;
+    __atomic_fetch_sub(&S(d)->mapped_bytes, size, __ATOMIC_RELAXED);
     return 0;
 }
 
-static int sim_event_record(struct msh_device *d, uint64_t stream MSH_UNUSED, uint64_t *ev)
+static int sim_event_create(struct msh_device *d, uint64_t *ev)
 {
-    *ev = ++S(d)->next_event;
+    *ev = __atomic_add_fetch(&S(d)->next_event, 1, __ATOMIC_RELAXED);
     return 0;
 }
 
+static int sim_event_record(struct msh_device *d MSH_UNUSED, uint64_t ev MSH_UNUSED, uint64_t stream MSH_UNUSED)
+{
+    return 0;
+}
 static int sim_event_query(struct msh_device *d MSH_UNUSED, uint64_t ev MSH_UNUSED) { return 0; }
 static int sim_event_release(struct msh_device *d MSH_UNUSED, uint64_t ev MSH_UNUSED) { return 0; }
 static int sim_stream_wait(struct msh_device *d MSH_UNUSED, uint64_t stream MSH_UNUSED, uint64_t ev MSH_UNUSED)
@@ -101,7 +113,9 @@ static const struct msh_device_ops sim_ops = {
     .create = sim_create,
     .release = sim_release,
     .map = sim_map,
+    .set_access = sim_set_access,
     .unmap = sim_unmap,
+    .event_create = sim_event_create,
     .event_record = sim_event_record,
     .event_query = sim_event_query,
     .event_release = sim_event_release,

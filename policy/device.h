@@ -6,7 +6,9 @@
  * counts, for fast replay. Handles, addresses, streams and events are opaque 64-bit values.
  * Every call returns 0 or an errno value (msh.h); ENOMEM from create() means "no physical memory
  * left", which the pool treats as pressure, not as an error. A backend never calls back into
- * the pool and never takes a pool lock.
+ * the pool and never takes a pool lock. The pool never holds its own lock while it calls a
+ * backend (a slow driver call must not stall other threads), so calls come from several threads
+ * at once: a backend must be thread-safe.
  */
 #ifndef MSH_DEVICE_H
 #define MSH_DEVICE_H
@@ -22,17 +24,25 @@ struct msh_device_ops {
     int (*granularity)(struct msh_device *d, size_t *gran);
     int (*reserve)(struct msh_device *d, size_t size, size_t align, uint64_t *va);
     int (*unreserve)(struct msh_device *d, uint64_t va, size_t size);
+    /* a physical allocation of `size` bytes (a multiple of the granularity) */
     int (*create)(struct msh_device *d, size_t size, uint64_t *handle);
-    int (*release)(struct msh_device *d, uint64_t handle);
-    /* map `handle` (of exactly `size` bytes) at `va` and grant read/write access to the device */
+    /* give back a handle that is no longer mapped; `size` is what create() was asked for */
+    int (*release)(struct msh_device *d, uint64_t handle, size_t size);
+    /* map `handle` (of exactly `size` bytes) at `va`; the range is unusable until set_access */
     int (*map)(struct msh_device *d, uint64_t va, size_t size, uint64_t handle);
+    /* grant the device read/write access to [va, va + size), which may span several mappings
+     * (one call per contiguous run is enough; every byte of the range must be mapped) */
+    int (*set_access)(struct msh_device *d, uint64_t va, size_t size);
+    /* unmap [va, va + size): whole mappings only (the range may span several) */
     int (*unmap)(struct msh_device *d, uint64_t va, size_t size);
-    /* record an event on `stream`; *event is later queried and released */
-    int (*event_record)(struct msh_device *d, uint64_t stream, uint64_t *event);
+    /* events are created once and recorded many times (the pool keeps them in a free list) */
+    int (*event_create)(struct msh_device *d, uint64_t *event);
+    /* record `event` on `stream`: it completes when the work enqueued on it so far has */
+    int (*event_record)(struct msh_device *d, uint64_t event, uint64_t stream);
     /* 0: every work item before the event has completed; EBUSY: not yet; other: error */
     int (*event_query)(struct msh_device *d, uint64_t event);
     int (*event_release)(struct msh_device *d, uint64_t event);
-    /* make `stream` wait for `event` (no host blocking) */
+    /* make `stream` wait for `event` as last recorded (no host blocking) */
     int (*stream_wait)(struct msh_device *d, uint64_t stream, uint64_t event);
     /* block until all work on the device has completed */
     int (*synchronize)(struct msh_device *d);

@@ -84,7 +84,7 @@ static const struct enum_val empty_cache_vals[] = {
      "before an allocation would fail."},
     {"epoch", MSH_EC_EPOCH, "At every epoch boundary (see `MEMSHIM_EPOCH`)."},
     {"threshold", MSH_EC_THRESHOLD,
-     "Whenever reserved-but-free memory exceeds `MEMSHIM_EMPTY_CACHE_THRESHOLD`."},
+     "Reserved-but-free memory above `MEMSHIM_EMPTY_CACHE_THRESHOLD` once it has not been reused for 1 s."},
     {"idle", MSH_EC_IDLE,
      "After `MEMSHIM_EMPTY_CACHE_IDLE` seconds without an allocation."},
     {NULL, 0, NULL},
@@ -171,7 +171,8 @@ static const struct opt opts[O_COUNT] = {
     [O_EMPTY_CACHE_THRESHOLD] = {"MEMSHIM_EMPTY_CACHE_THRESHOLD", T_SIZE, "0", NULL,
                                  "a size, 0 or more", "bytes",
                                  "With `MEMSHIM_EMPTY_CACHE=threshold`: reserved-but-free bytes "
-                                 "above which free pages are released.",
+                                 "above which free pages are released, once unused for 1 s (a loop "
+                                 "that reuses them keeps them).",
                                  F(empty_cache_threshold), 0, 0, UINT64_MAX, NULL, NULL},
     [O_EMPTY_CACHE_IDLE] = {"MEMSHIM_EMPTY_CACHE_IDLE", T_SECONDS, "10", NULL,
                             "seconds like 10, 2.5s, 500ms, 5m or 1h", "seconds",

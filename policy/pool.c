@@ -1,23 +1,32 @@
 /*
- * pool.c: the defragmenting pool (DESIGN.md 4).
+ * pool.c: the defragmenting pool (DESIGN.md 4, docs/pool.md).
  *
  * Virtual address space is plentiful and physical pages can be remapped, so fragmentation is a
  * physical-page problem. The pool keeps one long VA line per area (small requests and large
  * requests live in separate areas so a long-lived small block never pins a page in the middle of
- * large traffic), places blocks best-fit by (size, address) along it, and maps a physical page
- * (one granularity-sized handle) only where a live block touches it. Neighbours share pages,
- * so the physical memory held approaches the peak of live bytes. A page no live block touches
- * stays mapped as a cached page; under pressure cached pages are unmapped (after their last use
- * is known complete: unmap is not stream-ordered) and their handles remapped where a new block
- * needs them. In a steady loop the same placements recur, so no map or unmap happens at all.
+ * large traffic), places blocks best-fit by (size, address) along it, and maps physical memory
+ * only where a live block touches a page. Neighbours share pages, so the physical memory held
+ * approaches the peak of live bytes. The interior of a large block gets one handle for the whole
+ * run of pages it alone covers; pages a block shares (or may share) with a neighbour get a handle
+ * of their own, so that they can be reclaimed one by one. A handle no live block touches stays
+ * mapped as a cached handle; under pressure cached handles are unmapped (after their last use is
+ * known complete: unmap is not stream-ordered) and their memory mapped where a new block needs
+ * it. Training repeats the same step: once a step has been seen twice and remapped, the pool
+ * places the next ones by a plan packed for that step, so that it fits in what is mapped.
+ *
+ * Driver work (create, map, access, unmap, release, events, synchronize) never runs under the
+ * pool lock: a request claims its extent and pages under the lock ("in progress"), calls the
+ * driver unlocked, and publishes the result under the lock again; a thread that needs a page
+ * another thread is working on waits on a condition variable, never while holding a claim.
  *
  * It must never call a CUDA hook, never allocate with malloc (its memory comes from mmap), never
- * call the GC callback while holding its lock, and never hand out a byte that a live block or
- * queued GPU work still uses.
+ * call the GC callback or the device while holding its lock, and never hand out a byte that a
+ * live block or queued GPU work still uses.
  */
 #include "pool.h"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -29,72 +38,130 @@
 #define BLOCK_ALIGN 512 /* what PyTorch promises its callers */
 #define MAX_SIZE ((uint64_t)1 << 48)
 #define NO_PAGE UINT32_MAX
+#define NO_EV UINT32_MAX
 #define MAX_STREAMS 4
-/* Pages per region: its page table (24 bytes a page, touched lazily) stays under 100 MiB of
+/* Pages per region: its page table (40 bytes a page, touched lazily) stays under 160 MiB of
  * address space and page indices fit 32 bits. 8 TiB of VA per region at 2 MiB pages. */
 #define MAX_REGION_PAGES ((uint64_t)1 << 22)
 #define NAREAS 2 /* 0: small requests, 1: large */
 
 struct region;
 
-/* One extent of a region's VA line: live or free. Every byte of a region belongs to exactly one
- * block, kept in address order, so freeing coalesces with neighbours in O(1). */
+enum { B_FREE = 1, B_LIVE, B_PENDING, B_FREEING };
+enum { PG_MAPPED = 0, PG_MAPPING, PG_UNMAPPING };
+
+/* A stream whose queued work may touch an extent, and the event recorded on it when the work
+ * was last queued (NO_EV: none; the pool had seen one stream only). */
+struct sref {
+    uint64_t stream;
+    uint32_t ev;
+    uint32_t pad;
+};
+
+/* One extent of a region's VA line: live, free, or in a state between (pending: carved for an
+ * allocation whose pages are being mapped; freeing: events being recorded for its free). Every
+ * byte of a region belongs to exactly one block, kept in address order, so freeing coalesces
+ * with neighbours in O(1). */
 struct blk {
     uint64_t addr, size; /* size: VA bytes, a multiple of BLOCK_ALIGN */
     uint64_t req;        /* requested bytes while live */
     struct blk *prev, *next;
     struct region *reg;
-    struct blk *tl, *tr; /* free-treap children */
+    struct blk *tl, *tr; /* free treap by (size, addr) */
+    struct blk *al, *ar; /* free treap by addr (the learned step places at given addresses) */
     struct blk *hnext;   /* live hash chain, or the spare list */
-    uint64_t streams[MAX_STREAMS]; /* live: [0] alloc stream + recorded; free: last-use streams */
+    struct sref s[MAX_STREAMS]; /* live: [0] alloc stream + recorded; free: last-use streams */
+    uint64_t free_gen;   /* pool->free_gen when freed on a stream (work may still be queued) */
+    uint64_t serial;     /* live: the allocation's number in the step log */
     uint32_t prio;
-    uint32_t sync_epoch; /* pool->sync_count when it was freed */
-    uint8_t free, nstreams, sync_needed;
+    uint8_t state, ns, sync_needed;
+    uint8_t claimed;     /* pending: counted on its pages (a pending block waiting for another
+                          * thread's pages has not claimed them yet) */
     uint32_t tag;        /* live: msh_pool_tags.next when it was placed (the caller's mark) */
 };
 
+/* One granularity-sized page of a region. A handle covers a run of pages; its first page (the
+ * head) holds the handle's fields, the others point at it. */
 struct page {
-    uint64_t handle;      /* 0: not mapped */
-    int32_t live;         /* live blocks touching this page */
-    uint32_t cprev, cnext; /* cached-page LRU list (mapped, live == 0) */
+    uint64_t handle;       /* head: the driver's handle (0 while it is being created) */
+    int32_t live;          /* live (or pending) blocks touching this page */
+    uint32_t hd;           /* 1 + first page of the handle mapped here; 0: nothing mapped (so that
+                            * a fresh, zero-filled page table needs no initialisation) */
+    uint32_t npages;       /* head: pages the handle covers */
+    uint32_t nlive;        /* head: its pages with live > 0 */
+    uint32_t cprev, cnext; /* head: cached-handle list (mapped, nlive == 0), oldest first */
+    uint32_t ctime;        /* head: when it became cached (ms since the pool was created) */
+    uint8_t state;         /* head: PG_MAPPED, or a driver call in progress */
+    uint8_t plan;          /* PLAN_PAGE: inside the learned step's footprint; PLAN_LIST (head):
+                            * kept on the region's second cached list, reclaimed last */
 };
+#define PLAN_PAGE 1
+#define PLAN_LIST 2
+
+/* The head page of the handle mapped at pg, or NO_PAGE (hd - 1 wraps to it). */
+static inline uint32_t pg_head(const struct page *pg) { return pg->hd - 1u; }
 
 struct region {
     uint64_t base, size;
     uint32_t npages, hi_page; /* hi_page: one past the highest page ever mapped */
     struct page *pages;
-    uint32_t chead, ctail;
-    size_t ncached;
+    uint32_t chead[2], ctail[2]; /* cached handles outside [0] and inside [1] the learned step */
+    size_t ncached;              /* pages of cached handles */
     struct region *next;
     struct blk *first; /* the block at base: merging never removes it */
     int area;
 };
 
+/* A pooled event: created once, recorded at frees, shared by the extents split from one free. */
+struct pev {
+    uint64_t h;       /* device event; 0 until created */
+    uint64_t stream;  /* where it was last recorded */
+    uint64_t seq;     /* pool-wide record order: on one stream, a later record covers an earlier */
+    uint32_t refs;    /* extents (and in-flight waits) holding it */
+    uint32_t next;    /* free list */
+};
+
+struct step;
+
 struct msh_pool {
     pthread_mutex_t lock;
+    pthread_cond_t cv;    /* a mapping or unmapping another thread waits for was published */
     struct msh_device *dev;
     struct msh_pool_params prm;
     size_t gran, limit, device_total;
+    uint32_t limit_pages, max_handle_pages, chunk_pages;
     struct region *areas[NAREAS];
-    struct blk *tree[NAREAS];
+    struct blk *tree[NAREAS], *atree[NAREAS];
     struct blk **htab;
     size_t hcap, hcount;
     struct blk *spare;
-    size_t handles, touched, cached;
-    bool dirty;           /* a free with unfinished stream work since the last synchronize */
+    size_t held;          /* pages of handles held, or being created (the budget against the limit) */
+    size_t nhandles, touched, cached;
+    int jobs;             /* requests doing driver work right now (without the lock) */
+    int waiters;
+    uint64_t free_gen, synced_gen; /* frees with queued work; all of those up to synced_gen are done */
     bool driver_oom;      /* the driver itself refused a create since the last empty-cache */
-    uint64_t orphans[64]; /* unmapped handles whose release failed: retried, never forgotten */
+    uint64_t pressure_reclaims; /* cached handles taken back because the pool was at its cap */
+    bool multi_stream;    /* seen two streams: frees record events */
+    uint64_t first_stream;
+    bool have_stream;
+    struct { uint64_t h; uint32_t pages; } orphans[64]; /* unmapped handles whose release failed */
     int norphans;
-    uint32_t sync_count;
+    struct pev *evs;
+    uint32_t nevs, capevs, evfree;
+    uint64_t evseq;
     uint32_t rng;
     bool timing;
+    uint64_t t0_ns;
     msh_pool_gc_fn gc_fn;
     void *gc_arg;
+    struct step *step;    /* the step log and learned plan (NULL: learning off) */
     struct msh_pool_stats st;
     struct msh_pool_oom oom;
 };
 
-/* ---- device calls, counted by kind (drvcost.h) ------------------------------------------------ */
+/* ---- device calls, counted by kind (drvcost.h) ------------------------------------------------
+ * Called without the pool lock, from any thread: the counters are atomic. */
 
 const char *const msh_drv_call_names[MSH_DRV_NKINDS] = {
 #define MSH_DRV_NAME_(e, s) s,
@@ -104,8 +171,8 @@ const char *const msh_drv_call_names[MSH_DRV_NKINDS] = {
 
 static inline void drv_count(struct msh_pool *pool, enum msh_drv_call k, uint64_t bytes)
 {
-    pool->st.drv_calls[k]++;
-    pool->st.drv_bytes[k] += bytes;
+    __atomic_fetch_add(&pool->st.drv_calls[k], 1, __ATOMIC_RELAXED);
+    if (bytes) __atomic_fetch_add(&pool->st.drv_bytes[k], bytes, __ATOMIC_RELAXED);
 }
 
 static int dev_create(struct msh_pool *pool, size_t size, uint64_t *h)
@@ -114,17 +181,22 @@ static int dev_create(struct msh_pool *pool, size_t size, uint64_t *h)
     return pool->dev->ops->create(pool->dev, size, h);
 }
 
-static int dev_release(struct msh_pool *pool, uint64_t h)
+static int dev_release(struct msh_pool *pool, uint64_t h, size_t size)
 {
-    drv_count(pool, MSH_DRV_RELEASE, pool->gran);
-    return pool->dev->ops->release(pool->dev, h);
+    drv_count(pool, MSH_DRV_RELEASE, size);
+    return pool->dev->ops->release(pool->dev, h, size);
 }
 
 static int dev_map(struct msh_pool *pool, uint64_t va, size_t size, uint64_t h)
 {
     drv_count(pool, MSH_DRV_MAP, size);
-    drv_count(pool, MSH_DRV_SET_ACCESS, size);
     return pool->dev->ops->map(pool->dev, va, size, h);
+}
+
+static int dev_set_access(struct msh_pool *pool, uint64_t va, size_t size)
+{
+    drv_count(pool, MSH_DRV_SET_ACCESS, size);
+    return pool->dev->ops->set_access(pool->dev, va, size);
 }
 
 static int dev_unmap(struct msh_pool *pool, uint64_t va, size_t size)
@@ -139,10 +211,10 @@ static int dev_synchronize(struct msh_pool *pool)
     return pool->dev->ops->synchronize(pool->dev);
 }
 
-static int dev_event_record(struct msh_pool *pool, uint64_t stream, uint64_t *ev)
+static int dev_event_record(struct msh_pool *pool, uint64_t ev, uint64_t stream)
 {
     drv_count(pool, MSH_DRV_EVENT_RECORD, 0);
-    return pool->dev->ops->event_record(pool->dev, stream, ev);
+    return pool->dev->ops->event_record(pool->dev, ev, stream);
 }
 
 static int dev_stream_wait(struct msh_pool *pool, uint64_t stream, uint64_t ev)
@@ -163,30 +235,6 @@ static int dev_unreserve(struct msh_pool *pool, uint64_t va, size_t size)
     return pool->dev->ops->unreserve(pool->dev, va, size);
 }
 
-/* Claim one page under a shared limit (struct msh_pool_share): claimed before the create, so
- * pools racing on other threads can never go over it together. */
-static bool share_claim(struct msh_pool *pool)
-{
-    struct msh_pool_share *sh = pool->prm.share;
-    if (!sh) return !pool->limit || (pool->handles + 1) * pool->gran <= pool->limit;
-    size_t lim = __atomic_load_n(&sh->limit_bytes, __ATOMIC_RELAXED) / pool->gran * pool->gran;
-    size_t prev = __atomic_fetch_add(&sh->handle_bytes, pool->gran, __ATOMIC_RELAXED);
-    if (!lim || prev + pool->gran <= lim) return true;
-    __atomic_fetch_sub(&sh->handle_bytes, pool->gran, __ATOMIC_RELAXED);
-    return false;
-}
-
-static void share_unclaim(struct msh_pool *pool)
-{
-    if (pool->prm.share) __atomic_fetch_sub(&pool->prm.share->handle_bytes, pool->gran, __ATOMIC_RELAXED);
-}
-
-static size_t limit_now(const struct msh_pool *pool)
-{
-    if (!pool->prm.share) return pool->limit;
-    return __atomic_load_n(&pool->prm.share->limit_bytes, __ATOMIC_RELAXED) / pool->gran * pool->gran;
-}
-
 /* ---- memory for the pool's own structures (mmap, never malloc) ------------------------------ */
 
 static void *raw_alloc(size_t bytes)
@@ -198,6 +246,19 @@ static void *raw_alloc(size_t bytes)
 static void raw_free(void *p, size_t bytes)
 {
     if (p) munmap(p, bytes);
+}
+
+/* Grow an array kept in raw memory (or in `inl`, its first storage) to hold one more element. */
+static bool arr_grow(void **v, uint32_t *cap, size_t elem, const void *inl)
+{
+    uint32_t ncap = *cap ? *cap * 2 : 64;
+    void *n = raw_alloc((size_t)ncap * elem);
+    if (!n) return false;
+    if (*cap) memcpy(n, *v, (size_t)*cap * elem);
+    if (*v && *v != inl) raw_free(*v, (size_t)*cap * elem);
+    *v = n;
+    *cap = ncap;
+    return true;
 }
 
 #define SLAB_BYTES (256 * 1024)
@@ -227,7 +288,7 @@ static void blk_put(struct msh_pool *pool, struct blk *b)
     pool->spare = b;
 }
 
-/* ---- free treap keyed by (size, addr): best fit is a lower bound ----------------------------- */
+/* ---- free treaps: by (size, addr), where best fit is a lower bound; and by addr ---------------- */
 
 static inline bool key_less(const struct blk *a, const struct blk *b)
 {
@@ -290,6 +351,75 @@ static struct blk *treap_lower_bound(struct blk *t, uint64_t size)
     return best;
 }
 
+static void atreap_split(struct blk *t, uint64_t addr, struct blk **l, struct blk **r)
+{
+    if (!t) {
+        *l = *r = NULL;
+    } else if (t->addr < addr) {
+        atreap_split(t->ar, addr, &t->ar, r);
+        *l = t;
+    } else {
+        atreap_split(t->al, addr, l, &t->al);
+        *r = t;
+    }
+}
+
+static struct blk *atreap_merge(struct blk *a, struct blk *b)
+{
+    if (!a) return b;
+    if (!b) return a;
+    if (a->prio > b->prio) {
+        a->ar = atreap_merge(a->ar, b);
+        return a;
+    }
+    b->al = atreap_merge(a, b->al);
+    return b;
+}
+
+static void atreap_insert(struct blk **root, struct blk *n)
+{
+    n->al = n->ar = NULL;
+    struct blk **t = root;
+    while (*t && (*t)->prio >= n->prio) t = n->addr < (*t)->addr ? &(*t)->al : &(*t)->ar;
+    atreap_split(*t, n->addr, &n->al, &n->ar);
+    *t = n;
+}
+
+static void atreap_remove(struct blk **root, struct blk *n)
+{
+    struct blk **t = root;
+    while (*t && *t != n) t = n->addr < (*t)->addr ? &(*t)->al : &(*t)->ar;
+    if (*t) *t = atreap_merge(n->al, n->ar);
+    n->al = n->ar = NULL;
+}
+
+/* The free block with the highest address <= addr, or NULL. */
+static struct blk *atreap_floor(struct blk *t, uint64_t addr)
+{
+    struct blk *best = NULL;
+    while (t) {
+        if (t->addr <= addr) {
+            best = t;
+            t = t->ar;
+        } else {
+            t = t->al;
+        }
+    }
+    return best;
+}
+
+static void free_insert(struct msh_pool *pool, struct blk *b)
+{
+    treap_insert(&pool->tree[b->reg->area], b);
+    atreap_insert(&pool->atree[b->reg->area], b);
+}
+
+static void free_remove(struct msh_pool *pool, struct blk *b)
+{
+    treap_remove(&pool->tree[b->reg->area], b);
+    atreap_remove(&pool->atree[b->reg->area], b);
+}
+
 /* ---- live-block hash (address -> block) ------------------------------------------------------ */
 
 static inline size_t hash_addr(uint64_t a, size_t cap)
@@ -350,69 +480,848 @@ static struct blk *hash_remove(struct msh_pool *pool, uint64_t addr)
     return NULL;
 }
 
-/* ---- cached pages (mapped, touched by no live block), oldest first -------------------------- */
+/* ---- cached handles (mapped, touched by no live block), oldest first ---------------------------
+ * Two lists per region: handles inside the learned step's footprint (page.plan) are reclaimed
+ * last, so that a step that fits keeps its pages mapped. */
 
-static void cache_add(struct msh_pool *pool, struct region *r, uint32_t p)
+static inline uint32_t now_ms(const struct msh_pool *pool)
 {
-    struct page *pg = &r->pages[p];
-    pg->cnext = NO_PAGE;
-    pg->cprev = r->ctail;
-    if (r->ctail != NO_PAGE) r->pages[r->ctail].cnext = p;
-    else r->chead = p;
-    r->ctail = p;
-    r->ncached++;
-    pool->cached++;
+    return (uint32_t)((msh_now_ns() - pool->t0_ns) / 1000000u);
 }
 
-static void cache_remove(struct msh_pool *pool, struct region *r, uint32_t p)
+static void cache_add(struct msh_pool *pool, struct region *r, uint32_t h)
+{
+    struct page *pg = &r->pages[h];
+    /* which list: whether the learned step uses any of its pages now */
+    uint8_t in = 0;
+    for (uint32_t q = h; q < h + pg->npages && !in; q++) in = r->pages[q].plan & PLAN_PAGE;
+    pg->plan = (uint8_t)((pg->plan & PLAN_PAGE) | (in ? PLAN_LIST : 0));
+    int l = in != 0;
+    pg->cnext = NO_PAGE;
+    pg->cprev = r->ctail[l];
+    if (r->ctail[l] != NO_PAGE) r->pages[r->ctail[l]].cnext = h;
+    else r->chead[l] = h;
+    r->ctail[l] = h;
+    r->ncached += pg->npages;
+    pool->cached += pg->npages;
+    pg->ctime = pool->prm.release_threshold ? now_ms(pool) : 0;
+}
+
+static void cache_remove(struct msh_pool *pool, struct region *r, uint32_t h)
+{
+    struct page *pg = &r->pages[h];
+    int l = (pg->plan & PLAN_LIST) != 0;
+    if (pg->cprev != NO_PAGE) r->pages[pg->cprev].cnext = pg->cnext;
+    else r->chead[l] = pg->cnext;
+    if (pg->cnext != NO_PAGE) r->pages[pg->cnext].cprev = pg->cprev;
+    else r->ctail[l] = pg->cprev;
+    pg->cprev = pg->cnext = NO_PAGE;
+    r->ncached -= pg->npages;
+    pool->cached -= pg->npages;
+}
+
+/* A live (or pending) block starts or stops touching page p. The handle mapped there leaves or
+ * joins the cached list when the first of its pages is touched or the last one left. */
+static void page_touch(struct msh_pool *pool, struct region *r, uint32_t p)
 {
     struct page *pg = &r->pages[p];
-    if (pg->cprev != NO_PAGE) r->pages[pg->cprev].cnext = pg->cnext;
-    else r->chead = pg->cnext;
-    if (pg->cnext != NO_PAGE) r->pages[pg->cnext].cprev = pg->cprev;
-    else r->ctail = pg->cprev;
-    pg->cprev = pg->cnext = NO_PAGE;
-    r->ncached--;
-    pool->cached--;
+    if (pg->live++ != 0) return;
+    pool->touched++;
+    uint32_t hp = pg_head(pg);
+    if (hp == NO_PAGE) return;
+    struct page *h = &r->pages[hp];
+    if (h->nlive++ == 0 && h->state == PG_MAPPED) cache_remove(pool, r, hp);
+}
+
+static void page_untouch(struct msh_pool *pool, struct region *r, uint32_t p)
+{
+    struct page *pg = &r->pages[p];
+    if (--pg->live != 0) return;
+    pool->touched--;
+    uint32_t hp = pg_head(pg);
+    if (hp == NO_PAGE) return;
+    struct page *h = &r->pages[hp];
+    if (--h->nlive == 0 && h->state == PG_MAPPED) cache_add(pool, r, hp);
+}
+
+static void page_range(const struct msh_pool *pool, const struct blk *b, uint32_t *p0, uint32_t *p1)
+{
+    *p0 = (uint32_t)((b->addr - b->reg->base) / pool->gran);
+    *p1 = (uint32_t)((b->addr + b->size - 1 - b->reg->base) / pool->gran);
+}
+
+static void block_untouch(struct msh_pool *pool, struct blk *b)
+{
+    uint32_t p0, p1;
+    page_range(pool, b, &p0, &p1);
+    for (uint32_t p = p0; p <= p1; p++) page_untouch(pool, b->reg, p);
+}
+
+static inline uint64_t page_va(const struct msh_pool *pool, const struct region *r, uint32_t p)
+{
+    return r->base + (uint64_t)p * pool->gran;
+}
+
+/* ---- pooled events ------------------------------------------------------------------------------ */
+
+/* A slot with one reference, or NO_EV when the table cannot grow. Its event may not exist yet
+ * (h == 0): whoever records it creates it first, without the lock. */
+static uint32_t ev_get(struct msh_pool *pool)
+{
+    if (pool->evfree == NO_EV) {
+        if (pool->nevs == pool->capevs) {
+            void *v = pool->evs;
+            if (!arr_grow(&v, &pool->capevs, sizeof *pool->evs, NULL)) return NO_EV;
+            pool->evs = v;
+        }
+        pool->evs[pool->nevs] = (struct pev){.next = NO_EV};
+        pool->evfree = pool->nevs++;
+    }
+    uint32_t i = pool->evfree;
+    pool->evfree = pool->evs[i].next;
+    pool->evs[i].refs = 1;
+    pool->evs[i].next = NO_EV;
+    return i;
+}
+
+static void ev_put(struct msh_pool *pool, uint32_t i)
+{
+    if (i == NO_EV) return;
+    if (--pool->evs[i].refs) return;
+    pool->evs[i].next = pool->evfree;
+    pool->evfree = i;
+}
+
+static inline void ev_ref(struct msh_pool *pool, uint32_t i)
+{
+    if (i != NO_EV) pool->evs[i].refs++;
+}
+
+/* ---- stream tags of extents ------------------------------------------------------------------- */
+
+/* No queued work can touch the extent: none was recorded, or a synchronize covered its free. */
+static bool blk_clean(const struct msh_pool *pool, const struct blk *b)
+{
+    return (!b->ns && !b->sync_needed) || (b->free_gen && b->free_gen <= pool->synced_gen);
+}
+
+static void sref_clear(struct msh_pool *pool, struct blk *b)
+{
+    for (int i = 0; i < b->ns; i++) ev_put(pool, b->s[i].ev);
+    b->ns = 0;
+    b->sync_needed = 0;
+    b->free_gen = 0;
+}
+
+/* Add (stream, ev) to b's tags, taking over the reference on ev. On one stream a later record
+ * covers an earlier one; no event at all (NO_EV: record at reuse time) covers both. */
+static void sref_add(struct msh_pool *pool, struct blk *b, uint64_t stream, uint32_t ev)
+{
+    for (int i = 0; i < b->ns; i++) {
+        if (b->s[i].stream != stream) continue;
+        uint32_t old = b->s[i].ev;
+        bool keep_old = old == NO_EV || (ev != NO_EV && pool->evs[old].seq >= pool->evs[ev].seq);
+        if (keep_old) {
+            ev_put(pool, ev);
+        } else {
+            ev_put(pool, old);
+            b->s[i].ev = ev;
+        }
+        return;
+    }
+    if (b->ns < MAX_STREAMS) {
+        b->s[b->ns++] = (struct sref){.stream = stream, .ev = ev};
+    } else {
+        ev_put(pool, ev);
+        b->sync_needed = 1; /* too many streams to track: synchronize before reuse elsewhere */
+    }
+}
+
+/* Free neighbours merge (or a pending piece returns): the merged extent waits for the work of both. */
+static void streams_merge(struct msh_pool *pool, struct blk *into, struct blk *from)
+{
+    if (blk_clean(pool, from)) {
+        sref_clear(pool, from);
+        return;
+    }
+    if (blk_clean(pool, into)) {
+        sref_clear(pool, into);
+        memcpy(into->s, from->s, sizeof into->s);
+        into->ns = from->ns;
+        into->sync_needed = from->sync_needed;
+        into->free_gen = from->free_gen;
+        from->ns = 0;
+        return;
+    }
+    into->sync_needed |= from->sync_needed;
+    for (int i = 0; i < from->ns; i++) sref_add(pool, into, from->s[i].stream, from->s[i].ev);
+    from->ns = 0;
+    if (from->free_gen > into->free_gen) into->free_gen = from->free_gen;
+}
+
+/* Copy of b's tags onto a piece split from it (one more reference on each event). */
+static void streams_copy(struct msh_pool *pool, struct blk *to, const struct blk *from)
+{
+    memcpy(to->s, from->s, sizeof to->s);
+    to->ns = from->ns;
+    to->sync_needed = from->sync_needed;
+    to->free_gen = from->free_gen;
+    for (int i = 0; i < to->ns; i++) ev_ref(pool, to->s[i].ev);
+}
+
+static void stream_seen(struct msh_pool *pool, uint64_t stream)
+{
+    if (stream == MSH_STREAM_COMPLETED || pool->multi_stream) return;
+    if (!pool->have_stream) {
+        pool->have_stream = true;
+        pool->first_stream = stream;
+    } else if (stream != pool->first_stream) {
+        pool->multi_stream = true;
+    }
+}
+
+/* ---- driver work outside the lock: claim, run, publish ----------------------------------------
+ * A job is what one request needs from the driver. Under the lock it claims pages (runs to map,
+ * in state PG_MAPPING) and cached handles to take back (victims, PG_UNMAPPING) and copies the
+ * events it will wait on; job_run() then calls the driver without the lock; job_publish() applies
+ * the results under the lock and wakes threads waiting for those pages. Nobody waits while
+ * holding a claim, so nobody waits forever. */
+
+struct run {
+    uint32_t p0, n;  /* pages [p0, p0 + n) of the job's region, one handle */
+    uint64_t h;
+    int32_t vic;     /* the victim whose handle it maps, or -1: a new handle */
+    int rc;
+    uint8_t fate;    /* on failure: RUN_NONE no handle, RUN_RELEASED, RUN_ORPHANED */
+};
+enum { RUN_NONE = 0, RUN_RELEASED, RUN_ORPHANED };
+
+struct victim {
+    struct region *r;
+    uint32_t head, n;
+    uint64_t h;
+    int32_t run;     /* the run that maps its handle next, or -1: released */
+    int rc, rel_rc;  /* unmap and release results */
+    uint8_t kind;    /* V_RECLAIM (pressure), V_SPLIT (re-partitioned), V_RELEASE (empty-cache) */
+};
+enum { V_RECLAIM = 0, V_SPLIT, V_RELEASE };
+
+struct ewait {
+    uint64_t stream; /* the old stream */
+    uint64_t h;      /* its event, copied under the lock (0: create one) */
+    uint32_t ev;     /* pooled slot (one reference held by the job) */
+    uint8_t record;  /* no event was recorded at the free: record one on the old stream now */
+    uint8_t created;
+};
+
+#define JOB_INL 8
+struct job {
+    struct region *r;
+    struct run *runs;
+    struct victim *vic;
+    uint32_t nruns, capruns, nvic, capvic;
+    uint32_t acc_p0, acc_p1;    /* grant access to these pages (when runs were mapped) */
+    bool sync;                  /* synchronize first: unmapping pages freed on streams, or host use */
+    bool host_sync;             /* the synchronize is for a host-synchronous user */
+    bool driver_enomem;         /* the driver refused a create */
+    uint64_t sync_gen;
+    int sync_rc, wait_rc;
+    uint64_t stream;            /* the allocation's stream (waits are enqueued on it) */
+    struct ewait waits[MAX_STREAMS];
+    int nwaits;
+    struct { uint64_t h; uint32_t pages; int rc; } orph[64]; /* orphans to retry */
+    int norph;
+    struct run runs_inl[JOB_INL];
+    struct victim vic_inl[JOB_INL];
+};
+
+static void job_init(struct job *j)
+{
+    memset(j, 0, offsetof(struct job, runs_inl));
+    j->runs = j->runs_inl;
+    j->vic = j->vic_inl;
+    j->capruns = j->capvic = JOB_INL;
+}
+
+static void job_fini(struct msh_pool *pool, struct job *j)
+{
+    for (int i = 0; i < j->nwaits; i++) ev_put(pool, j->waits[i].ev);
+    j->nwaits = 0;
+    if (j->runs != j->runs_inl) raw_free(j->runs, (size_t)j->capruns * sizeof *j->runs);
+    if (j->vic != j->vic_inl) raw_free(j->vic, (size_t)j->capvic * sizeof *j->vic);
+    j->runs = j->runs_inl;
+    j->vic = j->vic_inl;
+    j->capruns = j->capvic = JOB_INL;
+    j->nruns = j->nvic = 0;
+}
+
+static bool job_has_work(const struct job *j)
+{
+    return j->nruns || j->nvic || j->sync || j->nwaits || j->norph;
+}
+
+static bool job_add_run(struct job *j, uint32_t p0, uint32_t n)
+{
+    if (j->nruns == j->capruns) {
+        void *v = j->runs;
+        if (!arr_grow(&v, &j->capruns, sizeof *j->runs, j->runs_inl)) return false;
+        j->runs = v;
+    }
+    j->runs[j->nruns++] = (struct run){.p0 = p0, .n = n, .vic = -1};
+    return true;
+}
+
+static bool job_add_victim(struct job *j, struct region *r, uint32_t head, uint32_t n, uint64_t h)
+{
+    if (j->nvic == j->capvic) {
+        void *v = j->vic;
+        if (!arr_grow(&v, &j->capvic, sizeof *j->vic, j->vic_inl)) return false;
+        j->vic = v;
+    }
+    j->vic[j->nvic++] = (struct victim){.r = r, .head = head, .n = n, .h = h, .run = -1};
+    return true;
+}
+
+/* The limit in force: the pool's own, or the one it shares with other pools of the device
+ * (struct msh_pool_share: PyTorch's capture pools beside the main pool, shim/torch.c). */
+static size_t limit_now(const struct msh_pool *pool)
+{
+    if (!pool->prm.share) return pool->limit;
+    return __atomic_load_n(&pool->prm.share->limit_bytes, __ATOMIC_RELAXED) / pool->gran * pool->gran;
+}
+
+/* The most pages of handles this pool may hold now (SIZE_MAX: no limit). Under a shared limit:
+ * what it holds plus what the sharing pools leave free. */
+static size_t cap_pages(const struct msh_pool *pool)
+{
+    size_t lim = limit_now(pool);
+    if (!lim) return SIZE_MAX;
+    if (!pool->prm.share) return pool->limit_pages;
+    size_t used = __atomic_load_n(&pool->prm.share->handle_bytes, __ATOMIC_RELAXED);
+    return pool->held + (lim > used ? (lim - used) / pool->gran : 0);
+}
+
+/* Pages of handles held change; a shared limit sees every change at once. */
+static inline void held_add(struct msh_pool *pool, size_t pages)
+{
+    __atomic_fetch_add(&pool->held, pages, __ATOMIC_RELAXED);
+    if (pool->prm.share) __atomic_fetch_add(&pool->prm.share->handle_bytes, pages * pool->gran, __ATOMIC_RELAXED);
+}
+
+static inline void held_sub(struct msh_pool *pool, size_t pages)
+{
+    __atomic_fetch_sub(&pool->held, pages, __ATOMIC_RELAXED);
+    if (pool->prm.share) __atomic_fetch_sub(&pool->prm.share->handle_bytes, pages * pool->gran, __ATOMIC_RELAXED);
+}
+
+/* Reserve pages for new handles. Under a shared limit the reservation is claimed before anything
+ * is created, so pools racing on other threads can never go over the limit together; false when
+ * another pool took the room meanwhile (nothing reserved). */
+static bool held_reserve(struct msh_pool *pool, size_t pages)
+{
+    struct msh_pool_share *sh = pool->prm.share;
+    size_t lim = limit_now(pool);
+    if (sh && lim && pages) {
+        size_t bytes = pages * pool->gran;
+        size_t prev = __atomic_fetch_add(&sh->handle_bytes, bytes, __ATOMIC_RELAXED);
+        if (prev + bytes > lim) {
+            __atomic_fetch_sub(&sh->handle_bytes, bytes, __ATOMIC_RELAXED);
+            return false;
+        }
+        __atomic_fetch_add(&pool->held, pages, __ATOMIC_RELAXED);
+        return true;
+    }
+    held_add(pool, pages);
+    return true;
 }
 
 /* Unmapping is not stream-ordered: before a cached page is unmapped, every piece of work that
  * may still touch it must have finished. One device synchronize covers all of them. */
-static int settle_before_unmap(struct msh_pool *pool)
+static void job_need_settle(struct msh_pool *pool, struct job *j)
 {
-    if (!pool->dirty) return 0;
-    int rc = dev_synchronize(pool);
-    if (rc) return rc;
-    pool->dirty = false;
-    pool->sync_count++;
-    return 0;
+    if (pool->free_gen > pool->synced_gen) {
+        j->sync = true;
+        j->sync_gen = pool->free_gen;
+    }
 }
 
-/* Release a handle that is no longer mapped. A failure keeps it on the orphan list (it still
- * counts as held) so it is retried later instead of leaking. */
-static void handle_release(struct msh_pool *pool, uint64_t h)
+/* Detach the cached handle at r's page h as a victim of job j. */
+static bool take_victim(struct msh_pool *pool, struct job *j, struct region *r, uint32_t h, int kind)
 {
-    pool->st.release_ops++;
-    if (dev_release(pool, h) == 0) {
-        __atomic_fetch_sub(&pool->handles, 1, __ATOMIC_RELAXED);
-        share_unclaim(pool);
+    struct page *pg = &r->pages[h];
+    if (!job_add_victim(j, r, h, pg->npages, pg->handle)) return false;
+    j->vic[j->nvic - 1].kind = (uint8_t)kind;
+    cache_remove(pool, r, h);
+    pg->state = PG_UNMAPPING;
+    job_need_settle(pool, j);
+    return true;
+}
+
+/* The oldest cached handle: outside the learned step first, small area first (its pages are the
+ * most likely to be scattered), or NULL. */
+static struct region *oldest_cached(struct msh_pool *pool, uint32_t *h)
+{
+    for (int l = 0; l < 2; l++)
+        for (int a = 0; a < NAREAS; a++)
+            for (struct region *r = pool->areas[a]; r; r = r->next)
+                if (r->chead[l] != NO_PAGE) {
+                    *h = r->chead[l];
+                    return r;
+                }
+    return NULL;
+}
+
+static bool handle_planned(const struct region *r, uint32_t h)
+{
+    for (uint32_t q = h; q < h + r->pages[h].npages; q++)
+        if (!(r->pages[q].plan & PLAN_PAGE)) return false;
+    return true;
+}
+
+struct step;
+static bool step_want(const struct step *s, uint64_t addr);
+
+/* Claim the pages block b touches: existing mappings are shared (a cached handle stops being
+ * cached), missing pages become runs to map, one handle per run: a page b only partly covers
+ * (which a neighbour may share) gets a handle of its own, the pages b covers whole one handle
+ * together. A multi-page handle is therefore only ever touched by one block that covers all of
+ * it; a cached one that b would cover only in part is split (unmapped, released, and b's part
+ * mapped anew), so that no handle is ever partly in use and every page no block touches can be
+ * reclaimed. Within `cap` pages of handles held; beyond it (defrag) cached handles are taken
+ * back, oldest first, and a victim of the right size is mapped again instead of being released.
+ * EAGAIN: another thread is mapping or unmapping one of these pages (nothing claimed); ENOMEM:
+ * not enough memory even after reclaim (nothing claimed). */
+static int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap)
+{
+    struct region *r = b->reg;
+    uint32_t p0, p1;
+    page_range(pool, b, &p0, &p1);
+    for (uint32_t p = p0; p <= p1; p++) {
+        uint32_t h = pg_head(&r->pages[p]);
+        if (h != NO_PAGE && r->pages[h].state != PG_MAPPED) return EAGAIN;
+    }
+    j->r = r;
+    bool edge_lo = b->addr > page_va(pool, r, p0);
+    bool edge_hi = b->addr + b->size < page_va(pool, r, p1) + pool->gran;
+    int64_t q0 = (int64_t)p0 + edge_lo, q1 = (int64_t)p1 - edge_hi; /* pages b covers whole */
+    /* Under a limit (or near the device's capacity) every page must stay reclaimable: split
+     * handles b would cover in part. Far from any limit, handles may span several blocks (a
+     * chunk mapped ahead at the open end of the line), which saves driver calls. */
+    bool relaxed = !limit_now(pool) && !pool->driver_oom && pool->chunk_pages > 1 &&
+                   (pool->held + (p1 - p0 + 1) + pool->chunk_pages) * pool->gran < pool->device_total / 4 * 3;
+    uint32_t hi0 = r->hi_page;
+    /* A block the learned step places may use part of a handle whose pages all belong to the
+     * step: the step fits in what the pool may hold, so those pages need never be reclaimed,
+     * and re-partitioning them would only cost driver calls. */
+    bool planned = pool->step && step_want(pool->step, b->addr);
+    for (uint32_t p = p0; p <= p1 && !relaxed;) {
+        uint32_t h = pg_head(&r->pages[p]);
+        if (h == NO_PAGE) {
+            p++;
+            continue;
+        }
+        struct page *hp = &r->pages[h];
+        uint32_t next = h + hp->npages;
+        if (hp->npages > 1 && !((int64_t)h >= q0 && (int64_t)next - 1 <= q1) && !hp->nlive &&
+            !(planned && handle_planned(r, h))) {
+            if (!take_victim(pool, j, r, h, V_SPLIT)) goto fail;
+            held_sub(pool, hp->npages);
+        }
+        p = next;
+    }
+    for (uint32_t p = p0; p <= p1; p++) page_touch(pool, r, p);
+    b->claimed = 1;
+    size_t need = 0;
+    /* missing: unmapped, or in a handle this claim splits (the only ones unmapping here) */
+#define MISSING_(q) (!r->pages[q].hd || r->pages[pg_head(&r->pages[q])].state == PG_UNMAPPING)
+    for (uint32_t p = p0; p <= p1;) {
+        if (!MISSING_(p)) {
+            p++;
+            continue;
+        }
+        uint32_t n = 1;
+        if ((int64_t)p >= q0 && (int64_t)p <= q1)
+            while ((int64_t)(p + n) <= q1 && MISSING_(p + n) && n < pool->max_handle_pages) n++;
+        if (relaxed && p + n - 1 >= p1 - 1 && p + n >= hi0) {
+            /* the run reaches the open end of the line: map up to the next chunk boundary, the
+             * pages after b that the next blocks placed there will use */
+            uint32_t end = p1 + 1;
+            while (end % pool->chunk_pages && end < r->npages && end >= hi0) end++;
+            if (end % pool->chunk_pages == 0 && end > p + n && end - p <= pool->max_handle_pages) n = end - p;
+        }
+        if (!job_add_run(j, p, n)) goto fail_touched;
+        need += n;
+        p += n;
+    }
+#undef MISSING_
+    /* a split handle keeps its other pages mapped, as handles of their own (before and after b):
+     * they stay cached, and the next time the same blocks come the handles fit them */
+    for (uint32_t i = 0, nsplit = j->nvic; i < nsplit; i++) {
+        const struct victim *v = &j->vic[i];
+        if (v->head < p0) {
+            if (!job_add_run(j, v->head, p0 - v->head)) goto fail_touched;
+            need += p0 - v->head;
+        }
+        if (v->head + v->n - 1 > p1) {
+            if (!job_add_run(j, p1 + 1, v->head + v->n - 1 - p1)) goto fail_touched;
+            need += v->head + v->n - 1 - p1;
+        }
+    }
+    if (!need) return 0;
+    size_t avail = cap == SIZE_MAX ? SIZE_MAX : (cap > pool->held ? cap - pool->held : 0);
+    if (avail < need) {
+        if (!pool->prm.defrag || avail + pool->cached < need) goto fail_touched;
+        while (avail < need) {
+            uint32_t h;
+            struct region *vr = oldest_cached(pool, &h);
+            if (!vr || !take_victim(pool, j, vr, h, V_RECLAIM)) goto fail_touched;
+            struct victim *v = &j->vic[j->nvic - 1];
+            /* Map the victim's handle again rather than release it and create another: it goes
+             * to the smallest run it fits in, whose first pages it becomes (a run covers pages
+             * that one block covers whole, or pages no block touches: any split of it is a valid
+             * set of handles). */
+            int best = -1;
+            for (uint32_t i = 0; i < j->nruns; i++)
+                if (j->runs[i].vic < 0 && j->runs[i].n >= v->n && (best < 0 || j->runs[i].n < j->runs[best].n))
+                    best = (int)i;
+            if (best >= 0 && j->runs[best].n > v->n) {
+                if (!job_add_run(j, j->runs[best].p0 + v->n, j->runs[best].n - v->n)) goto fail_touched;
+                j->runs[best].n = v->n;
+                v = &j->vic[j->nvic - 1];
+            }
+            if (best >= 0) {
+                j->runs[best].vic = (int32_t)(j->nvic - 1);
+                v->run = best;
+                need -= v->n;
+            }
+            if (v->run < 0) {
+                avail += v->n;
+                held_sub(pool, v->n);
+            }
+            pool->pressure_reclaims++;
+        }
+    }
+    if (!held_reserve(pool, need)) goto fail_touched;
+    for (uint32_t i = 0; i < j->nruns; i++) {
+        struct run *ru = &j->runs[i];
+        uint8_t plan = 0;
+        for (uint32_t q = ru->p0; q < ru->p0 + ru->n; q++) {
+            r->pages[q].hd = ru->p0 + 1;
+            plan |= r->pages[q].plan & PLAN_PAGE;
+        }
+        struct page *hp = &r->pages[ru->p0];
+        uint32_t nl = 0;
+        for (uint32_t q = ru->p0; q < ru->p0 + ru->n; q++) nl += r->pages[q].live > 0;
+        hp->npages = ru->n;
+        hp->nlive = nl; /* all of them but the chunk mapped ahead */
+        hp->state = PG_MAPPING;
+        hp->handle = 0;
+        hp->plan = (uint8_t)((hp->plan & PLAN_PAGE) | (plan ? PLAN_LIST : 0));
+        if (ru->p0 + ru->n > r->hi_page) r->hi_page = ru->p0 + ru->n;
+    }
+    j->acc_p0 = UINT32_MAX;
+    j->acc_p1 = 0;
+    for (uint32_t i = 0; i < j->nruns; i++) {
+        if (j->runs[i].p0 < j->acc_p0) j->acc_p0 = j->runs[i].p0;
+        if (j->runs[i].p0 + j->runs[i].n - 1 > j->acc_p1) j->acc_p1 = j->runs[i].p0 + j->runs[i].n - 1;
+    }
+    size_t held = pool->held;
+    if (held * pool->gran > pool->st.peak_mapped_bytes) pool->st.peak_mapped_bytes = held * pool->gran;
+    if (held * pool->gran > pool->st.run_peak_mapped_bytes) pool->st.run_peak_mapped_bytes = held * pool->gran;
+    return 0;
+fail_touched:
+    for (uint32_t p = p0; p <= p1; p++) page_untouch(pool, r, p);
+    b->claimed = 0;
+fail:
+    /* give the victims back (split ones and reclaimed ones), at the head of their lists as the
+     * oldest they were */
+    while (j->nvic) {
+        struct victim *v = &j->vic[--j->nvic];
+        struct page *pg = &v->r->pages[v->head];
+        pg->state = PG_MAPPED;
+        if (v->run < 0) held_add(pool, v->n);
+        if (pg->nlive) continue;
+        int l = (pg->plan & PLAN_LIST) != 0;
+        pg->cprev = NO_PAGE;
+        pg->cnext = v->r->chead[l];
+        if (pg->cnext != NO_PAGE) v->r->pages[pg->cnext].cprev = v->head;
+        else v->r->ctail[l] = v->head;
+        v->r->chead[l] = v->head;
+        v->r->ncached += pg->npages;
+        pool->cached += pg->npages;
+    }
+    j->nruns = 0;
+    j->sync = false;
+    return ENOMEM;
+}
+
+/* Cached handles to give back: oldest first, until at most max_keep pages stay cached; with
+ * quiet_ms, only those cached at least that long. Orphans are retried too. */
+static void claim_release(struct msh_pool *pool, struct job *j, size_t max_keep, uint32_t quiet_ms)
+{
+    uint32_t now = quiet_ms ? now_ms(pool) : 0;
+    for (int l = 0; l < 2; l++)
+        for (int a = 0; a < NAREAS; a++)
+            for (struct region *r = pool->areas[a]; r; r = r->next)
+                while (r->chead[l] != NO_PAGE && pool->cached > max_keep) {
+                    uint32_t h = r->chead[l];
+                    if (quiet_ms && now - r->pages[h].ctime < quiet_ms) break; /* the rest are younger */
+                    if (!take_victim(pool, j, r, h, V_RELEASE)) return;
+                    held_sub(pool, r->pages[h].npages);
+                }
+    for (int i = 0; i < pool->norphans; i++) {
+        j->orph[j->norph].h = pool->orphans[i].h;
+        j->orph[j->norph].pages = pool->orphans[i].pages;
+        j->norph++;
+    }
+    pool->norphans = 0;
+}
+
+/* A run that was mapped cannot be used (access refused): unmap and release its handle. */
+static void run_undo(struct msh_pool *pool, struct job *j, struct run *ru, int rc)
+{
+    size_t bytes = (size_t)ru->n * pool->gran;
+    ru->rc = rc;
+    if (dev_unmap(pool, page_va(pool, j->r, ru->p0), bytes)) {
+        ru->fate = RUN_ORPHANED; /* cannot happen on a sane driver; keep it counted */
         return;
     }
-    if (pool->norphans < (int)(sizeof pool->orphans / sizeof pool->orphans[0])) {
-        pool->orphans[pool->norphans++] = h;
+    ru->fate = dev_release(pool, ru->h, bytes) ? RUN_ORPHANED : RUN_RELEASED;
+}
+
+/* The driver work, without the lock. Order matters: a synchronize before any unmap; unmaps and
+ * releases before creates, so that the device never holds more than the limit; access once over
+ * the whole span just mapped; stream waits last. */
+static void job_run(struct msh_pool *pool, struct job *j)
+{
+    size_t gran = pool->gran;
+    if (j->sync) {
+        j->sync_rc = dev_synchronize(pool);
+        if (j->sync_rc) {
+            for (uint32_t i = 0; i < j->nvic; i++) j->vic[i].rc = j->sync_rc;
+            for (uint32_t i = 0; i < j->nruns; i++) j->runs[i].rc = j->sync_rc;
+            j->wait_rc = j->sync_rc;
+            return;
+        }
+    }
+    for (int i = 0; i < j->norph; i++) j->orph[i].rc = dev_release(pool, j->orph[i].h, (size_t)j->orph[i].pages * gran);
+    for (uint32_t i = 0; i < j->nvic; i++) {
+        struct victim *v = &j->vic[i];
+        v->rc = dev_unmap(pool, page_va(pool, v->r, v->head), (size_t)v->n * gran);
+        if (!v->rc && v->run < 0) v->rel_rc = dev_release(pool, v->h, (size_t)v->n * gran);
+    }
+    bool ok = true;
+    for (uint32_t i = 0; i < j->nruns; i++) {
+        struct run *ru = &j->runs[i];
+        uint64_t h = 0;
+        size_t bytes = (size_t)ru->n * gran;
+        bool blocked = false; /* over a split handle that is still mapped */
+        for (uint32_t k = 0; k < j->nvic && !blocked; k++)
+            blocked = j->vic[k].rc && j->vic[k].r == j->r && j->vic[k].head < ru->p0 + ru->n &&
+                      ru->p0 < j->vic[k].head + j->vic[k].n;
+        if (blocked) {
+            ru->rc = EIO;
+            ok = false;
+            continue;
+        }
+        if (ru->vic >= 0) {
+            if (j->vic[ru->vic].rc) {
+                ru->rc = EIO; /* its handle is still mapped where it was */
+                ok = false;
+                continue;
+            }
+            h = j->vic[ru->vic].h;
+        } else {
+            ru->rc = dev_create(pool, bytes, &h);
+            if (ru->rc) {
+                if (ru->rc == ENOMEM) j->driver_enomem = true;
+                ok = false;
+                continue;
+            }
+        }
+        ru->rc = dev_map(pool, page_va(pool, j->r, ru->p0), bytes, h);
+        if (ru->rc) {
+            ok = false;
+            ru->fate = dev_release(pool, h, bytes) ? RUN_ORPHANED : RUN_RELEASED;
+            ru->h = h;
+            continue;
+        }
+        ru->h = h;
+    }
+    /* Access: one call over the whole span (every page between the runs is mapped already).
+     * When a run failed, each mapped run gets its own call: it stays mapped, as a cached handle,
+     * and must be usable when a block takes it later. A run whose access cannot be granted is
+     * unmapped and released. */
+    if (j->nruns && ok) {
+        int rc = dev_set_access(pool, page_va(pool, j->r, j->acc_p0), (size_t)(j->acc_p1 - j->acc_p0 + 1) * gran);
+        for (uint32_t i = 0; rc && i < j->nruns; i++) run_undo(pool, j, &j->runs[i], rc);
+        if (rc) ok = false;
     } else {
-        msh_warn("pool: the driver refused to release %d handles; one more is left to the driver",
-                 pool->norphans);
-        __atomic_fetch_sub(&pool->handles, 1, __ATOMIC_RELAXED);
-        share_unclaim(pool);
+        for (uint32_t i = 0; i < j->nruns; i++) {
+            struct run *ru = &j->runs[i];
+            if (ru->rc) continue;
+            int rc = dev_set_access(pool, page_va(pool, j->r, ru->p0), (size_t)ru->n * gran);
+            if (rc) run_undo(pool, j, ru, rc);
+        }
+    }
+    if (!ok || !j->nwaits) return;
+    /* The new stream waits for the work queued on each old stream before the free (the event
+     * recorded then), never for what was queued after it. */
+    for (int i = 0; i < j->nwaits && !j->wait_rc; i++) {
+        struct ewait *w = &j->waits[i];
+        int rc = 0;
+        if (!w->h) {
+            rc = pool->dev->ops->event_create(pool->dev, &w->h);
+            if (rc) w->h = 0;
+            else w->created = 1;
+        }
+        if (!rc && w->record) rc = dev_event_record(pool, w->h, w->stream);
+        if (!rc) rc = dev_stream_wait(pool, j->stream, w->h);
+        if (w->created && w->ev == NO_EV) { /* no slot to keep it in: the wait holds what it needs */
+            pool->dev->ops->event_release(pool->dev, w->h);
+            w->created = 0;
+        }
+        if (rc) { /* cannot order the streams: wait for everything instead */
+            j->wait_rc = dev_synchronize(pool);
+            j->sync = !j->wait_rc; /* sync_gen was set with the waits, under the lock */
+            break;
+        }
     }
 }
 
-static void orphans_retry(struct msh_pool *pool)
+/* Apply a job's results under the lock. Returns 0, or the first error (ENOMEM when the driver
+ * ran out). Every page claimed is left either mapped or unmapped, never in between. */
+static int job_publish(struct msh_pool *pool, struct job *j)
 {
-    int n = pool->norphans;
-    pool->norphans = 0;
-    for (int i = 0; i < n; i++) handle_release(pool, pool->orphans[i]);
+    int rc = 0;
+    for (int i = 0; i < j->norph; i++) {
+        if (!j->orph[i].rc) {
+            pool->st.release_ops++;
+            held_sub(pool, j->orph[i].pages);
+        } else if (pool->norphans < 64) {
+            pool->orphans[pool->norphans].h = j->orph[i].h;
+            pool->orphans[pool->norphans++].pages = j->orph[i].pages;
+        } else {
+            held_sub(pool, j->orph[i].pages); /* left to the driver; warned below */
+            msh_warn("pool: the driver refused to release 64 handles; one more is left to the driver");
+        }
+    }
+    for (uint32_t i = 0; i < j->nruns; i++) {
+        struct run *ru = &j->runs[i];
+        struct page *hp = &j->r->pages[ru->p0];
+        if (!ru->rc) {
+            hp->handle = ru->h;
+            hp->state = PG_MAPPED;
+            pool->nhandles++;
+            pool->st.map_ops++;
+            if (ru->vic < 0) pool->st.create_ops++;
+            if (!hp->nlive) cache_add(pool, j->r, ru->p0); /* a piece of a split handle */
+            continue;
+        }
+        if (!rc || ru->rc == ENOMEM) rc = ru->rc;
+        if (ru->vic < 0 && ru->fate == RUN_NONE) {
+            held_sub(pool, ru->n); /* never created */
+        } else if (ru->fate == RUN_RELEASED) {
+            held_sub(pool, ru->n);
+            pool->st.release_ops++;
+        } else if (ru->fate == RUN_ORPHANED) {
+            if (pool->norphans < 64) {
+                pool->orphans[pool->norphans].h = ru->h;
+                pool->orphans[pool->norphans++].pages = ru->n;
+            } else {
+                held_sub(pool, ru->n);
+            }
+        }
+        if (ru->vic < 0 && ru->fate != RUN_NONE) pool->st.create_ops++;
+        if (ru->vic < 0 && ru->fate == RUN_NONE && ru->rc == ENOMEM) pool->driver_oom = true;
+        /* a reused handle whose victim failed to unmap stays with the victim (RUN_NONE) */
+        for (uint32_t q = ru->p0; q < ru->p0 + ru->n; q++)
+            if (j->r->pages[q].hd == ru->p0 + 1) j->r->pages[q].hd = 0;
+        hp->state = PG_MAPPED;
+        hp->handle = 0;
+        hp->nlive = 0;
+        hp->plan &= PLAN_PAGE;
+    }
+    for (uint32_t i = 0; i < j->nvic; i++) {
+        struct victim *v = &j->vic[i];
+        struct page *hp = &v->r->pages[v->head];
+        if (v->rc) { /* still mapped where it was (runs over a split one failed above) */
+            for (uint32_t q = v->head; q < v->head + v->n; q++) v->r->pages[q].hd = v->head + 1;
+            hp->npages = v->n;
+            hp->handle = v->h;
+            hp->state = PG_MAPPED;
+            uint32_t nl = 0;
+            for (uint32_t q = v->head; q < v->head + v->n; q++) nl += v->r->pages[q].live > 0;
+            hp->nlive = nl;
+            if (!nl) cache_add(pool, v->r, v->head);
+            if (v->run < 0) held_add(pool, v->n);
+            if (!rc) rc = v->rc;
+            continue;
+        }
+        /* pages a run of this job took over (a split handle) point at the run now */
+        bool head_taken = false;
+        for (uint32_t q = v->head; q < v->head + v->n; q++) {
+            bool in_run = false;
+            for (uint32_t k = 0; k < j->nruns && v->r == j->r; k++)
+                if (q >= j->runs[k].p0 && q < j->runs[k].p0 + j->runs[k].n && !j->runs[k].rc) in_run = true;
+            if (in_run) head_taken |= q == v->head;
+            else v->r->pages[q].hd = 0;
+        }
+        if (!head_taken) {
+            hp->state = PG_MAPPED;
+            hp->handle = 0;
+            hp->plan &= PLAN_PAGE;
+        }
+        pool->nhandles--;
+        pool->st.unmap_ops++;
+        if (v->kind == V_RECLAIM) pool->st.reclaimed_pages += v->n;
+        else if (v->kind == V_RELEASE) pool->st.released_pages += v->n;
+        if (v->run < 0) {
+            if (!v->rel_rc) {
+                pool->st.release_ops++;
+            } else if (pool->norphans < 64) {
+                pool->orphans[pool->norphans].h = v->h;
+                pool->orphans[pool->norphans++].pages = v->n;
+                held_add(pool, v->n);
+            } else {
+                msh_warn("pool: the driver refused to release 64 handles; one more is left to the driver");
+            }
+        }
+    }
+    if (j->sync && !j->sync_rc && !j->wait_rc && j->sync_gen > pool->synced_gen) pool->synced_gen = j->sync_gen;
+    if (j->sync_rc && !rc) rc = j->sync_rc;
+    if (j->wait_rc && !rc) rc = j->wait_rc;
+    for (int i = 0; i < j->nwaits; i++) {
+        struct ewait *w = &j->waits[i];
+        if (w->created) pool->evs[w->ev].h = w->h;
+    }
+    if (pool->waiters) pthread_cond_broadcast(&pool->cv);
+    return rc;
+}
+
+/* Run a job without the lock (the caller holds it) and publish it. */
+static int job_do(struct msh_pool *pool, struct job *j)
+{
+    if (!job_has_work(j)) return 0;
+    pool->jobs++;
+    pthread_mutex_unlock(&pool->lock);
+    job_run(pool, j);
+    pthread_mutex_lock(&pool->lock);
+    pool->jobs--;
+    return job_publish(pool, j);
+}
+
+/* Give cached handles back to the driver (all of them with max_keep = 0, or down to max_keep
+ * bytes; with quiet_ms only those not reused for that long). Returns the bytes released. */
+static size_t release_cached(struct msh_pool *pool, size_t max_keep, uint32_t quiet_ms)
+{
+    struct job j;
+    job_init(&j);
+    size_t before = pool->st.released_pages;
+    claim_release(pool, &j, max_keep / pool->gran, quiet_ms);
+    job_do(pool, &j);
+    job_fini(pool, &j);
+    return (pool->st.released_pages - before) * pool->gran;
 }
 
 /* ---- regions ----------------------------------------------------------------------------------- */
@@ -422,35 +1331,43 @@ static size_t round_up(size_t v, size_t a)
     return (v + a - 1) / a * a;
 }
 
-static struct region *region_add(struct msh_pool *pool, int area, uint64_t min_bytes)
+/* Reserve a new VA range for `area` (called with the lock held; the reservation is made without
+ * it). Returns false when the driver or memory refused. */
+static bool region_add(struct msh_pool *pool, int area, uint64_t min_bytes)
 {
     uint64_t size = pool->prm.va_bytes;
     if (size < min_bytes) size = min_bytes;
     size = round_up(size, pool->gran);
-    if (size / pool->gran > MAX_REGION_PAGES) return NULL;
+    if (size / pool->gran > MAX_REGION_PAGES) return false;
+    uint32_t npages = (uint32_t)(size / pool->gran);
+    pthread_mutex_unlock(&pool->lock);
     uint64_t va = 0;
     int rc = dev_reserve(pool, size, &va);
-    if (rc) {
-        msh_warn("pool: cannot reserve %llu bytes of virtual address space (error %d)",
-                 (unsigned long long)size, rc);
-        return NULL;
-    }
-    struct region *r = raw_alloc(sizeof *r);
-    struct blk *b = blk_new(pool);
-    uint32_t npages = (uint32_t)(size / pool->gran);
-    struct page *pages = raw_alloc((size_t)npages * sizeof *pages);
-    if (!r || !b || !pages) {
+    struct region *r = rc ? NULL : raw_alloc(sizeof *r);
+    struct page *pages = r ? raw_alloc((size_t)npages * sizeof *pages) : NULL;
+    if (rc) msh_warn("pool: cannot reserve %llu bytes of virtual address space (error %d)", (unsigned long long)size, rc);
+    if (!rc && (!r || !pages)) {
         raw_free(r, sizeof *r);
         raw_free(pages, (size_t)npages * sizeof *pages);
-        if (b) blk_put(pool, b);
         dev_unreserve(pool, va, size);
-        return NULL;
+        r = NULL;
+    }
+    pthread_mutex_lock(&pool->lock);
+    if (!r) return false;
+    struct blk *b = blk_new(pool);
+    if (!b) {
+        pthread_mutex_unlock(&pool->lock);
+        raw_free(r, sizeof *r);
+        raw_free(pages, (size_t)npages * sizeof *pages);
+        dev_unreserve(pool, va, size);
+        pthread_mutex_lock(&pool->lock);
+        return false;
     }
     r->base = va;
     r->size = size;
     r->npages = npages;
     r->pages = pages;
-    r->chead = r->ctail = NO_PAGE;
+    r->chead[0] = r->ctail[0] = r->chead[1] = r->ctail[1] = NO_PAGE;
     r->first = b;
     r->area = area;
     r->next = pool->areas[area];
@@ -459,203 +1376,9 @@ static struct region *region_add(struct msh_pool *pool, int area, uint64_t min_b
     b->addr = va;
     b->size = size;
     b->reg = r;
-    b->free = 1;
-    treap_insert(&pool->tree[area], b);
-    return r;
-}
-
-/* ---- physical pages ---------------------------------------------------------------------------- */
-
-/* A handle for one page: a new one while the limit and the device allow, else (defrag) the
- * oldest cached page, unmapped from where it sits. */
-static int page_handle_get(struct msh_pool *pool, uint64_t *h, bool *reclaimed)
-{
-    if (share_claim(pool)) {
-        int rc = dev_create(pool, pool->gran, h);
-        if (rc) share_unclaim(pool);
-        if (rc == 0) {
-            __atomic_fetch_add(&pool->handles, 1, __ATOMIC_RELAXED);
-            pool->st.create_ops++;
-            /* The peak follows the handles themselves: an allocation that fails later still
-             * leaves the pages it mapped on the way as cached pages, and reserved memory must
-             * never read above its own peak. */
-            size_t held = pool->handles * pool->gran;
-            if (held > pool->st.peak_mapped_bytes) pool->st.peak_mapped_bytes = held;
-            if (held > pool->st.run_peak_mapped_bytes) pool->st.run_peak_mapped_bytes = held;
-            return 0;
-        }
-        if (rc == ENOMEM) pool->driver_oom = true;
-        else msh_debug("pool: create failed (error %d); trying to reclaim", rc);
-    }
-    if (!pool->prm.defrag || !pool->cached) return ENOMEM;
-    for (int a = 0; a < NAREAS; a++) {
-        for (struct region *r = pool->areas[a]; r; r = r->next) {
-            if (r->chead == NO_PAGE) continue;
-            int rc = settle_before_unmap(pool);
-            if (rc) return rc;
-            uint32_t p = r->chead;
-            struct page *pg = &r->pages[p];
-            rc = dev_unmap(pool, r->base + (uint64_t)p * pool->gran, pool->gran);
-            if (rc) return rc;
-            pool->st.unmap_ops++;
-            pool->st.reclaimed_pages++;
-            cache_remove(pool, r, p);
-            *h = pg->handle;
-            pg->handle = 0;
-            *reclaimed = true;
-            return 0;
-        }
-    }
-    return ENOMEM;
-}
-
-static void page_range(const struct msh_pool *pool, const struct blk *b, uint32_t *p0, uint32_t *p1)
-{
-    *p0 = (uint32_t)((b->addr - b->reg->base) / pool->gran);
-    *p1 = (uint32_t)((b->addr + b->size - 1 - b->reg->base) / pool->gran);
-}
-
-static void pages_release(struct msh_pool *pool, struct blk *b)
-{
-    uint32_t p0, p1;
-    page_range(pool, b, &p0, &p1);
-    struct region *r = b->reg;
-    for (uint32_t p = p0; p <= p1; p++) {
-        struct page *pg = &r->pages[p];
-        if (--pg->live == 0) {
-            pool->touched--;
-            if (pg->handle) cache_add(pool, r, p);
-        }
-    }
-}
-
-/* Make every page the block touches mapped. On failure nothing the block claimed stays claimed
- * (pages mapped on the way remain as cached pages: no handle leaks). */
-static int pages_commit(struct msh_pool *pool, struct blk *b, bool *used_new, bool *reclaimed)
-{
-    uint32_t p0, p1;
-    page_range(pool, b, &p0, &p1);
-    struct region *r = b->reg;
-    uint32_t missing = 0;
-    /* First claim what is already mapped, so reclaim below can never steal our own pages. */
-    for (uint32_t p = p0; p <= p1; p++) {
-        struct page *pg = &r->pages[p];
-        if (pg->live++ == 0) {
-            pool->touched++;
-            if (pg->handle) cache_remove(pool, r, p);
-            else missing++;
-        }
-    }
-    if (!missing) return 0;
-    *used_new = true;
-    for (uint32_t p = p0; p <= p1; p++) {
-        struct page *pg = &r->pages[p];
-        if (pg->handle) continue;
-        uint64_t h = 0;
-        int rc = page_handle_get(pool, &h, reclaimed);
-        if (rc == 0) {
-            rc = dev_map(pool, r->base + (uint64_t)p * pool->gran, pool->gran, h);
-            if (rc) handle_release(pool, h);
-        }
-        if (rc) {
-            pages_release(pool, b);
-            return rc == ENOMEM ? ENOMEM : rc;
-        }
-        pool->st.map_ops++;
-        pg->handle = h;
-        if (p + 1 > r->hi_page) r->hi_page = p + 1;
-    }
-    return 0;
-}
-
-/* Give cached pages back to the driver: all of them (max_keep = 0) or down to max_keep bytes. */
-static size_t release_cached(struct msh_pool *pool, size_t max_keep)
-{
-    size_t released = 0;
-    if (pool->norphans) orphans_retry(pool);
-    for (int a = 0; a < NAREAS; a++) {
-        for (struct region *r = pool->areas[a]; r; r = r->next) {
-            while (r->chead != NO_PAGE && pool->cached * pool->gran > max_keep) {
-                if (settle_before_unmap(pool)) return released;
-                uint32_t p = r->chead;
-                struct page *pg = &r->pages[p];
-                if (dev_unmap(pool, r->base + (uint64_t)p * pool->gran, pool->gran)) return released;
-                pool->st.unmap_ops++;
-                cache_remove(pool, r, p);
-                handle_release(pool, pg->handle);
-                pg->handle = 0;
-                pool->st.released_pages++;
-                released += pool->gran;
-            }
-        }
-    }
-    return released;
-}
-
-/* ---- streams ------------------------------------------------------------------------------------ */
-
-static bool blk_clean(const struct msh_pool *pool, const struct blk *b)
-{
-    return (!b->nstreams && !b->sync_needed) || b->sync_epoch < pool->sync_count;
-}
-
-/* Free neighbours merge: the merged extent must wait for the work of both. */
-static void streams_merge(const struct msh_pool *pool, struct blk *into, const struct blk *from)
-{
-    if (blk_clean(pool, from)) return;
-    if (blk_clean(pool, into)) {
-        memcpy(into->streams, from->streams, sizeof into->streams);
-        into->nstreams = from->nstreams;
-        into->sync_needed = from->sync_needed;
-        into->sync_epoch = from->sync_epoch;
-        return;
-    }
-    into->sync_needed |= from->sync_needed;
-    for (int i = 0; i < from->nstreams; i++) {
-        bool seen = false;
-        for (int j = 0; j < into->nstreams; j++) seen |= into->streams[j] == from->streams[i];
-        if (seen) continue;
-        if (into->nstreams < MAX_STREAMS) into->streams[into->nstreams++] = from->streams[i];
-        else into->sync_needed = 1;
-    }
-    if (from->sync_epoch > into->sync_epoch) into->sync_epoch = from->sync_epoch;
-}
-
-/* Before a free extent is handed out on `stream`: work of other streams that last used it must
- * come first. The new stream waits on an event recorded now on each of them (no host blocking);
- * host-synchronous users (MSH_STREAM_COMPLETED) get a device synchronize instead. */
-static int streams_settle_for(struct msh_pool *pool, struct blk *b, uint64_t stream)
-{
-    if (blk_clean(pool, b)) return 0;
-    /* VA above every page ever mapped was never touched by the GPU: no work to wait for, even
-     * though coalescing into the open end of the line copied a stream tag onto it. */
-    if (b->addr >= b->reg->base + (uint64_t)b->reg->hi_page * pool->gran) return 0;
-    if (b->sync_needed || stream == MSH_STREAM_COMPLETED) {
-        int rc = dev_synchronize(pool);
-        if (rc) return rc;
-        pool->dirty = false;
-        pool->sync_count++;
-        return 0;
-    }
-    for (int i = 0; i < b->nstreams; i++) {
-        if (b->streams[i] == stream) continue;
-        uint64_t ev = 0;
-        int rc = dev_event_record(pool, b->streams[i], &ev);
-        if (rc == 0) {
-            rc = dev_stream_wait(pool, stream, ev);
-            /* a failed destroy is retried once; the driver reclaims events at exit anyway */
-            if (pool->dev->ops->event_release(pool->dev, ev)) pool->dev->ops->event_release(pool->dev, ev);
-        }
-        if (rc) { /* cannot order the streams: fall back to waiting for everything */
-            rc = dev_synchronize(pool);
-            if (rc) return rc;
-            pool->dirty = false;
-            pool->sync_count++;
-            return 0;
-        }
-        pool->st.cross_stream_waits++;
-    }
-    return 0;
+    b->state = B_FREE;
+    free_insert(pool, b);
+    return true;
 }
 
 /* ---- carving and coalescing ---------------------------------------------------------------------- */
@@ -665,13 +1388,13 @@ static int area_of(const struct msh_pool *pool, uint64_t rsize)
     return rsize <= pool->prm.small_max ? 0 : 1;
 }
 
-/* Return a block to its area's free treap, merging free neighbours. */
-static void blk_make_free(struct msh_pool *pool, struct blk *b, int area)
+/* Return a block to its area's free treaps, merging free neighbours. */
+static void blk_make_free(struct msh_pool *pool, struct blk *b)
 {
-    b->free = 1;
+    b->state = B_FREE;
     struct blk *n = b->next;
-    if (n && n->free) {
-        treap_remove(&pool->tree[area], n);
+    if (n && n->state == B_FREE) {
+        free_remove(pool, n);
         streams_merge(pool, b, n);
         b->size += n->size;
         b->next = n->next;
@@ -679,8 +1402,8 @@ static void blk_make_free(struct msh_pool *pool, struct blk *b, int area)
         blk_put(pool, n);
     }
     struct blk *p = b->prev;
-    if (p && p->free) {
-        treap_remove(&pool->tree[area], p);
+    if (p && p->state == B_FREE) {
+        free_remove(pool, p);
         streams_merge(pool, p, b);
         p->size += b->size;
         p->next = b->next;
@@ -688,7 +1411,50 @@ static void blk_make_free(struct msh_pool *pool, struct blk *b, int area)
         blk_put(pool, b);
         b = p;
     }
-    treap_insert(&pool->tree[area], b);
+    free_insert(pool, b);
+}
+
+/* Make [at, at + rsize) of the free block b a pending block (returned); the rest stays free and
+ * keeps b's stream tags. NULL when the pool's own memory ran out (b unchanged). */
+static struct blk *carve_at(struct msh_pool *pool, struct blk *b, uint64_t at, uint64_t rsize)
+{
+    uint64_t end = b->addr + b->size;
+    struct blk *lo = NULL, *hi = NULL;
+    if (at > b->addr && !(lo = blk_new(pool))) return NULL;
+    if (at + rsize < end && !(hi = blk_new(pool))) {
+        if (lo) blk_put(pool, lo);
+        return NULL;
+    }
+    free_remove(pool, b);
+    if (lo) {
+        lo->addr = b->addr;
+        lo->size = at - b->addr;
+        lo->reg = b->reg;
+        lo->state = B_FREE;
+        lo->prev = b->prev;
+        lo->next = b;
+        if (b->prev) b->prev->next = lo;
+        else b->reg->first = lo;
+        b->prev = lo;
+        streams_copy(pool, lo, b);
+        free_insert(pool, lo);
+    }
+    if (hi) {
+        hi->addr = at + rsize;
+        hi->size = end - hi->addr;
+        hi->reg = b->reg;
+        hi->state = B_FREE;
+        hi->prev = b;
+        hi->next = b->next;
+        if (b->next) b->next->prev = hi;
+        b->next = hi;
+        streams_copy(pool, hi, b);
+        free_insert(pool, hi);
+    }
+    b->addr = at;
+    b->size = rsize;
+    b->state = B_PENDING;
+    return b;
 }
 
 /* Pages a block at [a, a + size) would touch that no live block touches yet. Inside a free
@@ -711,76 +1477,134 @@ static bool place_high(const struct msh_pool *pool, const struct blk *b, uint64_
     return new_pages(pool, r, b->addr + b->size - rsize, rsize) < new_pages(pool, r, b->addr, rsize);
 }
 
-static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64_t stream,
-                     uint64_t *addr, bool *reclaimed)
+static struct blk *plan_place(struct msh_pool *pool, int area, uint64_t rsize);
+
+/* Best fit by (size, address), or where the learned step says. NULL with *rc = ENOSPC when the
+ * area needs another region, ENOMEM when the pool's own memory ran out. */
+static struct blk *place(struct msh_pool *pool, int area, uint64_t rsize, int *rc)
+{
+    struct blk *b = pool->step ? plan_place(pool, area, rsize) : NULL;
+    if (b) return b;
+    b = treap_lower_bound(pool->tree[area], rsize);
+    if (!b) {
+        *rc = ENOSPC;
+        return NULL;
+    }
+    uint64_t at = place_high(pool, b, rsize) ? b->addr + b->size - rsize : b->addr;
+    b = carve_at(pool, b, at, rsize);
+    if (!b) *rc = ENOMEM;
+    return b;
+}
+
+/* ---- streams of a reused extent ------------------------------------------------------------------ */
+
+/* Before a free extent is handed out on `stream`: work of other streams that last used it must
+ * come first. The new stream waits on the event recorded when the extent was freed on each of
+ * them (no host blocking, no waiting for their later work); memory freed before the pool saw a
+ * second stream has no event: one is recorded on the old stream now. Host-synchronous users
+ * (MSH_STREAM_COMPLETED) get a device synchronize instead. Nothing is dropped from b: if the
+ * allocation fails, the extent goes back with its tags. */
+static void streams_plan(struct msh_pool *pool, struct blk *b, uint64_t stream, bool fresh, struct job *j)
+{
+    if (blk_clean(pool, b) || fresh) return;
+    j->stream = stream;
+    j->sync_gen = pool->free_gen;
+    if (b->sync_needed || stream == MSH_STREAM_COMPLETED) {
+        j->sync = j->host_sync = true;
+        return;
+    }
+    bool foreign = false;
+    for (int i = 0; i < b->ns; i++) {
+        if (b->s[i].stream == stream) continue;
+        foreign = true;
+        struct ewait *w = &j->waits[j->nwaits++];
+        memset(w, 0, sizeof *w);
+        w->stream = b->s[i].stream;
+        if (b->s[i].ev != NO_EV) {
+            w->ev = b->s[i].ev;
+            ev_ref(pool, w->ev);
+        } else {
+            w->ev = ev_get(pool);
+            w->record = 1;
+            pool->st.reuse_event_records++;
+        }
+        w->h = w->ev != NO_EV ? pool->evs[w->ev].h : 0;
+        pool->st.cross_stream_waits++;
+    }
+    if (foreign) pool->st.cross_stream_reuses++;
+}
+
+/* ---- allocation ----------------------------------------------------------------------------------- */
+
+static void step_note_alloc(struct msh_pool *pool, struct blk *b);
+static void step_note_free(struct msh_pool *pool, struct blk *b);
+static void step_destroy(struct msh_pool *pool);
+static void step_create(struct msh_pool *pool);
+static void step_before_alloc(struct msh_pool *pool, uint64_t rsize);
+
+/* One try at placing and backing a block. reclaim_only: the driver said it is full, so the pool
+ * holds no more handles than it does now (it reclaims cached ones instead). */
+static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64_t stream, uint64_t *addr,
+                     bool reclaim_only, bool *reclaimed, bool *driver_enomem)
 {
     int area = area_of(pool, rsize);
-    struct blk *b = treap_lower_bound(pool->tree[area], rsize);
-    if (!b) {
-        if (!region_add(pool, area, rsize)) return ENOMEM;
-        b = treap_lower_bound(pool->tree[area], rsize);
-        if (!b) return ENOMEM;
+    struct blk *b;
+    int rc = 0;
+    while (!(b = place(pool, area, rsize, &rc))) {
+        if (rc != ENOSPC || !region_add(pool, area, rsize)) return ENOMEM;
     }
-    treap_remove(&pool->tree[area], b);
-    if (b->size > rsize) {
-        struct blk *rest = blk_new(pool);
-        if (!rest) {
-            treap_insert(&pool->tree[area], b);
-            return ENOMEM;
-        }
-        rest->reg = b->reg;
-        rest->free = 1;
-        memcpy(rest->streams, b->streams, sizeof rest->streams);
-        rest->nstreams = b->nstreams;
-        rest->sync_needed = b->sync_needed;
-        rest->sync_epoch = b->sync_epoch;
-        if (place_high(pool, b, rsize)) {
-            /* rest takes the low part, the block the high part */
-            rest->addr = b->addr;
-            rest->size = b->size - rsize;
-            rest->prev = b->prev;
-            rest->next = b;
-            if (b->prev) b->prev->next = rest;
-            else b->reg->first = rest;
-            b->prev = rest;
-            b->addr += rest->size;
-        } else {
-            rest->addr = b->addr + rsize;
-            rest->size = b->size - rsize;
-            rest->prev = b;
-            rest->next = b->next;
-            if (b->next) b->next->prev = rest;
-            b->next = rest;
-        }
-        b->size = rsize;
-        treap_insert(&pool->tree[area], rest);
+    bool fresh = b->addr >= page_va(pool, b->reg, b->reg->hi_page);
+    struct job j;
+    job_init(&j);
+    for (;;) {
+        size_t cap = cap_pages(pool);
+        if (reclaim_only && pool->held < cap) cap = pool->held;
+        rc = claim_pages(pool, b, &j, cap);
+        if (rc != EAGAIN) break;
+        /* another thread maps or unmaps one of our pages: wait for it to publish */
+        pool->st.lock_waits++;
+        pool->waiters++;
+        pthread_cond_wait(&pool->cv, &pool->lock);
+        pool->waiters--;
     }
-    bool used_new = false;
-    int rc = pages_commit(pool, b, &used_new, reclaimed);
     if (rc) {
-        blk_make_free(pool, b, area);
+        job_fini(pool, &j);
+        blk_make_free(pool, b);
         return rc;
     }
-    rc = streams_settle_for(pool, b, stream);
+    streams_plan(pool, b, stream, fresh, &j);
+    rc = job_do(pool, &j);
+    if (j.nvic && !rc) *reclaimed = true;
+    if (j.driver_enomem) *driver_enomem = true;
+    job_fini(pool, &j);
+    if (!rc && pool->hcount >= pool->hcap && hash_grow(pool)) rc = ENOMEM;
     if (rc) {
-        pages_release(pool, b);
-        blk_make_free(pool, b, area);
+        block_untouch(pool, b);
+        b->claimed = 0;
+        blk_make_free(pool, b);
         return rc;
     }
-    if (pool->hcount >= pool->hcap && hash_grow(pool)) {
-        pages_release(pool, b);
-        blk_make_free(pool, b, area);
-        return ENOMEM;
-    }
-    b->free = 0;
+    sref_clear(pool, b); /* the waits are enqueued: the new stream owns the extent */
+    b->claimed = 0;
+    b->state = B_LIVE;
     b->req = req;
     b->tag = msh_pool_tags.next;
-    b->streams[0] = stream;
-    b->nstreams = stream == MSH_STREAM_COMPLETED ? 0 : 1;
-    b->sync_needed = 0;
+    b->s[0] = (struct sref){.stream = stream, .ev = NO_EV}; /* [0]: the allocation stream */
+    b->ns = 1;
     hash_insert(pool, b);
     *addr = b->addr;
     return 0;
+}
+
+/* The driver ran out (no limit set, or other allocators hold the device): reclaim instead. */
+static int try_alloc_all(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64_t stream, uint64_t *addr,
+                         bool *reclaimed)
+{
+    bool denomem = false;
+    int rc = try_alloc(pool, rsize, req, stream, addr, false, reclaimed, &denomem);
+    if (rc == ENOMEM && denomem && pool->prm.defrag && pool->cached)
+        rc = try_alloc(pool, rsize, req, stream, addr, true, reclaimed, &denomem);
+    return rc;
 }
 
 /* ---- public API ------------------------------------------------------------------------------- */
@@ -798,12 +1622,17 @@ int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params
     struct msh_pool *pool = raw_alloc(sizeof *pool);
     if (!pool) return ENOMEM;
     pthread_mutex_init(&pool->lock, NULL);
+    pthread_cond_init(&pool->cv, NULL);
     pool->dev = dev;
     if (params) pool->prm = *params;
     else msh_pool_params_default(&pool->prm);
     pool->rng = 0x2545F491u;
+    pool->evfree = NO_EV;
+    pool->t0_ns = msh_now_ns();
     int rc = dev->ops->granularity(dev, &pool->gran);
     if (rc || !pool->gran) {
+        pthread_cond_destroy(&pool->cv);
+        pthread_mutex_destroy(&pool->lock);
         raw_free(pool, sizeof *pool);
         return rc ? rc : EIO;
     }
@@ -813,13 +1642,20 @@ int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params
     pool->limit = pool->prm.limit_bytes ? round_up(pool->prm.limit_bytes, pool->gran) : 0;
     if (pool->prm.limit_bytes && pool->limit > pool->prm.limit_bytes)
         pool->limit -= pool->gran; /* a cap is a cap: round down to whole pages */
+    pool->limit_pages = (uint32_t)(pool->limit / pool->gran < UINT32_MAX ? pool->limit / pool->gran : UINT32_MAX);
+    uint64_t mh = pool->prm.max_handle_bytes ? pool->prm.max_handle_bytes / pool->gran : MAX_REGION_PAGES;
+    pool->max_handle_pages = (uint32_t)(mh < 1 ? 1 : mh > MAX_REGION_PAGES ? MAX_REGION_PAGES : mh);
+    if (!pool->prm.release_quiet_ms) pool->prm.release_quiet_ms = 1000;
+    size_t ahead = pool->prm.ahead_bytes ? pool->prm.ahead_bytes : 20 * MSH_MiB;
+    pool->chunk_pages = (uint32_t)(ahead / pool->gran ? (ahead / pool->gran < MAX_REGION_PAGES ? ahead / pool->gran : MAX_REGION_PAGES) : 1);
     if (!pool->prm.va_bytes) {
-        uint64_t base = pool->limit ? pool->limit : (total ? total : 64 * MSH_GiB);
+        uint64_t base = limit_now(pool) ? limit_now(pool) : (total ? total : 64 * MSH_GiB);
         pool->prm.va_bytes = base * 4;
     }
     pool->prm.va_bytes = round_up(pool->prm.va_bytes < MSH_GiB ? MSH_GiB : pool->prm.va_bytes, pool->gran);
     uint64_t max_va = (uint64_t)pool->gran * MAX_REGION_PAGES;
     if (pool->prm.va_bytes > max_va) pool->prm.va_bytes = max_va;
+    if (!pool->prm.no_learn) step_create(pool);
     *out = pool;
     return 0;
 }
@@ -834,13 +1670,17 @@ void msh_pool_destroy(struct msh_pool *pool)
             bool stuck = false;
             for (uint32_t p = 0; p < r->hi_page; p++) {
                 struct page *pg = &r->pages[p];
-                if (!pg->handle) continue;
-                if (dev_unmap(pool, r->base + (uint64_t)p * pool->gran, pool->gran)) {
+                if (pg_head(pg) != p) continue;
+                size_t bytes = (size_t)pg->npages * pool->gran;
+                if (dev_unmap(pool, page_va(pool, r, p), bytes)) {
                     stuck = true; /* a mapped handle must not be released nor its range freed */
                     continue;
                 }
-                handle_release(pool, pg->handle);
-                pg->handle = 0;
+                if (dev_release(pool, pg->handle, bytes) == 0) held_sub(pool, pg->npages);
+                else if (pool->norphans < 64) {
+                    pool->orphans[pool->norphans].h = pg->handle;
+                    pool->orphans[pool->norphans++].pages = pg->npages;
+                }
             }
             if (!stuck) dev_unreserve(pool, r->base, r->size);
             else msh_warn("pool: unmap failed at shutdown; leaving a reserved range to the driver");
@@ -850,14 +1690,20 @@ void msh_pool_destroy(struct msh_pool *pool)
             r = nx;
         }
     }
-    orphans_retry(pool); /* a second chance for handles whose release failed before */
+    for (int i = 0; i < pool->norphans; i++) /* a second chance for handles whose release failed */
+        dev_release(pool, pool->orphans[i].h, (size_t)pool->orphans[i].pages * pool->gran);
+    for (uint32_t i = 0; i < pool->nevs; i++)
+        if (pool->evs[i].h) pool->dev->ops->event_release(pool->dev, pool->evs[i].h);
+    raw_free(pool->evs, (size_t)pool->capevs * sizeof *pool->evs);
+    step_destroy(pool);
     raw_free(pool->htab, pool->hcap * sizeof *pool->htab);
+    pthread_cond_destroy(&pool->cv);
     pthread_mutex_destroy(&pool->lock);
     /* Block slabs are not tracked individually; they are reclaimed with the process. */
     raw_free(pool, sizeof *pool);
 }
 
-static void fill_oom(struct msh_pool *pool, size_t req);
+static void fill_oom(struct msh_pool *pool, size_t req, size_t dev_free, size_t dev_total);
 
 static inline uint64_t now_ns(void)
 {
@@ -874,7 +1720,7 @@ static inline void lat_note(uint64_t *hist, uint64_t *total, uint64_t *max, uint
     if (ns > *max) *max = ns;
 }
 
-static void note_alloc(struct msh_pool *pool, uint64_t req, bool used_new, bool reclaimed)
+static void note_alloc(struct msh_pool *pool, uint64_t req, bool reclaimed)
 {
     struct msh_pool_stats *st = &pool->st;
     st->allocs++;
@@ -882,13 +1728,12 @@ static void note_alloc(struct msh_pool *pool, uint64_t req, bool used_new, bool 
     st->live_blocks++;
     if (st->live_bytes > st->peak_live_bytes) st->peak_live_bytes = st->live_bytes;
     if (st->live_bytes > st->run_peak_live_bytes) st->run_peak_live_bytes = st->live_bytes;
-    size_t mapped = pool->handles * pool->gran;
+    size_t mapped = pool->held * pool->gran;
     if (mapped > st->peak_mapped_bytes) st->peak_mapped_bytes = mapped;
     if (mapped > st->run_peak_mapped_bytes) st->run_peak_mapped_bytes = mapped;
     size_t touched = pool->touched * pool->gran;
     if (touched > st->peak_touched_bytes) st->peak_touched_bytes = touched;
     if (reclaimed) st->rescue_reclaim++;
-    (void)used_new;
     int bucket = 0;
     for (uint64_t s = req >> 9; s && bucket < 23; s >>= 1) bucket++;
     st->hist[bucket]++;
@@ -900,16 +1745,18 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
     uint64_t rsize = round_up(size ? size : 1, BLOCK_ALIGN);
     uint64_t t0 = pool->timing && msh_lat_sampled() ? now_ns() : 0;
     pthread_mutex_lock(&pool->lock);
-    size_t handles0 = pool->handles; /* issue 8: a failed request gives back what it created */
+    stream_seen(pool, stream);
+    if (pool->step) step_before_alloc(pool, rsize);
+    size_t held0 = pool->held; /* issue 8: a failed request gives back what it created */
     bool reclaimed = false;
-    int rc = try_alloc(pool, rsize, size, stream, addr, &reclaimed);
+    int rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed);
     if (rc == ENOMEM && pool->gc_fn) {
         msh_pool_gc_fn fn = pool->gc_fn;
         void *arg = pool->gc_arg;
         pthread_mutex_unlock(&pool->lock);
         fn(arg); /* may free blocks through msh_pool_free */
         pthread_mutex_lock(&pool->lock);
-        rc = try_alloc(pool, rsize, size, stream, addr, &reclaimed);
+        rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed);
         if (rc == 0) pool->st.rescue_gc++;
     }
     if (rc == ENOMEM && pool->cached && (pool->driver_oom || !pool->prm.defrag) && !pool->prm.no_release_on_oom) {
@@ -917,24 +1764,29 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
         /* Cached pages were already candidates for reclaim; giving them back helps when the
          * driver itself ran out (other allocators in the process hold the rest), and when reclaim
          * is off (MEMSHIM_DEFRAG=0: under a limit new pages can be created only after these go). */
-        release_cached(pool, 0);
-        rc = try_alloc(pool, rsize, size, stream, addr, &reclaimed);
+        release_cached(pool, 0, 0);
+        rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed);
         if (rc == 0) pool->st.rescue_empty_cache++;
     }
     if (rc == 0) {
-        note_alloc(pool, size, false, reclaimed);
+        note_alloc(pool, size, reclaimed);
+        struct blk *b = hash_find(pool, *addr);
+        if (pool->step && b) step_note_alloc(pool, b);
         if (t0) lat_note(pool->st.alloc_lat, &pool->st.alloc_ns_total, &pool->st.alloc_ns_max, now_ns() - t0);
         pthread_mutex_unlock(&pool->lock);
         return 0;
     }
     /* Pages this request created and could not use are given back: the memory a failed request
      * leaves held is what it found (cudaMemGetInfo's answer counts on that, issue 8). */
-    if (pool->handles > handles0)
-        release_cached(pool, (pool->cached > pool->handles - handles0 ? pool->cached - (pool->handles - handles0) : 0) *
-                                 pool->gran);
+    if (pool->held > held0)
+        release_cached(pool, (pool->cached > pool->held - held0 ? pool->cached - (pool->held - held0) : 0) * pool->gran, 0);
     pool->st.alloc_fail++;
     pool->st.oom_events++;
-    fill_oom(pool, size);
+    pthread_mutex_unlock(&pool->lock);
+    size_t df = 0, dt = 0;
+    if (pool->dev->ops->mem_info(pool->dev, &df, &dt)) df = dt = 0;
+    pthread_mutex_lock(&pool->lock);
+    fill_oom(pool, size, df, dt);
     struct msh_pool_oom o = pool->oom;
     pthread_mutex_unlock(&pool->lock);
     msh_warn("out of memory on device %d: requested %zu bytes; live %zu, reserved %zu, limit %zu, "
@@ -944,6 +1796,16 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
              o.fragmentation ? "fragmentation (enough bytes are free, but not in usable pages)"
                              : "capacity (the live set does not fit)");
     return rc == ENOMEM ? ENOMEM : rc;
+}
+
+/* MEMSHIM_EMPTY_CACHE=threshold: cached bytes above the threshold go back to the driver once they
+ * have not been reused for the quiet period, so a loop whose cache hovers around the threshold
+ * keeps its pages (it reuses them every iteration) and an idle one gives them back. */
+static size_t trim_cached(struct msh_pool *pool)
+{
+    size_t thr = pool->prm.release_threshold;
+    if (!thr || pool->cached * pool->gran <= thr) return 0;
+    return release_cached(pool, thr, pool->prm.release_quiet_ms);
 }
 
 int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream)
@@ -959,32 +1821,70 @@ int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream)
     pool->st.frees++;
     pool->st.live_bytes -= b->req;
     pool->st.live_blocks--;
-    pages_release(pool, b);
-    /* The freed extent remembers which streams' queued work may still touch it. */
-    if (stream == MSH_STREAM_COMPLETED) {
-        b->nstreams = 0;
-        b->sync_needed = 0;
-    } else {
-        /* The free's stream plus every stream the block was used on (its allocation stream and
-         * those added by record_stream), without duplicates. */
-        int n = b->nstreams;
-        uint64_t s[MAX_STREAMS];
-        memcpy(s, b->streams, sizeof s);
-        b->streams[0] = stream;
-        b->nstreams = 1;
-        for (int i = 0; i < n; i++) {
-            bool seen = false;
-            for (int j = 0; j < b->nstreams; j++) seen |= b->streams[j] == s[i];
-            if (seen) continue;
-            if (b->nstreams < MAX_STREAMS) b->streams[b->nstreams++] = s[i];
-            else b->sync_needed = 1;
+    if (pool->step) step_note_free(pool, b);
+    stream_seen(pool, stream);
+    /* The freed extent remembers which streams' queued work may still touch it: the free's stream
+     * plus every stream the block was used on (its allocation stream and record_stream's). */
+    uint64_t streams[MAX_STREAMS + 1];
+    int n = 0;
+    if (stream != MSH_STREAM_COMPLETED) {
+        streams[n++] = stream;
+        for (int i = 0; i < b->ns && n <= MAX_STREAMS; i++) {
+            bool seen = b->s[i].stream == MSH_STREAM_COMPLETED;
+            for (int k = 0; k < n; k++) seen |= streams[k] == b->s[i].stream;
+            if (!seen) streams[n++] = b->s[i].stream;
         }
-        b->sync_epoch = pool->sync_count;
-        pool->dirty = true;
     }
-    blk_make_free(pool, b, b->reg->area);
-    if (pool->prm.release_threshold && pool->cached * pool->gran > pool->prm.release_threshold)
-        release_cached(pool, pool->prm.release_threshold);
+    bool overflow = b->sync_needed;
+    b->ns = 0;
+    b->sync_needed = 0;
+    b->free_gen = 0;
+    if (n && pool->multi_stream) {
+        /* Record an event on each of them now, without the lock: a later reuse on another stream
+         * waits for exactly the work queued before this free. The extent is in no structure
+         * meanwhile (state FREEING), so nobody can reuse it before the events exist. */
+        uint32_t slot[MAX_STREAMS + 1];
+        uint64_t h[MAX_STREAMS + 1];
+        int rcs[MAX_STREAMS + 1];
+        bool created[MAX_STREAMS + 1];
+        for (int k = 0; k < n; k++) {
+            slot[k] = ev_get(pool);
+            h[k] = slot[k] != NO_EV ? pool->evs[slot[k]].h : 0;
+            created[k] = false;
+        }
+        b->state = B_FREEING;
+        pool->jobs++;
+        pthread_mutex_unlock(&pool->lock);
+        for (int k = 0; k < n; k++) {
+            rcs[k] = slot[k] == NO_EV ? ENOMEM : 0;
+            if (!rcs[k] && !h[k]) {
+                rcs[k] = pool->dev->ops->event_create(pool->dev, &h[k]);
+                created[k] = !rcs[k];
+            }
+            if (!rcs[k]) rcs[k] = dev_event_record(pool, h[k], streams[k]);
+        }
+        pthread_mutex_lock(&pool->lock);
+        pool->jobs--;
+        for (int k = 0; k < n; k++) {
+            if (created[k]) pool->evs[slot[k]].h = h[k];
+            if (rcs[k]) { /* no event: synchronize before reuse elsewhere */
+                ev_put(pool, slot[k]);
+                b->sync_needed = 1;
+                continue;
+            }
+            pool->evs[slot[k]].stream = streams[k];
+            pool->evs[slot[k]].seq = ++pool->evseq;
+            pool->st.free_event_records++;
+            sref_add(pool, b, streams[k], slot[k]);
+        }
+    } else {
+        for (int k = 0; k < n; k++) sref_add(pool, b, streams[k], NO_EV);
+    }
+    if (overflow && n) b->sync_needed = 1;
+    if (n) b->free_gen = ++pool->free_gen;
+    block_untouch(pool, b);
+    blk_make_free(pool, b);
+    trim_cached(pool);
     if (t0) lat_note(pool->st.free_lat, &pool->st.free_ns_total, &pool->st.free_ns_max, now_ns() - t0);
     pthread_mutex_unlock(&pool->lock);
     return 0;
@@ -1026,10 +1926,11 @@ int msh_pool_record_stream(struct msh_pool *pool, uint64_t addr, uint64_t stream
     int rc = EINVAL;
     if (b) {
         rc = 0;
-        bool seen = false;
-        for (int i = 0; i < b->nstreams; i++) seen |= b->streams[i] == stream;
+        stream_seen(pool, stream);
+        bool seen = stream == MSH_STREAM_COMPLETED;
+        for (int i = 0; i < b->ns; i++) seen |= b->s[i].stream == stream;
         if (!seen) {
-            if (b->nstreams < MAX_STREAMS) b->streams[b->nstreams++] = stream;
+            if (b->ns < MAX_STREAMS) b->s[b->ns++] = (struct sref){.stream = stream, .ev = NO_EV};
             else b->sync_needed = 1; /* too many streams to track: synchronize before reuse */
         }
     }
@@ -1037,10 +1938,59 @@ int msh_pool_record_stream(struct msh_pool *pool, uint64_t addr, uint64_t stream
     return rc;
 }
 
+/* Empty-cache gives back the pool's idle events too (as PyTorch's emptyCache synchronizes and
+ * frees its events): after a synchronize no queued work can touch a free extent, so their stream
+ * tags are dropped and every event no extent refers to is destroyed (its slot stays, to be
+ * created again when needed). Called with the lock held; destroys without it. */
+static void events_trim(struct msh_pool *pool, bool at_exit)
+{
+    if (pool->free_gen > pool->synced_gen) {
+        struct job j;
+        job_init(&j);
+        job_need_settle(pool, &j);
+        job_do(pool, &j);
+        job_fini(pool, &j);
+    }
+    for (int a = 0; a < NAREAS; a++)
+        for (struct region *r = pool->areas[a]; r; r = r->next)
+            for (struct blk *b = r->first; b; b = b->next)
+                if (b->state == B_FREE && (b->ns || b->sync_needed) && (blk_clean(pool, b) || at_exit))
+                    sref_clear(pool, b); /* at exit nothing is reused: an event still pending may go too */
+    uint64_t h[64];
+    for (;;) {
+        int n = 0;
+        for (uint32_t e = 0; e < pool->nevs && n < 64; e++)
+            if (!pool->evs[e].refs && pool->evs[e].h) {
+                h[n++] = pool->evs[e].h;
+                pool->evs[e].h = 0;
+            }
+        if (!n) break;
+        pthread_mutex_unlock(&pool->lock);
+        for (int i = 0; i < n; i++) pool->dev->ops->event_release(pool->dev, h[i]);
+        pthread_mutex_lock(&pool->lock);
+    }
+}
+
+void msh_pool_release_events(struct msh_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    events_trim(pool, true);
+    pthread_mutex_unlock(&pool->lock);
+}
+
 size_t msh_pool_empty_cache(struct msh_pool *pool)
 {
     pthread_mutex_lock(&pool->lock);
-    size_t n = release_cached(pool, 0);
+    size_t n = release_cached(pool, 0, 0);
+    events_trim(pool, false);
+    pthread_mutex_unlock(&pool->lock);
+    return n;
+}
+
+size_t msh_pool_trim(struct msh_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    size_t n = trim_cached(pool);
     pthread_mutex_unlock(&pool->lock);
     return n;
 }
@@ -1066,20 +2016,20 @@ static void scan_free(struct msh_pool *pool, size_t *free_bytes, size_t *largest
     size_t total = 0, best = 0;
     for (int a = 0; a < NAREAS; a++) {
         for (struct region *r = pool->areas[a]; r; r = r->next) {
-            uint64_t hi = r->base + (uint64_t)r->hi_page * pool->gran;
-            struct blk *first = r->first;
+            uint64_t hi = page_va(pool, r, r->hi_page);
             size_t run = 0;
-            for (struct blk *x = first; x && x->addr < hi; x = x->next) {
-                if (!x->free) {
+            for (struct blk *x = r->first; x && x->addr < hi; x = x->next) {
+                if (x->state != B_FREE) {
                     run = 0;
                     continue;
                 }
                 uint64_t end = x->addr + x->size < hi ? x->addr + x->size : hi;
                 for (uint64_t a0 = x->addr; a0 < end;) {
                     uint32_t p = (uint32_t)((a0 - r->base) / pool->gran);
-                    uint64_t pend = r->base + (uint64_t)(p + 1) * pool->gran;
+                    uint64_t pend = page_va(pool, r, p + 1);
                     if (pend > end) pend = end;
-                    if (r->pages[p].handle) {
+                    uint32_t h = pg_head(&r->pages[p]);
+                    if (h != NO_PAGE && r->pages[h].state == PG_MAPPED) {
                         run += pend - a0;
                         total += pend - a0;
                         if (run > best) best = run;
@@ -1097,17 +2047,22 @@ static void scan_free(struct msh_pool *pool, size_t *free_bytes, size_t *largest
 
 size_t msh_pool_mapped_bytes(struct msh_pool *pool)
 {
-    return __atomic_load_n(&pool->handles, __ATOMIC_RELAXED) * pool->gran;
+    return __atomic_load_n(&pool->held, __ATOMIC_RELAXED) * pool->gran;
 }
 
 void msh_pool_get_stats(struct msh_pool *pool, struct msh_pool_stats *out)
 {
     pthread_mutex_lock(&pool->lock);
-    pool->st.mapped_bytes = pool->handles * pool->gran;
-    pool->st.handle_bytes = pool->handles * pool->gran;
+    pool->st.mapped_bytes = pool->held * pool->gran;
+    pool->st.handle_bytes = pool->held * pool->gran;
     pool->st.touched_bytes = pool->touched * pool->gran;
+    pool->st.handles = pool->nhandles;
     scan_free(pool, &pool->st.free_bytes, &pool->st.largest_free);
     *out = pool->st;
+    for (int k = 0; k < MSH_DRV_NKINDS; k++) {
+        out->drv_calls[k] = __atomic_load_n(&pool->st.drv_calls[k], __ATOMIC_RELAXED);
+        out->drv_bytes[k] = __atomic_load_n(&pool->st.drv_bytes[k], __ATOMIC_RELAXED);
+    }
     pthread_mutex_unlock(&pool->lock);
 }
 
@@ -1115,23 +2070,20 @@ void msh_pool_reset_peaks(struct msh_pool *pool)
 {
     pthread_mutex_lock(&pool->lock);
     pool->st.peak_live_bytes = pool->st.live_bytes;
-    pool->st.peak_mapped_bytes = pool->handles * pool->gran;
+    pool->st.peak_mapped_bytes = pool->held * pool->gran;
     pool->st.peak_touched_bytes = pool->touched * pool->gran;
     pthread_mutex_unlock(&pool->lock);
 }
 
-static void fill_oom(struct msh_pool *pool, size_t req)
+static void fill_oom(struct msh_pool *pool, size_t req, size_t dev_free, size_t dev_total)
 {
     struct msh_pool_oom *o = &pool->oom;
     memset(o, 0, sizeof *o);
     o->requested = req;
-    size_t f = 0, t = 0;
-    if (pool->dev->ops->mem_info(pool->dev, &f, &t) == 0) {
-        o->device_free = f;
-        o->device_total = t;
-    }
+    o->device_free = dev_free;
+    o->device_total = dev_total;
     o->live_bytes = pool->st.live_bytes;
-    o->mapped_bytes = pool->handles * pool->gran;
+    o->mapped_bytes = pool->held * pool->gran;
     o->limit_bytes = limit_now(pool);
     size_t fb = 0;
     scan_free(pool, &fb, &o->largest_free);
@@ -1166,41 +2118,667 @@ void msh_pool_for_each_live(struct msh_pool *pool,
 {
     pthread_mutex_lock(&pool->lock);
     for (size_t i = 0; i < pool->hcap; i++)
-        for (struct blk *b = pool->htab[i]; b; b = b->hnext) fn(arg, b->addr, b->req, b->streams[0]);
+        for (struct blk *b = pool->htab[i]; b; b = b->hnext)
+            fn(arg, b->addr, b->req, b->ns ? b->s[0].stream : MSH_STREAM_COMPLETED);
     pthread_mutex_unlock(&pool->lock);
 }
 
-/* ---- issue 8: streams that go away, blocks by interior address, pages released with a block -- */
+/* ---- learning the step (docs/pool.md, "Steady state at tight capacity") ------------------------
+ * Training repeats one step. The pool logs every allocation and free, and keeps a hash of the
+ * live set (XOR over live blocks of their address and size). When an allocation starts from a
+ * live set seen before, with the same size as the allocation that followed it then, the events
+ * in between are a candidate step. If that step had to remap (unmap_ops grew during it: it does
+ * not fit in what the pool may hold when placed best-fit online), the pool packs the step's
+ * blocks offline, knowing every lifetime (greedy, lowest address first, three orders tried),
+ * keeps blocks that outlive the step where they are, and, when the packed step needs no more
+ * pages than the pool may hold, places the next steps' allocations where the plan says. Each
+ * allocation checks the plan: another size, or a planned range that is not free, drops the plan
+ * and placement goes back to best fit (the step changed). Pages the plan uses are reclaimed
+ * last. The packing runs without the lock, on a copy of the log. */
 
-/* Drop `stream` from the first *n entries of list; true when it was there. */
-static bool streams_drop(uint64_t *list, uint8_t *n, uint64_t stream)
+#define STEP_LOG (1u << 18)     /* events kept: steps up to this many events can be learned */
+#define STEP_ANCHORS (1u << 14)
+#define STEP_MIN_ALLOCS 16      /* shorter repeats are loops the cache already serves */
+#define STEP_MAX_MOVABLE 40000  /* the packing is quadratic in the blocks it moves */
+
+struct slog {
+    uint64_t addr, size; /* where the block was placed, its VA bytes */
+    uint64_t ref;        /* alloc: unused; free: serial of the allocation freed */
+    uint8_t op;          /* 0 alloc, 1 free */
+    uint8_t pad[7];
+};
+
+struct anchor {
+    uint64_t h, serial, reclaims, size;
+};
+
+struct pent {
+    uint64_t addr, size;
+};
+
+struct fprun {
+    struct region *r;
+    uint32_t p0, p1;
+};
+
+struct step {
+    struct slog *log;
+    uint64_t n;            /* events logged: the next serial */
+    uint64_t hstate;       /* hash of the live set */
+    struct anchor *anchors;
+    struct pent *plan;     /* the learned step: where each of its allocations goes */
+    size_t nplan, capplan;
+    uint64_t plan_h;       /* live-set hash at the step's start */
+    size_t cursor;         /* next plan entry (nplan: the step is complete) */
+    bool active;
+    bool want;             /* the allocation being served has a planned address */
+    uint64_t want_addr;
+    struct fprun *fp;      /* the plan's footprint, to clear its page flags */
+    size_t nfp, capfp;
+    uint64_t quiet_until;  /* no packing before this serial: one try per step length */
+    /* A step of about this length did not pack into this budget: steps of about the same length
+     * wait 64, 128... step lengths (up to 1024) before the next try, unless the budget changes
+     * (the packing of a step hardly depends on where its blocks were). Other steps are tried. */
+    uint32_t fails;
+    uint64_t fail_len, fail_budget, fail_until;
+};
+
+static inline uint64_t mix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return x;
+}
+
+static inline uint64_t blk_hash(uint64_t addr, uint64_t size)
+{
+    return mix64(addr * 0x9E3779B97F4A7C15ull + size);
+}
+
+static void step_create(struct msh_pool *pool)
+{
+    struct step *s = raw_alloc(sizeof *s);
+    if (!s) return;
+    s->log = raw_alloc((size_t)STEP_LOG * sizeof *s->log);
+    s->anchors = raw_alloc((size_t)STEP_ANCHORS * sizeof *s->anchors);
+    if (!s->log || !s->anchors) {
+        raw_free(s->log, (size_t)STEP_LOG * sizeof *s->log);
+        raw_free(s->anchors, (size_t)STEP_ANCHORS * sizeof *s->anchors);
+        raw_free(s, sizeof *s);
+        return;
+    }
+    pool->step = s;
+}
+
+static void step_destroy(struct msh_pool *pool)
+{
+    struct step *s = pool->step;
+    if (!s) return;
+    raw_free(s->log, (size_t)STEP_LOG * sizeof *s->log);
+    raw_free(s->anchors, (size_t)STEP_ANCHORS * sizeof *s->anchors);
+    raw_free(s->plan, s->capplan * sizeof *s->plan);
+    raw_free(s->fp, s->capfp * sizeof *s->fp);
+    raw_free(s, sizeof *s);
+    pool->step = NULL;
+}
+
+/* A step of about this length (within 1/64) already failed to pack into this budget lately. */
+static bool step_failed_before(const struct step *s, uint64_t len, size_t budget)
+{
+    uint64_t d = len > s->fail_len ? len - s->fail_len : s->fail_len - len;
+    return s->fails && d <= s->fail_len / 64 && budget == s->fail_budget && s->n < s->fail_until;
+}
+
+static bool step_want(const struct step *s, uint64_t addr)
+{
+    return s->want && s->want_addr == addr;
+}
+
+static void step_drop(struct msh_pool *pool)
+{
+    struct step *s = pool->step;
+    if (s->active) pool->st.plan_dropped++;
+    s->active = false;
+    s->want = false;
+}
+
+static void step_note_alloc(struct msh_pool *pool, struct blk *b)
+{
+    struct step *s = pool->step;
+    b->serial = s->n + 1; /* 0: not logged */
+    s->log[s->n % STEP_LOG] = (struct slog){.addr = b->addr, .size = b->size, .op = 0};
+    s->n++;
+    s->hstate ^= blk_hash(b->addr, b->size);
+    if (s->want) {
+        if (b->addr == s->want_addr) pool->st.plan_placed++;
+        s->want = false;
+        s->cursor++;
+    }
+}
+
+static void step_note_free(struct msh_pool *pool, struct blk *b)
+{
+    struct step *s = pool->step;
+    s->log[s->n % STEP_LOG] = (struct slog){.addr = b->addr, .size = b->size, .ref = b->serial, .op = 1};
+    s->n++;
+    s->hstate ^= blk_hash(b->addr, b->size);
+}
+
+/* The plan's address for this allocation, when a plan is active and it matches. */
+static struct blk *plan_place(struct msh_pool *pool, int area, uint64_t rsize)
+{
+    struct step *s = pool->step;
+    if (!s->want) return NULL;
+    struct blk *b = atreap_floor(pool->atree[area], s->want_addr);
+    if (!b || b->addr + b->size < s->want_addr + rsize) {
+        step_drop(pool); /* the planned range is not free: the step changed */
+        return NULL;
+    }
+    struct blk *c = carve_at(pool, b, s->want_addr, rsize);
+    if (!c) step_drop(pool);
+    return c;
+}
+
+/* ---- the packing (no lock held; works on a copy) ---- */
+
+struct pitem {
+    uint64_t addr, size;  /* planned (movable) or fixed address */
+    uint64_t prev;        /* where the last step had it; 0: nowhere mapped now */
+    uint32_t t0, t1;      /* alive over events [t0, t1) of the step */
+    int32_t reg;          /* index into the region table */
+    uint8_t fixed;
+    uint8_t hole;         /* unmapped pages kept out of the plan (not part of its footprint) */
+    uint32_t order;       /* allocation order within the step (movable and pinned), or UINT32_MAX */
+};
+
+struct pregion {
+    uint64_t base, size;
+    struct region *r;
+};
+
+struct pinput {
+    struct pitem *it;
+    size_t n, cap;
+    struct pregion reg[64];
+    int nreg;
+    uint32_t len;         /* events in the step */
+    size_t nalloc;        /* allocations in the step (plan entries) */
+    uint64_t gran;
+    uint64_t budget;      /* pages the plan may use */
+    bool prefer_prev;     /* a block goes back where it was when that is still free */
+    bool keep_mapped;     /* blocks in mapped pages stay (fixed): few are packed */
+};
+
+static int cmp_u64pair(const void *a, const void *b)
+{
+    const uint64_t *x = a, *y = b;
+    return x[0] < y[0] ? -1 : x[0] > y[0] ? 1 : (x[1] < y[1] ? -1 : x[1] > y[1]);
+}
+
+/* Pages touched by the items of region g (planned addresses), counted once each. */
+static uint64_t footprint_pages(const struct pinput *in, int g, uint64_t (*iv)[2])
+{
+    size_t k = 0;
+    for (size_t i = 0; i < in->n; i++) {
+        if (in->it[i].reg != g || in->it[i].hole) continue;
+        iv[k][0] = (in->it[i].addr - in->reg[g].base) / in->gran;
+        iv[k][1] = (in->it[i].addr + in->it[i].size - 1 - in->reg[g].base) / in->gran;
+        k++;
+    }
+    qsort(iv, k, sizeof *iv, cmp_u64pair);
+    uint64_t pages = 0, hi = 0;
+    bool any = false;
+    for (size_t i = 0; i < k; i++) {
+        uint64_t a = iv[i][0], e = iv[i][1];
+        if (any && a <= hi) {
+            if (e > hi) {
+                pages += e - hi;
+                hi = e;
+            }
+        } else {
+            pages += e - a + 1;
+            hi = e;
+            any = true;
+        }
+    }
+    return pages;
+}
+
+struct sort_ctx {
+    const struct pitem *items;
+    int key;
+};
+
+/* Packing orders, largest first: by size, by size x lifetime, by lifetime. (qsort_r: two pools
+ * may pack at once.) */
+static int cmp_order(const void *a, const void *b, void *arg)
+{
+    const struct sort_ctx *c = arg;
+    const struct pitem *x = &c->items[*(const uint32_t *)a], *y = &c->items[*(const uint32_t *)b];
+    uint64_t kx, ky;
+    if (c->key == 0) kx = x->size, ky = y->size;
+    else if (c->key == 1) kx = x->size * (x->t1 - x->t0), ky = y->size * (y->t1 - y->t0);
+    else kx = x->t1 - x->t0, ky = y->t1 - y->t0;
+    if (kx != ky) return kx > ky ? -1 : 1;
+    if (x->t0 != y->t0) return x->t0 < y->t0 ? -1 : 1;
+    return x->addr < y->addr ? -1 : x->addr > y->addr;
+}
+
+static int cmp_addr(const void *a, const void *b, void *arg)
+{
+    const struct pitem *it = arg;
+    uint64_t x = it[*(const uint32_t *)a].addr, y = it[*(const uint32_t *)b].addr;
+    return x < y ? -1 : x > y;
+}
+
+/* Greedy packing of the movable items of region g in the given order: each at the lowest address
+ * where it overlaps no placed item alive at the same time (with prefer_prev: where it was, when
+ * that is still free). Placed items are kept sorted by address, so a search stops at the first
+ * gap and an insertion is a binary search and a move. Returns the footprint in pages, or
+ * UINT64_MAX when an item does not fit in the region. */
+static uint64_t pack_region(struct pinput *in, int g, const uint32_t *order, size_t nmov, uint32_t *placed,
+                            uint64_t (*tmp)[2])
+{
+    struct pitem *it = in->it;
+    size_t np = 0;
+    for (size_t i = 0; i < in->n; i++)
+        if (it[i].reg == g && it[i].fixed) placed[np++] = (uint32_t)i;
+    qsort_r(placed, np, sizeof *placed, cmp_addr, it);
+    uint64_t base = in->reg[g].base, end = base + in->reg[g].size;
+    for (size_t k = 0; k < nmov; k++) {
+        struct pitem *x = &it[order[k]];
+        uint64_t cand = base;
+        bool at_prev = false;
+        if (in->prefer_prev && x->prev) {
+            bool clash = false;
+            for (size_t q = 0; q < np && !clash && it[placed[q]].addr < x->prev + x->size; q++) {
+                const struct pitem *y = &it[placed[q]];
+                clash = y->addr + y->size > x->prev && y->t0 < x->t1 && x->t0 < y->t1;
+            }
+            if (!clash) {
+                cand = x->prev;
+                at_prev = true;
+            }
+        }
+        for (size_t q = 0; q < np && !at_prev; q++) {
+            const struct pitem *y = &it[placed[q]];
+            if (y->addr >= cand + x->size) break; /* sorted by address: the gap is free of the rest */
+            if (y->t0 >= x->t1 || x->t0 >= y->t1 || y->addr + y->size <= cand) continue;
+            cand = y->addr + y->size;
+        }
+        if (cand + x->size > end) return UINT64_MAX;
+        x->addr = cand;
+        size_t lo = 0, hi = np; /* insert after every item at or below cand */
+        while (lo < hi) {
+            size_t mid = (lo + hi) / 2;
+            if (it[placed[mid]].addr <= cand) lo = mid + 1;
+            else hi = mid;
+        }
+        memmove(&placed[lo + 1], &placed[lo], (np - lo) * sizeof *placed);
+        placed[lo] = order[k];
+        np++;
+    }
+    return footprint_pages(in, g, tmp);
+}
+
+/* Pack every region with up to three orders and keep the best per region (with one region, the
+ * first order that fits the budget ends the search). Returns the total pages, or UINT64_MAX when
+ * something does not fit. */
+static uint64_t pack_all(struct pinput *in)
+{
+    size_t n = in->n;
+    uint32_t *order = raw_alloc((n + 1) * sizeof *order);
+    uint32_t *placed = raw_alloc((n + 1) * sizeof *placed);
+    uint64_t (*tmp)[2] = raw_alloc((n + 1) * sizeof *tmp);
+    uint64_t *best = raw_alloc((n + 1) * sizeof *best);
+    uint64_t total = 0;
+    if (!order || !placed || !tmp || !best) {
+        total = UINT64_MAX;
+        goto out;
+    }
+    for (int g = 0; g < in->nreg && total != UINT64_MAX; g++) {
+        size_t nmov = 0;
+        for (size_t i = 0; i < n; i++)
+            if (in->it[i].reg == g && !in->it[i].fixed) order[nmov++] = (uint32_t)i;
+        if (nmov > STEP_MAX_MOVABLE) {
+            total = UINT64_MAX;
+            break;
+        }
+        uint64_t bestp = UINT64_MAX;
+        /* packings that keep blocks near where they were try the size order only */
+        int nkeys = in->prefer_prev || in->keep_mapped ? 1 : 3;
+        for (int key = 0; key < nkeys; key++) {
+            struct sort_ctx ctx = {.items = in->it, .key = key};
+            qsort_r(order, nmov, sizeof *order, cmp_order, &ctx);
+            uint64_t p = pack_region(in, g, order, nmov, placed, tmp);
+            if (p < bestp) {
+                bestp = p;
+                for (size_t i = 0; i < nmov; i++) best[order[i]] = in->it[order[i]].addr;
+            }
+            if (in->nreg == 1 && bestp <= in->budget) break; /* fits: the other orders only cost time */
+        }
+        if (bestp == UINT64_MAX) {
+            total = UINT64_MAX;
+            break;
+        }
+        for (size_t i = 0; i < n; i++)
+            if (in->it[i].reg == g && !in->it[i].fixed) in->it[i].addr = best[i];
+        total += bestp;
+    }
+out:
+    raw_free(order, (n + 1) * sizeof *order);
+    raw_free(placed, (n + 1) * sizeof *placed);
+    raw_free(tmp, (n + 1) * sizeof *tmp);
+    raw_free(best, (n + 1) * sizeof *best);
+    return total;
+}
+
+static bool pin_push(struct pinput *in, struct pitem it)
+{
+    if (in->n == in->cap) {
+        void *v = in->it;
+        uint32_t cap = (uint32_t)in->cap;
+        if (!arr_grow(&v, &cap, sizeof *in->it, NULL)) return false;
+        in->it = v;
+        in->cap = cap;
+    }
+    in->it[in->n++] = it;
+    return true;
+}
+
+static int region_index(struct msh_pool *pool, struct pinput *in, uint64_t addr)
+{
+    for (int g = 0; g < in->nreg; g++)
+        if (addr >= in->reg[g].base && addr < in->reg[g].base + in->reg[g].size) return g;
+    for (int a = 0; a < NAREAS; a++)
+        for (struct region *r = pool->areas[a]; r; r = r->next)
+            if (addr >= r->base && addr < r->base + r->size && in->nreg < 64) {
+                in->reg[in->nreg] = (struct pregion){.base = r->base, .size = r->size, .r = r};
+                return in->nreg++;
+            }
+    return -1;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Whether every page of [addr, addr + size) in region g is mapped now. */
+static bool range_mapped(const struct msh_pool *pool, const struct pinput *in, int g, uint64_t addr, uint64_t size)
+{
+    const struct region *r = in->reg[g].r;
+    uint32_t p0 = (uint32_t)((addr - r->base) / pool->gran), p1 = (uint32_t)((addr + size - 1 - r->base) / pool->gran);
+    for (uint32_t p = p0; p <= p1; p++)
+        if (p >= r->hi_page || !r->pages[p].hd) return false;
+    return true;
+}
+
+/* Under the lock: the step's blocks with their lifetimes, from the log window [t0, t1) and the
+ * live set (which is the step's starting live set). With keep, the blocks the last step placed
+ * in pages that are mapped now stay where they were, and the others are packed into mapped free
+ * space first (unmapped pages below the top of each region are obstacles): the plan changes as
+ * little as it can, so the first planned step maps little. */
+static bool plan_input(struct msh_pool *pool, uint64_t t0, uint64_t t1, bool keep, bool holes, struct pinput *in)
+{
+    struct step *s = pool->step;
+    uint32_t len = (uint32_t)(t1 - t0);
+    uint32_t *idx = raw_alloc((size_t)len * sizeof *idx);
+    uint64_t *prefree = raw_alloc((size_t)len * sizeof *prefree);
+    size_t npre = 0;
+    bool ok = idx && prefree;
+    in->len = len;
+    in->gran = pool->gran;
+    for (uint64_t k = t0; ok && k < t1; k++) {
+        const struct slog *e = &s->log[k % STEP_LOG];
+        uint32_t t = (uint32_t)(k - t0);
+        if (e->op == 0) {
+            int g = region_index(pool, in, e->addr);
+            idx[t] = (uint32_t)in->n;
+            ok = g >= 0 && pin_push(in, (struct pitem){.addr = e->addr, .size = e->size, .t0 = t, .t1 = len,
+                                                       .reg = g, .order = (uint32_t)in->nalloc});
+            in->nalloc++;
+        } else if (e->ref > t0 && e->ref <= t1) { /* freed inside the step: movable */
+            uint32_t ai = idx[e->ref - 1 - t0];
+            in->it[ai].t1 = t;
+        } else { /* alive when the step began, freed during it */
+            int g = region_index(pool, in, e->addr);
+            ok = g >= 0 && pin_push(in, (struct pitem){.addr = e->addr, .size = e->size, .t0 = 0, .t1 = t,
+                                                       .reg = g, .fixed = 1, .order = UINT32_MAX});
+            prefree[npre++] = e->addr;
+        }
+    }
+    for (size_t i = 0; ok && i < in->n; i++)
+        if (!in->it[i].fixed && range_mapped(pool, in, in->it[i].reg, in->it[i].addr, in->it[i].size))
+            in->it[i].prev = in->it[i].addr;
+    /* allocations still alive at the end keep their place (they are the next step's start) */
+    for (size_t i = 0; ok && i < in->n; i++)
+        if (!in->it[i].fixed && (in->it[i].t1 == len ||
+                                 (keep && range_mapped(pool, in, in->it[i].reg, in->it[i].addr, in->it[i].size))))
+            in->it[i].fixed = 1;
+    for (int g = 0; ok && holes && g < in->nreg; g++) {
+        const struct region *r = in->reg[g].r;
+        for (uint32_t p = 0; ok && p < r->hi_page;) {
+            if (r->pages[p].hd) {
+                p++;
+                continue;
+            }
+            uint32_t e = p;
+            while (e < r->hi_page && !r->pages[e].hd) e++;
+            ok = pin_push(in, (struct pitem){.addr = page_va(pool, r, p), .size = (uint64_t)(e - p) * pool->gran, .t0 = 0,
+                                             .t1 = len, .reg = g, .fixed = 1, .hole = 1, .order = UINT32_MAX});
+            p = e;
+        }
+    }
+    /* live blocks not freed during the step sit there throughout */
+    qsort(prefree, npre, sizeof *prefree, cmp_u64);
+    for (size_t i = 0; ok && i < pool->hcap; i++)
+        for (struct blk *b = pool->htab[i]; ok && b; b = b->hnext) {
+            if (bsearch(&b->addr, prefree, npre, sizeof *prefree, cmp_u64)) continue;
+            int g = region_index(pool, in, b->addr);
+            if (g < 0) continue;
+            ok = pin_push(in, (struct pitem){.addr = b->addr, .size = b->size, .t0 = 0, .t1 = len, .reg = g,
+                                             .fixed = 1, .order = UINT32_MAX});
+        }
+    raw_free(idx, (size_t)len * sizeof *idx);
+    raw_free(prefree, (size_t)len * sizeof *prefree);
+    return ok;
+}
+
+/* Mark the plan's footprint (PLAN_PAGE) and move cached handles to the list they now belong to. */
+static void plan_mark(struct msh_pool *pool, const struct pinput *in)
+{
+    struct step *s = pool->step;
+    for (size_t i = 0; i < s->nfp; i++)
+        for (uint32_t p = s->fp[i].p0; p <= s->fp[i].p1; p++) s->fp[i].r->pages[p].plan &= ~PLAN_PAGE;
+    s->nfp = 0;
+    for (size_t i = 0; i < in->n; i++) {
+        const struct pitem *x = &in->it[i];
+        if (x->hole) continue;
+        for (int a = 0; a < NAREAS; a++)
+            for (struct region *r = pool->areas[a]; r; r = r->next) {
+                if (x->addr < r->base || x->addr >= r->base + r->size) continue;
+                uint32_t p0 = (uint32_t)((x->addr - r->base) / pool->gran);
+                uint32_t p1 = (uint32_t)((x->addr + x->size - 1 - r->base) / pool->gran);
+                for (uint32_t p = p0; p <= p1; p++) r->pages[p].plan |= PLAN_PAGE;
+                if (s->nfp == s->capfp) {
+                    void *v = s->fp;
+                    uint32_t cap = (uint32_t)s->capfp;
+                    if (!arr_grow(&v, &cap, sizeof *s->fp, NULL)) continue;
+                    s->fp = v;
+                    s->capfp = cap;
+                }
+                s->fp[s->nfp++] = (struct fprun){.r = r, .p0 = p0, .p1 = p1};
+            }
+    }
+    /* re-file cached handles: in the footprint if any of their pages is */
+    for (int a = 0; a < NAREAS; a++)
+        for (struct region *r = pool->areas[a]; r; r = r->next)
+            for (int l = 0; l < 2; l++) {
+                uint32_t h = r->chead[l];
+                while (h != NO_PAGE) {
+                    uint32_t nx = r->pages[h].cnext;
+                    uint8_t want = 0;
+                    for (uint32_t q = h; q < h + r->pages[h].npages; q++) want |= r->pages[q].plan & PLAN_PAGE;
+                    if ((want != 0) != (l == 1)) {
+                        uint32_t ct = r->pages[h].ctime;
+                        cache_remove(pool, r, h);
+                        r->pages[h].plan = (uint8_t)((r->pages[h].plan & PLAN_PAGE) | (want ? PLAN_LIST : 0));
+                        cache_add(pool, r, h);
+                        r->pages[h].ctime = ct;
+                    }
+                    h = nx;
+                }
+            }
+}
+
+/* Before an allocation of rsize bytes: follow the plan, or learn one. Called with the lock held;
+ * the packing itself runs without it. */
+static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
+{
+    struct step *s = pool->step;
+    s->want = false;
+    if (s->active && s->cursor == s->nplan) { /* the step is over: does the next one begin? */
+        if (s->hstate == s->plan_h && s->plan[0].size == rsize) s->cursor = 0;
+        else step_drop(pool);
+    }
+    if (s->active) {
+        if (s->plan[s->cursor].size != rsize) {
+            step_drop(pool);
+        } else {
+            s->want = true;
+            s->want_addr = s->plan[s->cursor].addr;
+        }
+    }
+    struct anchor *an = &s->anchors[mix64(s->hstate) & (STEP_ANCHORS - 1)];
+    bool candidate = !s->active && an->h == s->hstate && an->size == rsize && an->serial < s->n &&
+                     s->n - an->serial <= STEP_LOG && pool->pressure_reclaims > an->reclaims && s->n >= s->quiet_until &&
+                     !step_failed_before(s, s->n - an->serial, cap_pages(pool));
+    uint64_t t0 = an->serial, t1 = s->n, h0 = s->hstate;
+    *an = (struct anchor){.h = s->hstate, .serial = s->n, .reclaims = pool->pressure_reclaims, .size = rsize};
+    if (!candidate) return;
+    /* Packings tried in turn, the smallest change first: keep every block that sits in mapped
+     * pages; put blocks back where they were when still free; pack the whole step. Unmapped pages
+     * are obstacles in the first three, so that the first planned step maps (almost) nothing. */
+    static const struct { bool keep, holes, near; const char *what; } way[] = {
+        {true, true, false, "keeping what is mapped"},
+        {false, true, true, "near the last step, in mapped pages"},
+        {false, true, false, "anew, in mapped pages"},
+        {false, false, false, "anew"},
+    };
+    enum { NWAYS = sizeof way / sizeof way[0] };
+    struct pinput cand[NWAYS];
+    memset(cand, 0, sizeof cand);
+    /* Every allocation of a repeated step starts a window of the same length: try once per
+     * step length, not at each of them. */
+    s->quiet_until = t1 + (t1 - t0);
+    size_t capn = cap_pages(pool);
+    bool ok = true;
+    for (int w = 0; w < NWAYS && ok; w++) {
+        ok = plan_input(pool, t0, t1, way[w].keep, way[w].holes, &cand[w]) && cand[w].nalloc >= STEP_MIN_ALLOCS;
+        cand[w].budget = capn != SIZE_MAX ? capn : pool->held;
+        cand[w].prefer_prev = way[w].near;
+        cand[w].keep_mapped = way[w].keep;
+    }
+    if (!ok) {
+        for (int w = 0; w < NWAYS; w++) raw_free(cand[w].it, cand[w].cap * sizeof *cand[w].it);
+        return;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    uint64_t tpack = msh_now_ns();
+    /* The first packing that fits wins (the greedy packings are heuristics: one that keeps blocks
+     * where they are sometimes fits where packing anew does not). */
+    uint64_t pages = UINT64_MAX;
+    int chosen = -1;
+    for (int w = 0; w < NWAYS && chosen < 0; w++) {
+        pages = pack_all(&cand[w]);
+        msh_debug("pool: step of %zu allocations packed %s: %llu pages of %llu", cand[w].nalloc, way[w].what,
+                  (unsigned long long)pages, (unsigned long long)cand[w].budget);
+        if (pages <= cand[w].budget) chosen = w;
+    }
+    struct pinput in = cand[chosen < 0 ? NWAYS - 1 : chosen];
+    for (int w = 0; w < NWAYS; w++)
+        if (cand[w].it != in.it) raw_free(cand[w].it, cand[w].cap * sizeof *cand[w].it);
+    msh_debug("pool: step of %zu allocations (events %llu..%llu): %llu pages, budget %llu, packed in %.3f s",
+              in.nalloc, (unsigned long long)t0, (unsigned long long)t1, (unsigned long long)pages,
+              (unsigned long long)in.budget, (double)(msh_now_ns() - tpack) / 1e9);
+    pthread_mutex_lock(&pool->lock);
+    if (s->n != t1 || s->hstate != h0 || s->active) { /* another thread moved on: not this time */
+        raw_free(in.it, in.cap * sizeof *in.it);
+        return;
+    }
+    if (pages > in.budget) { /* the same step at the same budget will not pack next time either */
+        if (!step_failed_before(s, t1 - t0, capn + 1) || s->fail_budget != capn) s->fails = 0;
+        s->fail_len = t1 - t0;
+        s->fail_budget = capn;
+        s->fail_until = t1 + ((t1 - t0) << (6 + (s->fails < 4 ? s->fails : 4)));
+        s->fails++;
+        raw_free(in.it, in.cap * sizeof *in.it);
+        return;
+    }
+    if (s->capplan < in.nalloc) {
+        raw_free(s->plan, s->capplan * sizeof *s->plan);
+        s->capplan = in.nalloc;
+        s->plan = raw_alloc(s->capplan * sizeof *s->plan);
+        if (!s->plan) {
+            s->capplan = 0;
+            raw_free(in.it, in.cap * sizeof *in.it);
+            return;
+        }
+    }
+    for (size_t i = 0; i < in.n; i++)
+        if (in.it[i].order != UINT32_MAX) s->plan[in.it[i].order] = (struct pent){.addr = in.it[i].addr, .size = in.it[i].size};
+    s->nplan = in.nalloc;
+    s->fails = 0;
+    s->plan_h = h0;
+    s->cursor = 0;
+    s->active = true;
+    s->want = true;
+    s->want_addr = s->plan[0].addr;
+    pool->st.plans_built++;
+    plan_mark(pool, &in);
+    raw_free(in.it, in.cap * sizeof *in.it);
+}
+
+/* ---- issue 8's entry points: streams that go away, blocks by interior address, release on free -- */
+
+/* Drop `stream` from b's tags (its event reference too); true when it was there. */
+static bool sref_drop(struct msh_pool *pool, struct blk *b, uint64_t stream)
 {
     int k = 0;
     bool found = false;
-    for (int i = 0; i < *n; i++) {
-        if (list[i] == stream) found = true;
-        else list[k++] = list[i];
+    for (int i = 0; i < b->ns; i++) {
+        if (b->s[i].stream == stream) {
+            found = true;
+            ev_put(pool, b->s[i].ev);
+        } else {
+            b->s[k++] = b->s[i];
+        }
     }
-    *n = (uint8_t)k;
+    b->ns = (uint8_t)k;
     return found;
 }
 
 /* A destroyed stream's handle is undefined from then on (the driver may give the value to a new
- * stream), so no tag may name it afterwards. Tagged blocks, live or free, trade the tag for
- * sync_needed: whoever reuses them elsewhere first waits for the whole device, which covers the
- * stream's last work whether or not it has finished. No device call here. */
+ * stream), so no tag may name it afterwards: no event is ever recorded on it, and "same stream"
+ * never matches it. Tagged blocks, live or free, trade the tag for sync_needed: whoever reuses
+ * them elsewhere first waits for the whole device. No device call here. */
 int msh_pool_forget_stream(struct msh_pool *pool, uint64_t stream)
 {
     if (stream == MSH_STREAM_COMPLETED) return 0;
     pthread_mutex_lock(&pool->lock);
     for (size_t i = 0; i < pool->hcap; i++)
         for (struct blk *b = pool->htab[i]; b; b = b->hnext)
-            if (streams_drop(b->streams, &b->nstreams, stream)) b->sync_needed = 1;
+            if (sref_drop(pool, b, stream)) b->sync_needed = 1;
     for (int a = 0; a < NAREAS; a++)
         for (struct region *r = pool->areas[a]; r; r = r->next)
             for (struct blk *b = r->first; b; b = b->next)
-                if (b->free && !blk_clean(pool, b) && streams_drop(b->streams, &b->nstreams, stream))
-                    b->sync_needed = 1;
+                if (b->state == B_FREE && !blk_clean(pool, b) && sref_drop(pool, b, stream)) b->sync_needed = 1;
+    if (pool->first_stream == stream && !pool->multi_stream) pool->have_stream = false;
     pthread_mutex_unlock(&pool->lock);
     return 0;
 }
@@ -1223,7 +2801,7 @@ int msh_pool_block_containing(struct msh_pool *pool, uint64_t addr, uint64_t *ba
     if (!b) {
         struct region *r = region_of(pool, addr);
         for (struct blk *x = r ? r->first : NULL; x && x->addr <= addr; x = x->next)
-            if (!x->free && addr - x->addr < (x->req ? x->req : 1)) b = x;
+            if (x->state == B_LIVE && addr - x->addr < (x->req ? x->req : 1)) b = x;
     }
     if (b) {
         *base = b->addr;
@@ -1245,8 +2823,8 @@ void msh_pool_counters(struct msh_pool *pool, struct msh_pool_counters *out)
 {
     pthread_mutex_lock(&pool->lock);
     out->gran = pool->gran;
-    out->limit = pool->limit;
-    out->handles = pool->handles;
+    out->limit = limit_now(pool);
+    out->handles = pool->held;
     out->cached_pages = pool->cached;
     out->touched_pages = pool->touched;
     out->live_bytes = pool->st.live_bytes;
@@ -1255,27 +2833,9 @@ void msh_pool_counters(struct msh_pool *pool, struct msh_pool_counters *out)
     pthread_mutex_unlock(&pool->lock);
 }
 
-/* Give back to the driver the cached pages of [p0, p1] in r (pages no live block touches). */
-static size_t release_range_locked(struct msh_pool *pool, struct region *r, uint32_t p0, uint32_t p1)
-{
-    size_t released = 0;
-    for (uint32_t p = p0; p <= p1 && p < r->hi_page; p++) {
-        struct page *pg = &r->pages[p];
-        if (!pg->handle || pg->live) continue;
-        if (settle_before_unmap(pool)) break;
-        if (dev_unmap(pool, r->base + (uint64_t)p * pool->gran, pool->gran)) break;
-        pool->st.unmap_ops++;
-        cache_remove(pool, r, p);
-        handle_release(pool, pg->handle);
-        pg->handle = 0;
-        pool->st.released_pages++;
-        released += pool->gran;
-    }
-    return released;
-}
-
-/* Free a block, then return to the driver the pages it touched that no live block touches any
- * more (DESIGN.md 3: a cudaFree in segment mode is PyTorch giving memory back). */
+/* Free a block, then return to the driver the cached handles on the pages it touched (a handle
+ * is released whole: its other pages are untouched too, or it would not be cached). DESIGN.md 3:
+ * a cudaFree in segment mode is PyTorch giving memory back. */
 int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream, size_t *released)
 {
     if (released) *released = 0;
@@ -1290,8 +2850,26 @@ int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream,
     if (rc) return rc;
     /* another thread may have placed a block on these pages meanwhile: those stay (live) */
     pthread_mutex_lock(&pool->lock);
-    if (pool->norphans) orphans_retry(pool);
-    size_t n = release_range_locked(pool, r, p0, p1);
+    struct job j;
+    job_init(&j);
+    size_t before = pool->st.released_pages;
+    for (uint32_t p = p0; p <= p1 && p < r->hi_page;) {
+        uint32_t h = pg_head(&r->pages[p]);
+        if (h == NO_PAGE) {
+            p++;
+            continue;
+        }
+        struct page *hp = &r->pages[h];
+        uint32_t next = h + hp->npages;
+        if (hp->state == PG_MAPPED && !hp->nlive) {
+            if (!take_victim(pool, &j, r, h, V_RELEASE)) break;
+            held_sub(pool, hp->npages);
+        }
+        p = next;
+    }
+    job_do(pool, &j);
+    job_fini(pool, &j);
+    size_t n = (pool->st.released_pages - before) * pool->gran;
     pthread_mutex_unlock(&pool->lock);
     if (released) *released = n;
     return 0;
@@ -1306,7 +2884,7 @@ int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream,
         goto out;                                                                                  \
     } while (0)
 
-/* Walk the treap: in-order keys strictly increase, children's priorities never exceed their
+/* Walk the size treap: in-order keys strictly increase, children's priorities never exceed their
  * parent's, every node is a free block of `area`. Counts nodes into *n. Recursion depth is the
  * treap's height (expected O(log n)); a corrupt tree deeper than 4096 is reported, not followed. */
 static const char *treap_walk(const struct blk *t, int area, const struct blk **prev, size_t *n, int depth)
@@ -1317,7 +2895,7 @@ static const char *treap_walk(const struct blk *t, int area, const struct blk **
     if (t->tr && t->tr->prio > t->prio) return "treap heap order broken (right child)";
     const char *e = treap_walk(t->tl, area, prev, n, depth + 1);
     if (e) return e;
-    if (!t->free) return "a live block is in the free treap";
+    if (t->state != B_FREE) return "a block that is not free is in the free treap";
     if (!t->reg || t->reg->area != area) return "a free treap holds a block of another area";
     if (*prev && !key_less(*prev, t)) return "treap keys out of (size, addr) order";
     *prev = t;
@@ -1325,15 +2903,42 @@ static const char *treap_walk(const struct blk *t, int area, const struct blk **
     return treap_walk(t->tr, area, prev, n, depth + 1);
 }
 
+/* The same for the address treap. */
+static const char *atreap_walk(const struct blk *t, int area, const struct blk **prev, size_t *n, int depth)
+{
+    if (!t) return NULL;
+    if (depth > 4096) return "address treap deeper than 4096 (a cycle?)";
+    if (t->al && t->al->prio > t->prio) return "address treap heap order broken (left child)";
+    if (t->ar && t->ar->prio > t->prio) return "address treap heap order broken (right child)";
+    const char *e = atreap_walk(t->al, area, prev, n, depth + 1);
+    if (e) return e;
+    if (t->state != B_FREE) return "a block that is not free is in the address treap";
+    if (!t->reg || t->reg->area != area) return "an address treap holds a block of another area";
+    if (*prev && (*prev)->addr >= t->addr) return "address treap keys out of order";
+    *prev = t;
+    (*n)++;
+    return atreap_walk(t->ar, area, prev, n, depth + 1);
+}
+
 int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
 {
     int rc = 0;
     int32_t *live_count = NULL;
     size_t live_count_bytes = 0;
+    uint32_t *evrefs = NULL;
+    size_t evrefs_bytes = 0;
     if (why && whylen) why[0] = 0;
     pthread_mutex_lock(&pool->lock);
-    size_t nfree[NAREAS] = {0}, nlive = 0, live_bytes = 0, mapped = 0, touched = 0, cached = 0;
+    /* Requests doing driver work hold claims (pending blocks, pages in progress) that the rest of
+     * the pool accounts for only once they publish: the exact checks need a quiet pool. */
+    bool quiet = pool->jobs == 0 && pool->waiters == 0; /* a waiter holds a pending block too */
+    size_t nfree[NAREAS] = {0}, nlive = 0, live_bytes = 0, mapped = 0, touched = 0, cached = 0, heads = 0;
     size_t va = 0;
+    if (pool->nevs) {
+        evrefs_bytes = round_up((size_t)pool->nevs * sizeof *evrefs, 4096);
+        evrefs = raw_alloc(evrefs_bytes);
+        if (!evrefs) CHECK_FAIL("cannot map %zu bytes for the check", evrefs_bytes);
+    }
     for (int a = 0; a < NAREAS; a++) {
         for (struct region *r = pool->areas[a]; r; r = r->next) {
             va += r->size;
@@ -1365,19 +2970,45 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
                 if (!b->size || b->size % BLOCK_ALIGN) CHECK_FAIL("block %#llx: size %llu not a positive multiple of %d",
                                                                   (unsigned long long)b->addr, (unsigned long long)b->size, BLOCK_ALIGN);
                 if (b->addr + b->size > r->base + r->size) CHECK_FAIL("block %#llx runs past its region", (unsigned long long)b->addr);
-                if (b->free) {
-                    if (prev && prev->free) CHECK_FAIL("free neighbours %#llx and %#llx were not merged",
-                                                       (unsigned long long)prev->addr, (unsigned long long)b->addr);
+                if (b->ns > MAX_STREAMS) CHECK_FAIL("block %#llx: %u stream tags", (unsigned long long)b->addr, b->ns);
+                for (int i = 0; i < b->ns; i++)
+                    for (int k = i + 1; k < b->ns; k++)
+                        if (b->s[i].stream == b->s[k].stream)
+                            CHECK_FAIL("block %#llx: stream %#llx tagged twice", (unsigned long long)b->addr,
+                                       (unsigned long long)b->s[i].stream);
+                if (b->state == B_FREE) {
+                    if (prev && prev->state == B_FREE) CHECK_FAIL("free neighbours %#llx and %#llx were not merged",
+                                                                  (unsigned long long)prev->addr, (unsigned long long)b->addr);
+                    if ((b->ns || b->sync_needed) && !b->free_gen)
+                        CHECK_FAIL("free block %#llx has stream tags but no free generation", (unsigned long long)b->addr);
+                    for (int i = 0; i < b->ns; i++) {
+                        uint32_t e = b->s[i].ev;
+                        if (e == NO_EV) continue;
+                        if (e >= pool->nevs) CHECK_FAIL("free block %#llx: event slot %u of %u", (unsigned long long)b->addr, e, pool->nevs);
+                        if (!pool->evs[e].h) CHECK_FAIL("free block %#llx waits on event slot %u that was never created",
+                                                        (unsigned long long)b->addr, e);
+                        if (pool->evs[e].stream != b->s[i].stream)
+                            CHECK_FAIL("free block %#llx: event slot %u was recorded on another stream", (unsigned long long)b->addr, e);
+                        evrefs[e]++;
+                    }
                     nfree[a]++;
-                } else {
+                } else if (b->state == B_LIVE) {
                     nlive++;
                     live_bytes += b->req;
                     if (b->req > b->size) CHECK_FAIL("block %#llx: requested %llu > extent %llu", (unsigned long long)b->addr,
                                                      (unsigned long long)b->req, (unsigned long long)b->size);
                     if (hash_find(pool, b->addr) != b) CHECK_FAIL("live block %#llx is not in the hash", (unsigned long long)b->addr);
+                    for (int i = 0; i < b->ns; i++)
+                        if (b->s[i].ev != NO_EV) CHECK_FAIL("live block %#llx holds an event", (unsigned long long)b->addr);
+                } else if ((b->state == B_PENDING || b->state == B_FREEING) && !quiet) {
+                    /* in flight: its pages are claimed */
+                } else {
+                    CHECK_FAIL("block %#llx in state %u with no request in flight", (unsigned long long)b->addr, b->state);
+                }
+                if (b->state != B_FREE && !(b->state == B_PENDING && !b->claimed)) {
                     uint32_t p0, p1;
                     page_range(pool, b, &p0, &p1);
-                    if (p1 >= r->hi_page) CHECK_FAIL("live block %#llx touches page %u above hi_page %u",
+                    if (p1 >= r->hi_page) CHECK_FAIL("block %#llx touches page %u above hi_page %u",
                                                      (unsigned long long)b->addr, p1, r->hi_page);
                     for (uint32_t p = p0; p <= p1; p++) live_count[p]++;
                 }
@@ -1386,62 +3017,134 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
             }
             if (expect != r->base + r->size) CHECK_FAIL("region %#llx: blocks end at %#llx, not at its end",
                                                         (unsigned long long)r->base, (unsigned long long)expect);
-            /* 2. pages: live counts, mappings, the cached list */
+            /* 2. pages and handles: live counts, the page runs of each handle */
             size_t ncached_here = 0;
             for (uint32_t p = 0; p < r->hi_page; p++) {
                 const struct page *pg = &r->pages[p];
                 if (pg->live != live_count[p]) CHECK_FAIL("region %#llx page %u: live count %d, but %d live blocks touch it",
                                                           (unsigned long long)r->base, p, pg->live, live_count[p]);
-                if (pg->live && !pg->handle) CHECK_FAIL("region %#llx page %u: touched by a live block but not mapped",
-                                                        (unsigned long long)r->base, p);
-                if (pg->handle) mapped++;
+                uint32_t h = pg_head(pg);
+                if (pg->live && h == NO_PAGE) CHECK_FAIL("region %#llx page %u: touched by a live block but not mapped",
+                                                         (unsigned long long)r->base, p);
                 if (pg->live) touched++;
-                if (pg->handle && !pg->live) ncached_here++;
+                if (h == NO_PAGE) continue;
+                if (h > p) CHECK_FAIL("region %#llx page %u: its handle starts after it, at %u", (unsigned long long)r->base, p, h);
+                const struct page *hp = &r->pages[h];
+                if (!hp->npages || h + hp->npages > r->hi_page || p >= h + hp->npages)
+                    CHECK_FAIL("region %#llx page %u: outside its handle's %u pages at %u", (unsigned long long)r->base, p,
+                               hp->npages, h);
+                if (h != p) continue;
+                /* a head: the handle's own fields */
+                heads++;
+                mapped += hp->npages;
+                uint32_t nl = 0;
+                for (uint32_t q = p; q < p + hp->npages; q++) {
+                    if (pg_head(&r->pages[q]) != p) CHECK_FAIL("region %#llx page %u: inside the handle at %u but points at %u",
+                                                               (unsigned long long)r->base, q, p, pg_head(&r->pages[q]));
+                    nl += r->pages[q].live > 0;
+                }
+                if (nl != hp->nlive) CHECK_FAIL("region %#llx handle at %u: %u pages touched, count says %u",
+                                                (unsigned long long)r->base, p, nl, hp->nlive);
+                /* a handle of several pages is in use by one block covering all of it, or cached
+                 * (or all its pages belong to the learned step) */
+                bool all_planned = handle_planned(r, p);
+                if (quiet && limit_now(pool) && hp->npages > 1 && nl && nl != hp->npages && !all_planned)
+                    CHECK_FAIL("region %#llx handle at %u: %u of its %u pages in use (partly used handles cannot be reclaimed)",
+                               (unsigned long long)r->base, p, nl, hp->npages);
+                for (uint32_t q = p; quiet && limit_now(pool) && hp->npages > 1 && !all_planned && q < p + hp->npages; q++)
+                    if (r->pages[q].live > 1)
+                        CHECK_FAIL("region %#llx page %u of a %u-page handle is shared by %d blocks", (unsigned long long)r->base, q,
+                                   hp->npages, r->pages[q].live);
+                if (quiet && (hp->state != PG_MAPPED || !hp->handle))
+                    CHECK_FAIL("region %#llx handle at %u: state %u, handle %#llx with no request in flight",
+                               (unsigned long long)r->base, p, hp->state, (unsigned long long)hp->handle);
+                uint8_t want = 0;
+                for (uint32_t q = p; q < p + hp->npages; q++) want |= r->pages[q].plan & PLAN_PAGE;
+                if (hp->state == PG_MAPPED && !hp->nlive) {
+                    ncached_here += hp->npages;
+                    if (((hp->plan & PLAN_LIST) != 0) != (want != 0))
+                        CHECK_FAIL("region %#llx cached handle at %u is on the %s list", (unsigned long long)r->base, p,
+                                   want ? "unplanned" : "planned");
+                }
             }
             for (uint32_t p = r->hi_page; p < r->npages && p < r->hi_page + 1; p++)
-                if (r->pages[p].handle || r->pages[p].live) CHECK_FAIL("region %#llx page %u above hi_page is in use",
-                                                                      (unsigned long long)r->base, p);
+                if (r->pages[p].hd || r->pages[p].live) CHECK_FAIL("region %#llx page %u above hi_page is in use",
+                                                                   (unsigned long long)r->base, p);
+            /* 3. the cached lists hold exactly the mapped handles no block touches */
             size_t walked = 0;
-            uint32_t prevp = NO_PAGE;
-            for (uint32_t p = r->chead; p != NO_PAGE; p = r->pages[p].cnext) {
-                if (p >= r->hi_page) CHECK_FAIL("region %#llx: cached page %u is above hi_page", (unsigned long long)r->base, p);
-                if (r->pages[p].cprev != prevp) CHECK_FAIL("region %#llx: cached list back link broken at page %u",
-                                                           (unsigned long long)r->base, p);
-                if (!r->pages[p].handle || r->pages[p].live) CHECK_FAIL("region %#llx: cached page %u is %s",
+            for (int l = 0; l < 2; l++) {
+                uint32_t prevp = NO_PAGE;
+                size_t steps = 0;
+                for (uint32_t p = r->chead[l]; p != NO_PAGE; p = r->pages[p].cnext) {
+                    if (p >= r->hi_page) CHECK_FAIL("region %#llx: cached handle %u is above hi_page", (unsigned long long)r->base, p);
+                    const struct page *hp = &r->pages[p];
+                    if (pg_head(hp) != p) CHECK_FAIL("region %#llx: cached list entry %u is not a handle's first page",
+                                                     (unsigned long long)r->base, p);
+                    if (hp->cprev != prevp) CHECK_FAIL("region %#llx: cached list back link broken at page %u",
+                                                       (unsigned long long)r->base, p);
+                    if (hp->nlive || hp->state != PG_MAPPED) CHECK_FAIL("region %#llx: cached handle %u is %s",
                                                                         (unsigned long long)r->base, p,
-                                                                        r->pages[p].handle ? "touched by a live block" : "not mapped");
-                if (++walked > r->hi_page) CHECK_FAIL("region %#llx: cached list has a cycle", (unsigned long long)r->base);
-                prevp = p;
+                                                                        hp->nlive ? "touched by a live block" : "not mapped");
+                    if (((hp->plan & PLAN_LIST) != 0) != (l == 1))
+                        CHECK_FAIL("region %#llx: cached handle %u is on list %d but flagged otherwise", (unsigned long long)r->base, p, l);
+                    if (++steps > r->hi_page) CHECK_FAIL("region %#llx: cached list has a cycle", (unsigned long long)r->base);
+                    walked += hp->npages;
+                    prevp = p;
+                }
+                if (r->ctail[l] != prevp) CHECK_FAIL("region %#llx: cached list %d tail is %u, the walk ends at %u",
+                                                     (unsigned long long)r->base, l, r->ctail[l], prevp);
             }
-            if (r->ctail != prevp) CHECK_FAIL("region %#llx: cached list tail is %u, the walk ends at %u",
-                                              (unsigned long long)r->base, r->ctail, prevp);
             if (walked != ncached_here || r->ncached != ncached_here)
-                CHECK_FAIL("region %#llx: %zu mapped pages without a live block, %zu on the cached list, count says %zu",
+                CHECK_FAIL("region %#llx: %zu pages of mapped handles without a live block, %zu on the cached lists, count says %zu",
                            (unsigned long long)r->base, ncached_here, walked, r->ncached);
             cached += ncached_here;
         }
     }
-    /* 3. the free treaps hold exactly the free blocks */
+    /* 4. the free treaps hold exactly the free blocks */
     for (int a = 0; a < NAREAS; a++) {
         const struct blk *prev = NULL;
         size_t n = 0;
         const char *e = treap_walk(pool->tree[a], a, &prev, &n, 0);
         if (e) CHECK_FAIL("area %d: %s", a, e);
         if (n != nfree[a]) CHECK_FAIL("area %d: %zu free blocks in the regions, %zu in the treap", a, nfree[a], n);
+        prev = NULL;
+        n = 0;
+        e = atreap_walk(pool->atree[a], a, &prev, &n, 0);
+        if (e) CHECK_FAIL("area %d: %s", a, e);
+        if (n != nfree[a]) CHECK_FAIL("area %d: %zu free blocks in the regions, %zu in the address treap", a, nfree[a], n);
     }
-    /* 4. the hash holds exactly the live blocks */
+    /* 5. the hash holds exactly the live blocks */
     size_t nhash = 0;
     for (size_t i = 0; i < pool->hcap; i++)
         for (const struct blk *b = pool->htab[i]; b; b = b->hnext) {
-            if (b->free) CHECK_FAIL("a free block %#llx is in the live hash", (unsigned long long)b->addr);
+            if (b->state != B_LIVE) CHECK_FAIL("a block %#llx that is not live is in the live hash", (unsigned long long)b->addr);
             if (hash_addr(b->addr, pool->hcap) != i) CHECK_FAIL("live block %#llx is in the wrong hash bucket", (unsigned long long)b->addr);
             if (++nhash > nlive) break;
         }
     if (nhash != nlive || pool->hcount != nlive)
         CHECK_FAIL("%zu live blocks in the regions, %zu in the hash, hash count %zu", nlive, nhash, pool->hcount);
-    /* 5. handles and the counters behind the stats */
-    if (pool->handles != mapped + (size_t)pool->norphans)
-        CHECK_FAIL("handles held %zu != mapped pages %zu + orphans %d", pool->handles, mapped, pool->norphans);
+    /* 6. pooled events: references are exactly the free extents' tags, the free list the rest */
+    if (quiet) {
+        size_t nfreelist = 0;
+        for (uint32_t e = pool->evfree; e != NO_EV; e = pool->evs[e].next) {
+            if (e >= pool->nevs) CHECK_FAIL("event free list points at slot %u of %u", e, pool->nevs);
+            if (pool->evs[e].refs) CHECK_FAIL("event slot %u is on the free list with %u references", e, pool->evs[e].refs);
+            if (++nfreelist > pool->nevs) CHECK_FAIL("event free list has a cycle");
+        }
+        size_t inuse = 0;
+        for (uint32_t e = 0; e < pool->nevs; e++) {
+            if (pool->evs[e].refs != evrefs[e])
+                CHECK_FAIL("event slot %u: %u references, %u free extents wait on it", e, pool->evs[e].refs, evrefs[e]);
+            inuse += pool->evs[e].refs > 0;
+        }
+        if (inuse + nfreelist != pool->nevs) CHECK_FAIL("event slots: %zu in use + %zu free != %u", inuse, nfreelist, pool->nevs);
+    }
+    /* 7. handles and the counters behind the stats */
+    size_t orphan_pages = 0;
+    for (int i = 0; i < pool->norphans; i++) orphan_pages += pool->orphans[i].pages;
+    if (quiet && pool->held != mapped + orphan_pages)
+        CHECK_FAIL("pages of handles held %zu != mapped %zu + orphaned %zu", pool->held, mapped, orphan_pages);
+    if (quiet && pool->nhandles != heads) CHECK_FAIL("handles %zu, recount %zu", pool->nhandles, heads);
     if (pool->touched != touched) CHECK_FAIL("touched pages %zu, recount %zu", pool->touched, touched);
     if (pool->cached != cached) CHECK_FAIL("cached pages %zu, recount %zu", pool->cached, cached);
     if (pool->st.live_bytes != live_bytes) CHECK_FAIL("live bytes %zu, recount %zu", pool->st.live_bytes, live_bytes);
@@ -1450,16 +3153,23 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
     if (pool->st.peak_live_bytes < live_bytes || pool->st.run_peak_live_bytes < pool->st.peak_live_bytes)
         CHECK_FAIL("live peaks (epoch %zu, run %zu) below the current %zu", pool->st.peak_live_bytes,
                    pool->st.run_peak_live_bytes, live_bytes);
-    if (pool->st.peak_mapped_bytes < mapped * pool->gran || pool->st.run_peak_mapped_bytes < pool->st.peak_mapped_bytes)
+    if (pool->st.peak_mapped_bytes < pool->held * pool->gran || pool->st.run_peak_mapped_bytes < pool->st.peak_mapped_bytes)
         CHECK_FAIL("reserved peaks (epoch %zu, run %zu) below the current %zu", pool->st.peak_mapped_bytes,
-                   pool->st.run_peak_mapped_bytes, mapped * pool->gran);
+                   pool->st.run_peak_mapped_bytes, pool->held * pool->gran);
     if (pool->st.allocs < pool->st.frees || pool->st.allocs - pool->st.frees != nlive)
         CHECK_FAIL("allocs %llu - frees %llu != live blocks %zu", (unsigned long long)pool->st.allocs,
                    (unsigned long long)pool->st.frees, nlive);
-    if (pool->limit && pool->handles * pool->gran > pool->limit)
-        CHECK_FAIL("holds %zu bytes of handles over the limit %zu", pool->handles * pool->gran, pool->limit);
+    /* Orphans (handles the driver refused to take back) are counted as held but are not the
+     * pool's to use: what the pool maps stays within the limit. */
+    if (pool->limit && (pool->held - orphan_pages) * pool->gran > pool->limit)
+        CHECK_FAIL("maps %zu bytes of handles over the limit %zu", (pool->held - orphan_pages) * pool->gran, pool->limit);
+    if (pool->synced_gen > pool->free_gen) CHECK_FAIL("synchronized up to free %llu of %llu",
+                                                      (unsigned long long)pool->synced_gen, (unsigned long long)pool->free_gen);
+    if (pool->step && pool->step->active && (pool->step->cursor > pool->step->nplan || !pool->step->nplan))
+        CHECK_FAIL("learned step: cursor %zu of %zu entries", pool->step->cursor, pool->step->nplan);
 out:
     pthread_mutex_unlock(&pool->lock);
     raw_free(live_count, live_count_bytes);
+    raw_free(evrefs, evrefs_bytes);
     return rc;
 }

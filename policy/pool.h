@@ -43,8 +43,13 @@ struct msh_pool_params {
     size_t small_max;          /* requests up to this many bytes go to the small region */
     bool defrag;               /* reclaim and remap wholly free pages under pressure */
     size_t va_bytes;           /* size of each reserved VA range (0 = 4x device memory) */
-    size_t release_threshold;  /* empty-cache when cached free bytes exceed this (0 = off) */
+    size_t release_threshold;  /* give cached bytes above this back to the driver (0 = off)... */
+    unsigned release_quiet_ms; /* ...once they have not been reused for this long (0 = 1000 ms) */
     bool no_release_on_oom;    /* MEMSHIM_EMPTY_CACHE=never: the rescue chain skips empty-cache */
+    size_t max_handle_bytes;   /* largest physical handle (0 = no cap beyond the block's interior) */
+    size_t ahead_bytes;        /* far from any limit, map the open end of the VA line in chunks of
+                                * this many bytes (0 = 20 MiB; one page or less = never) */
+    bool no_learn;             /* never place by the learned step (today's placement only) */
     /* Several pools of one device (PyTorch's CUDA-graph capture pools beside the main pool,
      * shim/torch.c) under one limit: when set, limit_bytes is ignored and share->limit_bytes
      * (0 = none, changeable at any time) caps the handle bytes all sharing pools hold together. */
@@ -71,7 +76,7 @@ struct msh_pool_stats {
     uint64_t map_ops, unmap_ops, create_ops, release_ops;
     uint64_t reclaimed_pages;                    /* pages unmapped to be remapped elsewhere */
     uint64_t released_pages;                     /* pages given back to the driver */
-    uint64_t cross_stream_waits;                 /* reuse on another stream after an event */
+    uint64_t cross_stream_waits;                 /* stream waits issued when another stream reuses memory */
     uint64_t rescue_reclaim, rescue_gc, rescue_empty_cache; /* OOM rescue steps that succeeded */
     uint64_t oom_events;                         /* requests that failed after the whole chain */
     uint64_t hist[24];                           /* allocation sizes: bucket i = [2^(9+i-1), 2^(9+i)) */
@@ -80,9 +85,19 @@ struct msh_pool_stats {
     uint64_t alloc_lat[MSH_LAT_BUCKETS], free_lat[MSH_LAT_BUCKETS];
     uint64_t alloc_ns_max, free_ns_max;
     /* Every call the pool made to its device backend, by kind (drvcost.h), and the bytes those
-     * calls covered (create/release/map/unmap/set_access/reserve/unreserve). A backend map
-     * includes the access grant, so each map counts one set_access over the same bytes. */
+     * calls covered (create/release/map/unmap/set_access/reserve/unreserve). A handle may
+     * cover several pages; set_access is counted once per block mapped, over its span. */
     uint64_t drv_calls[MSH_DRV_NKINDS], drv_bytes[MSH_DRV_NKINDS];
+    /* Streams: reuses of memory whose last use was on another stream, and the events they cost:
+     * recorded when the block was freed (the new stream waits for exactly the work queued before
+     * the free) or, for memory freed before the pool saw a second stream, recorded at reuse time
+     * on the old stream (waits for everything queued on it so far). */
+    uint64_t cross_stream_reuses, free_event_records, reuse_event_records;
+    size_t handles;                              /* physical handles held now (a handle spans >= 1 page) */
+    /* The learned step (docs/pool.md): steps learned, allocations placed where the plan said,
+     * and plans dropped because the stream of requests left them. */
+    uint64_t plans_built, plan_placed, plan_dropped;
+    uint64_t lock_waits;                         /* allocations that waited for another thread's mapping */
 };
 
 /* Why the last request failed (filled on every failure, read by the report). */
@@ -128,6 +143,12 @@ bool msh_pool_owns(struct msh_pool *pool, uint64_t addr);
 int msh_pool_record_stream(struct msh_pool *pool, uint64_t addr, uint64_t stream);
 /* Give every wholly free page back to the driver; returns the bytes released. */
 size_t msh_pool_empty_cache(struct msh_pool *pool);
+/* At exit: wait for the device, drop every stream tag and destroy every pooled event (the
+ * pool keeps its events for reuse while it runs). Mappings stay. */
+void msh_pool_release_events(struct msh_pool *pool);
+/* MEMSHIM_EMPTY_CACHE=threshold from a background thread: release cached bytes above the
+ * threshold that have not been reused for the quiet period. Returns the bytes released. */
+size_t msh_pool_trim(struct msh_pool *pool);
 void msh_pool_set_gc(struct msh_pool *pool, msh_pool_gc_fn fn, void *arg);
 /* Physical bytes held now, without the lock (a racy but cheap read for policies). */
 size_t msh_pool_mapped_bytes(struct msh_pool *pool);
@@ -141,6 +162,8 @@ void msh_pool_for_each_live(struct msh_pool *pool,
                             void *arg);
 /* Turn on per-call latency accounting (two clock reads per call). */
 void msh_pool_set_timing(struct msh_pool *pool, bool on);
+
+/* ---- issue 8's entry points (their semantics, re-implemented over this pool's handles) ---- */
 
 /* The caller is about to destroy `stream`: afterwards the pool names it nowhere (blocks that
  * were tagged with it are reused elsewhere only after a device synchronize). O(blocks), no
@@ -164,8 +187,9 @@ struct msh_pool_counters {
 };
 void msh_pool_counters(struct msh_pool *pool, struct msh_pool_counters *out);
 
-/* msh_pool_free, then give the driver back the pages the block touched that no live block
- * touches any more (*released: bytes). EINVAL for an address that is not a live block start. */
+/* msh_pool_free, then give the driver back the handles on the pages the block touched that no
+ * live block touches any more (*released: bytes). EINVAL for an address that is not a live block
+ * start. */
 int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream, size_t *released);
 
 /* Verify every structural invariant of the pool under its lock (tests, memshim-replay --check):

@@ -76,6 +76,7 @@ static void fork_prepare(void);
 static void fork_parent(void);
 static void fork_child(void);
 static void *idle_thread(void *arg);
+static void *trim_thread(void *arg);
 
 uint64_t msh_now_ns(void);
 
@@ -235,13 +236,16 @@ static void do_init(void)
     if (msh_cfg.epoch_src == MSH_EPOCH_SIGNAL) install_epoch_signal();
     if (msh_cfg.epoch_src == MSH_EPOCH_SECONDS && msh_cfg.epoch_seconds > 0)
         atomic_store(&seconds_epoch_due, t0_ns + (uint64_t)(msh_cfg.epoch_seconds * 1e9));
-    if (msh_cfg.empty_cache == MSH_EC_IDLE) {
+    if (msh_cfg.empty_cache == MSH_EC_IDLE || msh_cfg.empty_cache == MSH_EC_THRESHOLD) {
         pthread_t th;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        if (pthread_create(&th, &attr, idle_thread, NULL))
-            msh_warn("MEMSHIM_EMPTY_CACHE=idle: cannot start the idle watcher; idle release is off");
+        if (pthread_create(&th, &attr, msh_cfg.empty_cache == MSH_EC_IDLE ? idle_thread : trim_thread, NULL))
+            msh_warn("MEMSHIM_EMPTY_CACHE=%s: cannot start the watcher thread; %s",
+                     msh_cfg.empty_cache == MSH_EC_IDLE ? "idle" : "threshold",
+                     msh_cfg.empty_cache == MSH_EC_IDLE ? "idle release is off"
+                                                        : "the excess is released at frees only");
         pthread_attr_destroy(&attr);
     }
     msh_info("memshim %s active (%s mode)", MEMSHIM_VERSION, mode_eff == MSH_MODE_TENSOR ? "tensor" : "segment");
@@ -589,6 +593,29 @@ static void *idle_thread(void *arg)
     return NULL;
 }
 
+/* MEMSHIM_EMPTY_CACHE=threshold: the pool gives back cached bytes above the threshold once they
+ * have stayed unused for its quiet period (policy/pool.c); this thread makes that happen when the
+ * job stops allocating and freeing, too. */
+static void *trim_thread(void *arg)
+{
+    (void)arg;
+    msh_in_hook = 1; /* this thread never serves hooks */
+    for (;;) {
+        struct timespec ts = {0, 250 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        for (int d = 0; d < MSH_MAX_DEVICES; d++) {
+            struct msh_pool *p = atomic_load(&pools[d]);
+            size_t n = p ? msh_pool_trim(p) : 0;
+            if (!n) continue;
+            pthread_mutex_lock(&epoch_lock);
+            ec_runs++;
+            ec_bytes += n;
+            pthread_mutex_unlock(&epoch_lock);
+        }
+    }
+    return NULL;
+}
+
 /* ---- fork and exit ------------------------------------------------------------------------------ */
 
 /* Hold the locks across fork so the child never inherits one mid-update (jemalloc's pattern). The
@@ -644,6 +671,10 @@ static void at_exit(void)
         pthread_mutex_unlock(&epoch_lock);
         if (r.ndev) msh_report_write(&r);
         msh_history_exit();
+        for (int d = 0; d < MSH_MAX_DEVICES; d++) { /* the pools' pooled events (issue 10) */
+            struct msh_pool *p = atomic_load(&pools[d]);
+            if (p) msh_pool_release_events(p);
+        }
         for (int i = 0; i < r.ndev; i++)
             msh_info("exit: device %d: allocs %llu, peak allocated %.1f MiB, peak reserved %.1f MiB, maps %llu, "
                      "unmaps %llu, OOMs %llu",

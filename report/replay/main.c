@@ -42,6 +42,7 @@ struct opts {
     const char *torch_conf; /* --torch-conf, or NULL: the snapshot's recorded settings */
     bool compare, validate, torch_empty_start;
     struct msh_drvcost cost; /* the default table, or --driver-costs FILE */
+    bool check; /* --check: msh_pool_check during every replay (docs/testing.md) */
 };
 
 /* Devices users plan for: memory as nvidia-smi reports it (MiB), less 512 MiB for the CUDA
@@ -155,9 +156,8 @@ static void text_drv(const uint64_t *calls, const uint64_t *bytes, const struct 
 }
 
 /* ---- --device: every device call timed (wall clock), so the cost table can be checked --------
- * The wrapper sits between the pool and the real backend. The backend's map includes the access
- * grant (cuMemMap + cuMemSetAccess), so "map" here is both; the pool counts one set_access per
- * map, which the timing cannot separate. */
+ * The wrapper sits between the pool and the real backend; map (cuMemMap) and set_access
+ * (cuMemSetAccess) are separate backend calls, timed each under its own kind. */
 #define TIMING_MAX_SAMPLES (1u << 20)
 struct dev_timing {
     struct msh_device outer;
@@ -203,18 +203,26 @@ static int tm_create(struct msh_device *d, size_t size, uint64_t *h)
 {
     TIMED_(MSH_DRV_CREATE, IN_(d)->ops->create(IN_(d), size, h));
 }
-static int tm_release(struct msh_device *d, uint64_t h) { TIMED_(MSH_DRV_RELEASE, IN_(d)->ops->release(IN_(d), h)); }
+static int tm_release(struct msh_device *d, uint64_t h, size_t size)
+{
+    TIMED_(MSH_DRV_RELEASE, IN_(d)->ops->release(IN_(d), h, size));
+}
 static int tm_map(struct msh_device *d, uint64_t va, size_t size, uint64_t h)
 {
     TIMED_(MSH_DRV_MAP, IN_(d)->ops->map(IN_(d), va, size, h));
+}
+static int tm_set_access(struct msh_device *d, uint64_t va, size_t size)
+{
+    TIMED_(MSH_DRV_SET_ACCESS, IN_(d)->ops->set_access(IN_(d), va, size));
 }
 static int tm_unmap(struct msh_device *d, uint64_t va, size_t size)
 {
     TIMED_(MSH_DRV_UNMAP, IN_(d)->ops->unmap(IN_(d), va, size));
 }
-static int tm_event_record(struct msh_device *d, uint64_t stream, uint64_t *ev)
+static int tm_event_create(struct msh_device *d, uint64_t *ev) { return IN_(d)->ops->event_create(IN_(d), ev); }
+static int tm_event_record(struct msh_device *d, uint64_t ev, uint64_t stream)
 {
-    TIMED_(MSH_DRV_EVENT_RECORD, IN_(d)->ops->event_record(IN_(d), stream, ev));
+    TIMED_(MSH_DRV_EVENT_RECORD, IN_(d)->ops->event_record(IN_(d), ev, stream));
 }
 static int tm_event_query(struct msh_device *d, uint64_t ev) { return IN_(d)->ops->event_query(IN_(d), ev); }
 static int tm_event_release(struct msh_device *d, uint64_t ev) { return IN_(d)->ops->event_release(IN_(d), ev); }
@@ -227,9 +235,22 @@ static int tm_synchronize(struct msh_device *d) { TIMED_(MSH_DRV_SYNCHRONIZE, IN
 #undef IN_
 #undef TM_
 static const struct msh_device_ops timed_ops = {
-    "timed",      tm_mem_info,    tm_gran,          tm_reserve,     tm_unreserve,  tm_create,
-    tm_release,   tm_map,         tm_unmap,         tm_event_record, tm_event_query, tm_event_release,
-    tm_stream_wait, tm_synchronize,
+    .name = "timed",
+    .mem_info = tm_mem_info,
+    .granularity = tm_gran,
+    .reserve = tm_reserve,
+    .unreserve = tm_unreserve,
+    .create = tm_create,
+    .release = tm_release,
+    .map = tm_map,
+    .set_access = tm_set_access,
+    .unmap = tm_unmap,
+    .event_create = tm_event_create,
+    .event_record = tm_event_record,
+    .event_query = tm_event_query,
+    .event_release = tm_event_release,
+    .stream_wait = tm_stream_wait,
+    .synchronize = tm_synchronize,
 };
 
 static struct dev_timing *dev_timing_now; /* --device: the current trace's timings, or NULL */
@@ -304,8 +325,7 @@ static void text_timing(struct dev_timing *tm)
 
 /* --device calibration: each VMM call on one handle of one page and of ten pages (PyTorch's 2 and
  * 20 MiB expandable pages when the granularity is 2 MiB), timed directly on the backend, and the
- * per-call/per-MiB split that fits the two medians. The backend's map includes the access grant,
- * so the fitted table carries map+set_access under "map" and 0 for set_access. */
+ * per-call/per-MiB split that fits the two medians. */
 #define CALIB_REPS 16
 struct calib {
     bool ok;
@@ -322,7 +342,7 @@ static void calibrate(int ordinal, const struct msh_drvcost *base, struct calib 
     c->fit = *base;
     struct msh_device d;
     if (msh_dev_cuda_init(&d, ordinal) || d.ops->granularity(&d, &c->gran) || !c->gran) return;
-    static const enum msh_drv_call vmm[] = {MSH_DRV_RESERVE, MSH_DRV_CREATE, MSH_DRV_MAP,
+    static const enum msh_drv_call vmm[] = {MSH_DRV_RESERVE, MSH_DRV_CREATE, MSH_DRV_MAP, MSH_DRV_SET_ACCESS,
                                             MSH_DRV_UNMAP, MSH_DRV_RELEASE, MSH_DRV_UNRESERVE};
     double v[MSH_DRV_NKINDS][CALIB_REPS];
     for (int si = 0; si < 2; si++) {
@@ -336,16 +356,19 @@ static void calibrate(int ordinal, const struct msh_drvcost *base, struct calib 
             double t2 = now_s();
             if (d.ops->map(&d, va, size, h)) return;
             double t3 = now_s();
+            if (d.ops->set_access(&d, va, size)) return;
+            double t3a = now_s();
             if (d.ops->unmap(&d, va, size)) return;
             double t4 = now_s();
-            if (d.ops->release(&d, h)) return;
+            if (d.ops->release(&d, h, size)) return;
             double t5 = now_s();
             if (d.ops->unreserve(&d, va, size)) return;
             double t6 = now_s();
             v[MSH_DRV_RESERVE][r] = t1 - t0;
             v[MSH_DRV_CREATE][r] = t2 - t1;
             v[MSH_DRV_MAP][r] = t3 - t2;
-            v[MSH_DRV_UNMAP][r] = t4 - t3;
+            v[MSH_DRV_SET_ACCESS][r] = t3a - t3;
+            v[MSH_DRV_UNMAP][r] = t4 - t3a;
             v[MSH_DRV_RELEASE][r] = t5 - t4;
             v[MSH_DRV_UNRESERVE][r] = t6 - t5;
         }
@@ -353,10 +376,11 @@ static void calibrate(int ordinal, const struct msh_drvcost *base, struct calib 
     }
     for (int r = 0; r < CALIB_REPS; r++) {
         uint64_t ev = 0;
+        if (d.ops->event_create(&d, &ev)) return;
         double t0 = now_s();
         if (d.ops->synchronize(&d)) return;
         double t1 = now_s();
-        if (d.ops->event_record(&d, 0, &ev)) return;
+        if (d.ops->event_record(&d, ev, 0)) return;
         double t2 = now_s();
         int rc = d.ops->stream_wait(&d, 0, ev);
         double t3 = now_s();
@@ -381,8 +405,6 @@ static void calibrate(int ordinal, const struct msh_drvcost *base, struct calib 
         c->fit.per_call_s[k] = per_call > 0 ? per_call : 0;
         c->fit.per_mib_s[k] = per_mib;
     }
-    c->fit.per_call_s[MSH_DRV_SET_ACCESS] = 0; /* folded into map by the backend */
-    c->fit.per_mib_s[MSH_DRV_SET_ACCESS] = 0;
     c->ok = true;
 }
 
@@ -397,7 +419,7 @@ static void json_calib(const struct calib *c)
            c->gran * 10, CALIB_REPS);
     bool first = true;
     for (int k = 0; k < MSH_DRV_NKINDS; k++) {
-        if (k == MSH_DRV_MALLOC || k == MSH_DRV_FREE || k == MSH_DRV_SET_ACCESS) continue;
+        if (k == MSH_DRV_MALLOC || k == MSH_DRV_FREE) continue;
         printf("%s\"%s\":[%.9f,%.9f]", first ? "" : ",", msh_drv_call_names[k], c->med[0][k], c->med[1][k]);
         first = false;
     }
@@ -406,6 +428,26 @@ static void json_calib(const struct calib *c)
         printf("%s\"%s\":{\"per_call_s\":%.9f,\"per_mib_s\":%.9f}", k ? "," : "", msh_drv_call_names[k],
                c->fit.per_call_s[k], c->fit.per_mib_s[k]);
     printf("}}");
+}
+
+/* --check: the pool's invariants (msh_pool_check) after every event while a replay has at most
+ * CHECK_ALL_EVENTS events over all its passes, else after about CHECK_BUDGET evenly spread ones,
+ * and at the end of every pass (`i` = t->n). A check costs O(blocks + pages mapped), so the budget
+ * keeps a checked run within seconds per trace. Returns 0 or EFAULT after printing the violation. */
+#define CHECK_ALL_EVENTS 3000
+#define CHECK_BUDGET 1500
+static int replay_check(struct msh_pool *pool, const struct msh_trace *t, uint64_t capacity, int passes, int pass,
+                        size_t i)
+{
+    uint64_t total = (uint64_t)t->n * (uint64_t)passes;
+    uint64_t every = total <= CHECK_ALL_EVENTS ? 1 : total / CHECK_BUDGET;
+    if (i < t->n && ((uint64_t)pass * t->n + i) % every) return 0;
+    char why[512];
+    if (!msh_pool_check(pool, why, sizeof why)) return 0;
+    fprintf(stderr, "memshim-replay: --check: pool invariant broken after %s %zu of pass %d (device %d, capacity "
+            "%llu): %s\n", i < t->n ? "event" : "the last event,", i < t->n ? i : t->n, pass + 1, t->device,
+            (unsigned long long)capacity, why);
+    return EFAULT;
 }
 
 static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capacity, int passes,
@@ -449,9 +491,12 @@ static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capa
     /* wall counts the time spent on the trace's own events only: not the stats scan after the
      * first pass, nor releasing the live set between passes. */
     double wall = 0;
-    for (int pass = 0; pass < passes; pass++) {
+    int broken = 0;
+    for (int pass = 0; pass < passes && !broken; pass++) {
         double t0 = now_s();
         for (size_t i = 0; i < t->n; i++) {
+            /* the state after event i - 1 (after the whole pass below) */
+            if (o->check && i && (broken = replay_check(pool, t, capacity, passes, pass, i - 1))) break;
             const struct msh_trace_event *e = &t->ev[i];
             /* Streams of a recording are only names here; on a real device they would be
              * handles of another process, so --device replays everything on the null stream. */
@@ -477,6 +522,7 @@ static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capa
             }
         }
         wall += now_s() - t0;
+        if (o->check && !broken) broken = replay_check(pool, t, capacity, passes, pass, t->n);
         if (pass == 0) msh_pool_get_stats(pool, &res->st_pass1);
         if (pass + 2 == passes) msh_pool_get_stats(pool, &res->st_before_last);
         if (pass + 1 < passes) { /* the loop begins again: everything live is released */
@@ -492,7 +538,7 @@ static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capa
     free(m.t);
     msh_pool_destroy(pool);
     if (!o->use_device) msh_dev_sim_fini(&real);
-    return 0;
+    return broken;
 }
 
 static void print_row_header(void)
@@ -1201,6 +1247,8 @@ static void usage(FILE *f)
             "                        [PER_MIB]' (e.g. 'create 193us'); kinds not named keep the default\n"
             "  --show-driver-costs   print the cost table in force (defaults, or FILE) and exit\n"
             "  --to-text             print the traces in memshim's text format and exit\n"
+            "  --check               verify the pool's invariants during the replay (after every\n"
+            "                        event of short streams; a violation exits 3)\n"
             "  --policy P            memshim (default), torch (PyTorch's caching allocator, modelled)\n"
             "                        or torch-expandable (expandable_segments:True, modelled)\n"
             "  --torch-conf CONF     PYTORCH_CUDA_ALLOC_CONF for the torch policies (max_split_size_mb,\n"
@@ -1216,7 +1264,8 @@ static void usage(FILE *f)
     for (size_t i = 0; i < sizeof devices / sizeof devices[0]; i++) fprintf(f, " %s", devices[i].name);
     fprintf(f, "\n"
             "  -h, --help            this text\n"
-            "Exit status: 0 done (OOMs are results), 2 bad usage or unreadable/malformed input.\n");
+            "Exit status: 0 done (OOMs are results), 2 bad usage or unreadable/malformed input,\n"
+            "3 --check found the pool's invariants broken.\n");
 }
 
 int main(int argc, char **argv)
@@ -1233,6 +1282,7 @@ int main(int argc, char **argv)
         {"small-max", required_argument, 0, 's'}, {"no-defrag", no_argument, 0, 'n'},
         {"device", no_argument, 0, 'd'},         {"to-text", no_argument, 0, 't'},
         {"driver-costs", required_argument, 0, 'D'}, {"show-driver-costs", no_argument, 0, 'W'},
+        {"check", no_argument, 0, 'K'},
         {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -1309,6 +1359,7 @@ int main(int argc, char **argv)
             break;
         case 'n': o.defrag = false; break;
         case 'd': o.use_device = true; break;
+        case 'K': o.check = true; break;
         case 't': to_text = true; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
@@ -1324,6 +1375,10 @@ int main(int argc, char **argv)
     }
     if ((o.compare || o.policy != MSH_POLICY_MEMSHIM) && o.use_device) {
         fprintf(stderr, "memshim-replay: --device replays memshim's pool only (not with --compare or --policy)\n");
+        return 2;
+    }
+    if ((o.compare || o.policy != MSH_POLICY_MEMSHIM) && o.check) {
+        fprintf(stderr, "memshim-replay: --check verifies memshim's pool only (not with --compare or --policy)\n");
         return 2;
     }
     if (o.compare && o.auto_cap) o.auto_cap = false; /* --compare always searches the minimum */
@@ -1380,7 +1435,8 @@ int main(int argc, char **argv)
         for (size_t d = 0; d < set->ndev; d++) {
             struct msh_trace *t = &set->dev[d];
             msh_trace_analyze(t);
-            if (replay_trace(set, t, &o)) status = 2;
+            int rc = replay_trace(set, t, &o);
+            if (rc) status = rc == EFAULT && o.check ? 3 : status == 3 ? 3 : 2;
         }
         fflush(stdout);
         msh_trace_set_free(set);

@@ -272,8 +272,15 @@ static void maps_add(struct dev_maps *d, uint64_t va, uint64_t size)
         d->mlive++;
     }
     d->m[j] = (struct msh_hist_range){va, size};
-    if (!d->gran) d->gran = size;
-    else if (d->gran != size) d->gran = UINT64_MAX;
+    /* the page size: maps cover runs of pages of different lengths (issue 10), so the greatest
+     * common divisor of their sizes, which is the granularity once two runs differ */
+    uint64_t g = d->gran, x = size;
+    while (x) {
+        uint64_t t = g % x;
+        g = x;
+        x = t;
+    }
+    d->gran = g;
 }
 
 /* Remove the map entries that make up [va, va + size). */

@@ -65,7 +65,9 @@ TEST(cudafree_returns_the_pages)
         CHECK(res1 == res0);
     } else {
         CHECK(res1 == 0);
-        CHECK(used1 + 64 * MiB == used0);
+        /* all of what the pool held for it goes back (with no limit that includes the rest of
+         * the 20 MiB chunk the pool mapped ahead at the open end of its line: issue 10) */
+        CHECK(used1 + res0 == used0 && res0 >= 64 * MiB);
     }
     /* neighbours sharing a page: freeing one keeps the page the other still touches */
     REQUIRE(cudaMalloc(&b, 3 * MiB) == cudaSuccess);

@@ -183,9 +183,13 @@ with tempfile.TemporaryDirectory() as tmp:
         d = json.loads(out.splitlines()[0])
         dc = d["driver_calls"]
         case("--json: driver_calls has every kind", sorted(dc) == sorted(KINDS), sorted(dc))
-        case("--json: memshim creates, maps and grants access per page in its first pass",
-             dc["create"] == dc["map"] == dc["set_access"] == d["map_ops"] > 0 and dc["reserve"] >= 1
-             and dc["malloc"] == 0 and d["driver_bytes"]["create"] == 2 * 2**20 * dc["create"], dc)
+        # the pool maps runs of pages (one handle for the pages a block covers whole, 20 MiB
+        # chunks at the open end of the line with no limit) and grants access once per block
+        case("--json: memshim maps whole handles, one access grant per block mapped, in its first pass",
+             dc["create"] == dc["map"] == d["map_ops"] > 0 and 0 < dc["set_access"] <= dc["map"]
+             and dc["reserve"] >= 1 and dc["malloc"] == 0
+             and d["driver_bytes"]["create"] % (2 * 2**20) == 0
+             and d["driver_bytes"]["create"] >= 2 * 2**20 * dc["create"], dc)
         case("--json: driver_seconds is the cost table applied to the counts",
              abs(d["driver_seconds"] - modelled(dc, d["driver_bytes"], table)) < 1e-5 and d["driver_seconds"] > 0,
              f"{d['driver_seconds']} vs {modelled(dc, d['driver_bytes'], table)}")
@@ -256,7 +260,8 @@ with tempfile.TemporaryDirectory() as tmp:
         tm = dd["driver_timing"]
         case("--device times each call kind the pool made (median, p90)",
              p.returncode == 0 and tm["create"]["calls"] >= dd["driver_calls"]["create"] > 0
-             and 0 < tm["map"]["median_s"] <= tm["map"]["p90_s"] and "set_access" not in tm, tm)
+             and 0 < tm["map"]["median_s"] <= tm["map"]["p90_s"]
+             and tm["set_access"]["calls"] >= dd["driver_calls"]["set_access"] > 0, tm)
         cal = dd["driver_calibration"]
         case("--device fits a cost table on one- and ten-page handles",
              cal and cal["sizes"] == [2 * 2**20, 20 * 2**20] and sorted(cal["fitted"]) == sorted(KINDS)
@@ -288,7 +293,7 @@ else:
                  f"ratio {ratio:.4f}, ooms {d['ooms']}")
             dc = d["driver_calls"]
             case(f"{rel}: driver calls agree with the pool's own counters",
-                 dc["map"] == dc["set_access"] == d["map_ops"] and dc["unmap"] == d["unmap_ops"]
+                 dc["map"] == d["map_ops"] and dc["set_access"] <= dc["map"] and dc["unmap"] == d["unmap_ops"]
                  and d["driver_seconds"] > 0, dc)
             if rel in ref:
                 r = ref[rel]

@@ -1568,7 +1568,7 @@ TEST(exit_report_counts_leaks)
     int status = 0;
     waitpid(pid, &status, 0);
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    CHECKF(strstr(buf, "cudbl: exit handles=1 mappings=0 reservations=1 allocs=0 events=0 misuse=0\n"),
+    CHECKF(strstr(buf, "cudbl: exit handles=1 mappings=0 reservations=1 allocs=0 events=0 misuse=0 bytes=2097152\n"),
            "child stderr: %s", buf);
 }
 

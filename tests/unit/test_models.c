@@ -480,11 +480,14 @@ TEST(memshim_policy_reports_the_pools_driver_calls)
     REQUIRE(p);
     CHECK(A(p, 30 * MiB, 0));
     struct msh_policy_stats s = st(p);
-    /* 2 MiB pages, one handle each; the pool's map grants access (one set_access per map) */
-    CHECK(C_(s, CREATE) == 15 && C_(s, MAP) == 15 && C_(s, SET_ACCESS) == 15 && C_(s, RESERVE) >= 1);
-    CHECK(B_(s, CREATE) == 30 * MiB && C_(s, MALLOC) == 0);
+    /* the pages the block alone covers share one handle (no limit: mapped on to the next 20 MiB
+     * boundary at the open end of the line), and access is granted once for the block */
+    CHECK(C_(s, CREATE) == C_(s, MAP) && C_(s, CREATE) >= 1 && C_(s, CREATE) <= 2);
+    CHECK(C_(s, SET_ACCESS) == 1 && C_(s, RESERVE) >= 1);
+    CHECK(B_(s, CREATE) >= 30 * MiB && B_(s, CREATE) <= 50 * MiB && B_(s, CREATE) % (2 * MiB) == 0);
+    CHECK(B_(s, MAP) == B_(s, CREATE) && C_(s, MALLOC) == 0);
     double t = msh_drvcost_seconds(msh_drvcost_default(), s.drv_calls, s.drv_bytes);
-    CHECK(t > 15 * 193e-6 && t < 1.0);
+    CHECK(t > 193e-6 && t < 1.0);
     msh_policy_destroy(p);
 }
 
