@@ -519,7 +519,9 @@ def check_driver_calls(kind):
         if why:
             return why
         ops_of = {"create": "create_ops", "release": "release_ops", "map": "map_ops", "unmap": "unmap_ops",
-                  "set_access": "map_ops", "stream_wait": "cross_stream_waits"}
+                  "stream_wait": "cross_stream_waits"}
+        if kind == "set_access":  # one grant over each request's mapped span, one per run after a failure
+            return need(v <= c.s["calls_cuMemMap"], f"{v} access grants > {c.s['calls_cuMemMap']} cuMemMap calls")
         if kind == "create" and c.run["cfg"].get("cap"):  # creates the driver refused are calls, not ops
             return need(v >= ops(c, "create_ops"), f"{v} calls < {ops(c, 'create_ops')} handles created")
         if kind in ops_of:
