@@ -32,7 +32,7 @@
 #include <sys/mman.h>
 #include <time.h>
 
-#include "hotclock.h" /* msh_lat_sampled: which calls are timed */
+#include "hotclock.h" /* msh_lat_sample: which calls are timed */
 #include "msh.h"
 
 #define BLOCK_ALIGN 512 /* what PyTorch promises its callers */
@@ -1745,10 +1745,10 @@ static inline uint64_t now_ns(void)
 }
 
 /* One timed call: the total, the histogram behind the reports' latency percentiles, the max. */
-static inline void lat_note(uint64_t *hist, uint64_t *total, uint64_t *max, uint64_t ns)
+static inline void lat_note(uint64_t *hist, uint64_t *total, uint64_t *max, uint64_t ns, uint32_t w)
 {
-    *total += ns * msh_lat_weight;           /* a timed call stands for msh_lat_weight calls */
-    hist[msh_lat_bucket(ns)] += msh_lat_weight;
+    *total += ns * w; /* a timed call stands for w calls (hotclock.h) */
+    hist[msh_lat_bucket(ns)] += w;
     if (ns > *max) *max = ns;
 }
 
@@ -1772,7 +1772,8 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
 {
     if (size > MAX_SIZE) return EINVAL;
     uint64_t rsize = round_up(size ? size : 1, BLOCK_ALIGN);
-    uint64_t t0 = pool->timing && msh_lat_sampled() ? now_ns() : 0;
+    uint32_t lw = pool->timing ? msh_lat_sample() : 0;
+    uint64_t t0 = lw ? now_ns() : 0;
     pthread_mutex_lock(&pool->lock);
     stream_seen(pool, stream);
     if (pool->step) step_before_alloc(pool, rsize);
@@ -1801,7 +1802,7 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
         note_alloc(pool, size, reclaimed);
         struct blk *b = hash_find(pool, *addr);
         if (pool->step && b) step_note_alloc(pool, b);
-        if (t0) lat_note(pool->st.alloc_lat, &pool->st.alloc_ns_total, &pool->st.alloc_ns_max, now_ns() - t0);
+        if (lw) lat_note(pool->st.alloc_lat, &pool->st.alloc_ns_total, &pool->st.alloc_ns_max, now_ns() - t0, lw);
         pthread_mutex_unlock(&pool->lock);
         return 0;
     }
@@ -1839,7 +1840,8 @@ static size_t trim_cached(struct msh_pool *pool)
 
 int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream)
 {
-    uint64_t t0 = pool->timing && msh_lat_sampled() ? now_ns() : 0;
+    uint32_t lw = pool->timing ? msh_lat_sample() : 0;
+    uint64_t t0 = lw ? now_ns() : 0;
     pthread_mutex_lock(&pool->lock);
     struct blk *b = hash_remove(pool, addr);
     if (!b) {
@@ -1914,7 +1916,7 @@ int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream)
     block_untouch(pool, b);
     blk_make_free(pool, b);
     trim_cached(pool);
-    if (t0) lat_note(pool->st.free_lat, &pool->st.free_ns_total, &pool->st.free_ns_max, now_ns() - t0);
+    if (lw) lat_note(pool->st.free_lat, &pool->st.free_ns_total, &pool->st.free_ns_max, now_ns() - t0, lw);
     pthread_mutex_unlock(&pool->lock);
     return 0;
 }

@@ -115,24 +115,37 @@ uint64_t msh_ticks_wall_us(const struct msh_ticks_wall *w, uint64_t t)
 /* ---- sampled latency timing -------------------------------------------------------------------- */
 
 static __thread uint64_t lat_rng;
+static __thread uint32_t lat_exact; /* calls timed one by one on this thread */
 
-uint32_t msh_lat_next_gap(void)
+/* Calls until the next timed one: geometric with mean `every`, i.e. each call is timed
+ * independently with probability 1/every. */
+static uint32_t gap(uint32_t every)
 {
-    uint32_t every = __atomic_load_n(&msh_lat_weight, __ATOMIC_RELAXED);
     if (every <= 1) return 1;
     if (!lat_rng) lat_rng = ((uint64_t)(uintptr_t)&lat_rng * 0x9E3779B97F4A7C15ull) ^ msh_ticks() ^ 1;
     lat_rng ^= lat_rng << 13;
     lat_rng ^= lat_rng >> 7;
     lat_rng ^= lat_rng << 17;
     double u = ((double)(lat_rng >> 11) + 0.5) / 9007199254740992.0; /* (0, 1) */
-    /* calls until the next timed one: geometric with mean `every`, i.e. each call is timed
-     * independently with probability 1/every */
     double g = 1.0 + floor(log(u) / log1p(-1.0 / (double)every));
     return g >= 4294967295.0 ? UINT32_MAX : (uint32_t)g;
+}
+
+uint32_t msh_lat_next(void)
+{
+    if (lat_exact < MSH_LAT_EXACT) {
+        lat_exact++;
+        msh_lat_left = 1; /* the next call comes back here */
+        return 1;
+    }
+    uint32_t every = __atomic_load_n(&msh_lat_weight, __ATOMIC_RELAXED);
+    msh_lat_left = gap(every);
+    return every;
 }
 
 void msh_lat_set_every(uint32_t n)
 {
     __atomic_store_n(&msh_lat_weight, n ? n : 1, __ATOMIC_RELAXED);
+    lat_exact = MSH_LAT_EXACT;
     msh_lat_left = 0;
 }

@@ -71,22 +71,24 @@ void msh_ticks_wall_init(struct msh_ticks_wall *w);
 uint64_t msh_ticks_wall_us(const struct msh_ticks_wall *w, uint64_t t);
 
 /* ---- sampled latency timing ------------------------------------------------------------------
- * The pool times one call in MEMSHIM_LATENCY_SAMPLE (on average, at random: geometric gaps per
- * thread, so periodic training steps cannot alias with the choice) and counts each timed call
+ * The pool times every one of a thread's first MSH_LAT_EXACT calls (short runs and tests get
+ * exact figures), then one call in MEMSHIM_LATENCY_SAMPLE (on average, at random: geometric gaps
+ * per thread, so periodic training steps cannot alias with the choice), each counting
  * msh_lat_weight times: its histogram and totals stay unbiased estimates of all calls. */
+#define MSH_LAT_EXACT 4096
 extern uint32_t msh_lat_weight;
 extern __thread uint32_t msh_lat_left;
-uint32_t msh_lat_next_gap(void);
-static inline bool msh_lat_sampled(void)
+uint32_t msh_lat_next(void);
+/* The weight this call's timing counts with: 0 (not timed), 1 or msh_lat_weight. */
+static inline uint32_t msh_lat_sample(void)
 {
     if (MSH_LIKELY(msh_lat_left > 1)) {
         msh_lat_left--;
-        return false;
+        return 0;
     }
-    msh_lat_left = msh_lat_next_gap();
-    return true;
+    return msh_lat_next();
 }
-/* Tests: time every call (1) or one in n. */
+/* Tests: time one call in n from now on (1: every call), this thread's exact start skipped. */
 void msh_lat_set_every(uint32_t n);
 
 #endif

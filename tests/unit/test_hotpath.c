@@ -2,7 +2,8 @@
  * test_hotpath.c: the cheap allocation path behind reports, allocation sites and the snapshot
  * ring (docs/benchmarks.md, issue 11's cost): msh_ticks() stamps that convert to wall-clock
  * time; sampled latency timing (exact with
- * MEMSHIM_LATENCY_SAMPLE=1, unbiased and not aliased with a periodic pattern otherwise); the marks
+ * MEMSHIM_LATENCY_SAMPLE=1 and for a thread's first calls, unbiased and not aliased with a
+ * periodic pattern otherwise); the marks
  * the pool keeps on memshim_malloc's blocks; and the per-thread history rings: one history in
  * causal order across threads, events kept when their thread exits, more threads than rings,
  * and a reader racing a writer never taking a torn entry for a whole one.
@@ -118,6 +119,36 @@ TEST(latency_timing_exact_at_1_and_unbiased_at_64)
     msh_lat_set_every(1);
 }
 
+static struct msh_pool *exact_pool;
+static void *exact_thread(void *arg)
+{
+    (void)arg;
+    pairs(exact_pool, 1000); /* 2000 calls: within a new thread's first MSH_LAT_EXACT */
+    return NULL;
+}
+
+/* Short runs (and tests) get exact figures: a thread's first MSH_LAT_EXACT calls are all timed,
+ * each counting once, whatever MEMSHIM_LATENCY_SAMPLE says. */
+TEST(latency_timing_exact_for_a_threads_first_calls)
+{
+    struct msh_pool *p = pool0();
+    REQUIRE(p);
+    exact_pool = p;
+    msh_pool_set_timing(p, true);
+    msh_lat_set_every(64);
+    struct msh_pool_stats s0, s1;
+    msh_pool_get_stats(p, &s0);
+    pthread_t t;
+    REQUIRE(pthread_create(&t, NULL, exact_thread, NULL) == 0);
+    pthread_join(t, NULL);
+    msh_pool_get_stats(p, &s1);
+    CHECKF(hist_sum(s1.alloc_lat) - hist_sum(s0.alloc_lat) == 1000, "%llu allocs counted of 1000",
+           (unsigned long long)(hist_sum(s1.alloc_lat) - hist_sum(s0.alloc_lat)));
+    CHECK(hist_sum(s1.free_lat) - hist_sum(s0.free_lat) == 1000);
+    msh_pool_set_timing(p, false);
+    msh_lat_set_every(1);
+}
+
 /* Training steps repeat: calls timed at a fixed period could always (or never) hit the same
  * call of the step. Random gaps time every position of a period equally often. */
 TEST(latency_sampling_does_not_alias_with_a_period)
@@ -125,7 +156,7 @@ TEST(latency_sampling_does_not_alias_with_a_period)
     msh_lat_set_every(64);
     uint64_t timed = 0, at_zero = 0, gaps = 0, prev = 0;
     for (uint64_t i = 0; i < 1280000; i++) {
-        if (!msh_lat_sampled()) continue;
+        if (!msh_lat_sample()) continue;
         timed++;
         at_zero += i % 64 == 0;
         gaps += i - prev;
