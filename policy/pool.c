@@ -1475,13 +1475,13 @@ static bool place_high(const struct msh_pool *pool, const struct blk *b, uint64_
     return new_pages(pool, r, b->addr + b->size - rsize, rsize) < new_pages(pool, r, b->addr, rsize);
 }
 
-static struct blk *plan_place(struct msh_pool *pool, int area, uint64_t rsize);
+static struct blk *plan_place(struct msh_pool *pool, uint64_t rsize);
 
 /* Best fit by (size, address), or where the learned step says. NULL with *rc = ENOSPC when the
  * area needs another region, ENOMEM when the pool's own memory ran out. */
 static struct blk *place(struct msh_pool *pool, int area, uint64_t rsize, int *rc)
 {
-    struct blk *b = pool->step ? plan_place(pool, area, rsize) : NULL;
+    struct blk *b = pool->step ? plan_place(pool, rsize) : NULL;
     if (b) return b;
     b = treap_lower_bound(pool->tree[area], rsize);
     if (!b) {
@@ -2138,6 +2138,7 @@ struct anchor {
 
 struct pent {
     uint64_t addr, size;
+    int area;
 };
 
 struct fprun {
@@ -2157,6 +2158,7 @@ struct step {
     bool active;
     bool want;             /* the allocation being served has a planned address */
     uint64_t want_addr;
+    int want_area;
     struct fprun *fp;      /* the plan's footprint, to clear its page flags */
     size_t nfp, capfp;
     uint64_t quiet_until;  /* no packing before this serial: one try per step length */
@@ -2252,11 +2254,12 @@ static void step_note_free(struct msh_pool *pool, struct blk *b)
 }
 
 /* The plan's address for this allocation, when a plan is active and it matches. */
-static struct blk *plan_place(struct msh_pool *pool, int area, uint64_t rsize)
+static struct blk *plan_place(struct msh_pool *pool, uint64_t rsize)
 {
     struct step *s = pool->step;
     if (!s->want) return NULL;
-    struct blk *b = atreap_floor(pool->atree[area], s->want_addr);
+    /* the plan's area: a plan packed across areas may put a block in the other area's pages */
+    struct blk *b = atreap_floor(pool->atree[s->want_area], s->want_addr);
     if (!b || b->addr + b->size < s->want_addr + rsize) {
         step_drop(pool); /* the planned range is not free: the step changed */
         return NULL;
@@ -2294,6 +2297,7 @@ struct pinput {
     uint64_t budget;      /* pages the plan may use */
     bool prefer_prev;     /* a block goes back where it was when that is still free */
     bool keep_mapped;     /* blocks in mapped pages stay (fixed): few are packed */
+    bool across;          /* every region is one line: a block may go to another area's pages */
 };
 
 static int cmp_u64pair(const void *a, const void *b)
@@ -2358,23 +2362,32 @@ static int cmp_addr(const void *a, const void *b, void *arg)
     return x < y ? -1 : x > y;
 }
 
-/* Greedy packing of the movable items of region g in the given order: each at the lowest address
- * where it overlaps no placed item alive at the same time (with prefer_prev: where it was, when
- * that is still free). Placed items are kept sorted by address, so a search stops at the first
- * gap and an insertion is a binary search and a move. Returns the footprint in pages, or
- * UINT64_MAX when an item does not fit in the region. */
+/* Greedy packing of the movable items of region g (g < 0: of every region, which then form one
+ * line in address order, an item going to whichever region has room) in the given order: each at
+ * the lowest address where it overlaps no placed item alive at the same time (with prefer_prev:
+ * where it was, when that is still free). Placed items are kept sorted by address, so a search
+ * stops at the first gap and an insertion is a binary search and a move. Returns the footprint in
+ * pages, or UINT64_MAX when an item does not fit. */
 static uint64_t pack_region(struct pinput *in, int g, const uint32_t *order, size_t nmov, uint32_t *placed,
                             uint64_t (*tmp)[2])
 {
     struct pitem *it = in->it;
     size_t np = 0;
     for (size_t i = 0; i < in->n; i++)
-        if (it[i].reg == g && it[i].fixed) placed[np++] = (uint32_t)i;
+        if ((g < 0 || it[i].reg == g) && it[i].fixed) placed[np++] = (uint32_t)i;
     qsort_r(placed, np, sizeof *placed, cmp_addr, it);
-    uint64_t base = in->reg[g].base, end = base + in->reg[g].size;
+    int line[64], nl = 0; /* the regions of the line, by address */
+    for (int i = 0; i < in->nreg; i++) {
+        if (g >= 0 && i != g) continue;
+        int k = nl++;
+        for (; k > 0 && in->reg[line[k - 1]].base > in->reg[i].base; k--) line[k] = line[k - 1];
+        line[k] = i;
+    }
+    if (!nl) return nmov ? UINT64_MAX : 0;
     for (size_t k = 0; k < nmov; k++) {
         struct pitem *x = &it[order[k]];
-        uint64_t cand = base;
+        int li = 0;
+        uint64_t cand = in->reg[line[0]].base;
         bool at_prev = false;
         if (in->prefer_prev && x->prev) {
             bool clash = false;
@@ -2382,19 +2395,29 @@ static uint64_t pack_region(struct pinput *in, int g, const uint32_t *order, siz
                 const struct pitem *y = &it[placed[q]];
                 clash = y->addr + y->size > x->prev && y->t0 < x->t1 && x->t0 < y->t1;
             }
-            if (!clash) {
-                cand = x->prev;
-                at_prev = true;
-            }
+            for (int i = 0; !clash && i < nl; i++)
+                if (x->prev >= in->reg[line[i]].base && x->prev < in->reg[line[i]].base + in->reg[line[i]].size) {
+                    cand = x->prev;
+                    li = i;
+                    at_prev = true;
+                }
         }
-        for (size_t q = 0; q < np && !at_prev; q++) {
+        for (size_t q = 0; !at_prev;) {
+            const struct pregion *rg = &in->reg[line[li]];
+            if (cand + x->size > rg->base + rg->size) { /* past this region's end: the next one */
+                if (++li == nl) return UINT64_MAX;
+                cand = in->reg[line[li]].base;
+                continue;
+            }
+            if (q == np) break;
             const struct pitem *y = &it[placed[q]];
             if (y->addr >= cand + x->size) break; /* sorted by address: the gap is free of the rest */
+            q++;
             if (y->t0 >= x->t1 || x->t0 >= y->t1 || y->addr + y->size <= cand) continue;
             cand = y->addr + y->size;
         }
-        if (cand + x->size > end) return UINT64_MAX;
         x->addr = cand;
+        x->reg = line[li];
         size_t lo = 0, hi = np; /* insert after every item at or below cand */
         while (lo < hi) {
             size_t mid = (lo + hi) / 2;
@@ -2405,12 +2428,14 @@ static uint64_t pack_region(struct pinput *in, int g, const uint32_t *order, siz
         placed[lo] = order[k];
         np++;
     }
-    return footprint_pages(in, g, tmp);
+    uint64_t pages = 0;
+    for (int i = 0; i < nl; i++) pages += footprint_pages(in, line[i], tmp);
+    return pages;
 }
 
-/* Pack every region with up to three orders and keep the best per region (with one region, the
- * first order that fits the budget ends the search). Returns the total pages, or UINT64_MAX when
- * something does not fit. */
+/* Pack every region with up to three orders and keep the best per region (with one region, or
+ * with every region as one line, the first order that fits the budget ends the search). Returns
+ * the total pages, or UINT64_MAX when something does not fit. */
 static uint64_t pack_all(struct pinput *in)
 {
     size_t n = in->n;
@@ -2418,15 +2443,17 @@ static uint64_t pack_all(struct pinput *in)
     uint32_t *placed = raw_alloc((n + 1) * sizeof *placed);
     uint64_t (*tmp)[2] = raw_alloc((n + 1) * sizeof *tmp);
     uint64_t *best = raw_alloc((n + 1) * sizeof *best);
+    int32_t *best_reg = raw_alloc((n + 1) * sizeof *best_reg);
     uint64_t total = 0;
-    if (!order || !placed || !tmp || !best) {
+    if (!order || !placed || !tmp || !best || !best_reg) {
         total = UINT64_MAX;
         goto out;
     }
-    for (int g = 0; g < in->nreg && total != UINT64_MAX; g++) {
+    int g0 = in->across ? -1 : 0, g1 = in->across ? 0 : in->nreg;
+    for (int g = g0; g < g1 && total != UINT64_MAX; g++) {
         size_t nmov = 0;
         for (size_t i = 0; i < n; i++)
-            if (in->it[i].reg == g && !in->it[i].fixed) order[nmov++] = (uint32_t)i;
+            if ((g < 0 || in->it[i].reg == g) && !in->it[i].fixed) order[nmov++] = (uint32_t)i;
         if (nmov > STEP_MAX_MOVABLE) {
             total = UINT64_MAX;
             break;
@@ -2440,16 +2467,21 @@ static uint64_t pack_all(struct pinput *in)
             uint64_t p = pack_region(in, g, order, nmov, placed, tmp);
             if (p < bestp) {
                 bestp = p;
-                for (size_t i = 0; i < nmov; i++) best[order[i]] = in->it[order[i]].addr;
+                for (size_t i = 0; i < nmov; i++) {
+                    best[order[i]] = in->it[order[i]].addr;
+                    best_reg[order[i]] = in->it[order[i]].reg;
+                }
             }
-            if (in->nreg == 1 && bestp <= in->budget) break; /* fits: the other orders only cost time */
+            if ((in->nreg == 1 || g < 0) && bestp <= in->budget) break; /* fits: the other orders only cost time */
         }
         if (bestp == UINT64_MAX) {
             total = UINT64_MAX;
             break;
         }
-        for (size_t i = 0; i < n; i++)
-            if (in->it[i].reg == g && !in->it[i].fixed) in->it[i].addr = best[i];
+        for (size_t k = 0; k < nmov; k++) {
+            in->it[order[k]].addr = best[order[k]];
+            in->it[order[k]].reg = best_reg[order[k]];
+        }
         total += bestp;
     }
 out:
@@ -2457,6 +2489,7 @@ out:
     raw_free(placed, (n + 1) * sizeof *placed);
     raw_free(tmp, (n + 1) * sizeof *tmp);
     raw_free(best, (n + 1) * sizeof *best);
+    raw_free(best_reg, (n + 1) * sizeof *best_reg);
     return total;
 }
 
@@ -2504,10 +2537,12 @@ static bool range_mapped(const struct msh_pool *pool, const struct pinput *in, i
 
 /* Under the lock: the step's blocks with their lifetimes, from the log window [t0, t1) and the
  * live set (which is the step's starting live set). With keep, the blocks the last step placed
- * in pages that are mapped now stay where they were, and the others are packed into mapped free
- * space first (unmapped pages below the top of each region are obstacles): the plan changes as
- * little as it can, so the first planned step maps little. */
-static bool plan_input(struct msh_pool *pool, uint64_t t0, uint64_t t1, bool keep, bool holes, struct pinput *in)
+ * in pages that are mapped now stay where they were. With holes, unmapped pages below the top of
+ * each region are obstacles, so that blocks are packed into mapped free space first and the
+ * first planned step maps little; with holes > 1 every unmapped page is (the plan maps nothing),
+ * and every region of the pool is part of the line (a block may go to mapped pages of the other
+ * area: at the end of a step under pressure one area often holds most of the mapped pages). */
+static bool plan_input(struct msh_pool *pool, uint64_t t0, uint64_t t1, bool keep, int holes, struct pinput *in)
 {
     struct step *s = pool->step;
     uint32_t len = (uint32_t)(t1 - t0);
@@ -2517,6 +2552,9 @@ static bool plan_input(struct msh_pool *pool, uint64_t t0, uint64_t t1, bool kee
     bool ok = idx && prefree;
     in->len = len;
     in->gran = pool->gran;
+    in->across = holes > 1;
+    for (int a = 0; in->across && a < NAREAS; a++)
+        for (struct region *r = pool->areas[a]; r; r = r->next) region_index(pool, in, r->base);
     for (uint64_t k = t0; ok && k < t1; k++) {
         const struct slog *e = &s->log[k % STEP_LOG];
         uint32_t t = (uint32_t)(k - t0);
@@ -2557,6 +2595,10 @@ static bool plan_input(struct msh_pool *pool, uint64_t t0, uint64_t t1, bool kee
                                              .t1 = len, .reg = g, .fixed = 1, .hole = 1, .order = UINT32_MAX});
             p = e;
         }
+        if (ok && holes > 1 && r->hi_page < r->npages)
+            ok = pin_push(in, (struct pitem){.addr = page_va(pool, r, r->hi_page),
+                                             .size = (uint64_t)(r->npages - r->hi_page) * pool->gran, .t0 = 0, .t1 = len,
+                                             .reg = g, .fixed = 1, .hole = 1, .order = UINT32_MAX});
     }
     /* live blocks not freed during the step sit there throughout */
     qsort(prefree, npre, sizeof *prefree, cmp_u64);
@@ -2574,7 +2616,21 @@ static bool plan_input(struct msh_pool *pool, uint64_t t0, uint64_t t1, bool kee
 }
 
 /* Mark the plan's footprint (PLAN_PAGE) and move cached handles to the list they now belong to. */
-static void plan_mark(struct msh_pool *pool, const struct pinput *in)
+static void fp_add(struct msh_pool *pool, struct region *r, uint32_t p0, uint32_t p1)
+{
+    struct step *s = pool->step;
+    if (s->nfp == s->capfp) {
+        void *v = s->fp;
+        uint32_t cap = (uint32_t)s->capfp;
+        if (!arr_grow(&v, &cap, sizeof *s->fp, NULL)) return; /* not in the footprint: only reclaimed sooner */
+        s->fp = v;
+        s->capfp = cap;
+    }
+    for (uint32_t p = p0; p <= p1; p++) r->pages[p].plan |= PLAN_PAGE;
+    s->fp[s->nfp++] = (struct fprun){.r = r, .p0 = p0, .p1 = p1};
+}
+
+static void plan_mark(struct msh_pool *pool, const struct pinput *in, uint64_t pages)
 {
     struct step *s = pool->step;
     for (size_t i = 0; i < s->nfp; i++)
@@ -2583,22 +2639,30 @@ static void plan_mark(struct msh_pool *pool, const struct pinput *in)
     for (size_t i = 0; i < in->n; i++) {
         const struct pitem *x = &in->it[i];
         if (x->hole) continue;
-        for (int a = 0; a < NAREAS; a++)
-            for (struct region *r = pool->areas[a]; r; r = r->next) {
-                if (x->addr < r->base || x->addr >= r->base + r->size) continue;
-                uint32_t p0 = (uint32_t)((x->addr - r->base) / pool->gran);
-                uint32_t p1 = (uint32_t)((x->addr + x->size - 1 - r->base) / pool->gran);
-                for (uint32_t p = p0; p <= p1; p++) r->pages[p].plan |= PLAN_PAGE;
-                if (s->nfp == s->capfp) {
-                    void *v = s->fp;
-                    uint32_t cap = (uint32_t)s->capfp;
-                    if (!arr_grow(&v, &cap, sizeof *s->fp, NULL)) continue;
-                    s->fp = v;
-                    s->capfp = cap;
-                }
-                s->fp[s->nfp++] = (struct fprun){.r = r, .p0 = p0, .p1 = p1};
-            }
+        struct region *r = in->reg[x->reg].r;
+        fp_add(pool, r, (uint32_t)((x->addr - r->base) / pool->gran), (uint32_t)((x->addr + x->size - 1 - r->base) / pool->gran));
     }
+    /* A mapped handle partly in the footprint would be re-partitioned (unmapped and mapped again)
+     * the first time a planned block touches it: when the budget allows, its other pages join the
+     * footprint, and the handle is used as it is. */
+    uint64_t extra = 0;
+    for (int pass = 0; pass < 2 && (!pass || (extra && pages + extra <= in->budget)); pass++)
+        for (int a = 0; a < NAREAS; a++)
+            for (struct region *r = pool->areas[a]; r; r = r->next)
+                for (uint32_t p = 0; p < r->hi_page;) {
+                    const struct page *hp = &r->pages[p];
+                    if (pg_head(hp) != p) {
+                        p++;
+                        continue;
+                    }
+                    uint32_t m = 0;
+                    for (uint32_t q = p; q < p + hp->npages; q++) m += (r->pages[q].plan & PLAN_PAGE) != 0;
+                    if (m && m < hp->npages) {
+                        if (!pass) extra += hp->npages - m;
+                        else fp_add(pool, r, p, p + hp->npages - 1);
+                    }
+                    p += hp->npages;
+                }
     /* re-file cached handles: in the footprint if any of their pages is */
     for (int a = 0; a < NAREAS; a++)
         for (struct region *r = pool->areas[a]; r; r = r->next)
@@ -2636,6 +2700,7 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
         } else {
             s->want = true;
             s->want_addr = s->plan[s->cursor].addr;
+            s->want_area = s->plan[s->cursor].area;
         }
     }
     struct anchor *an = &s->anchors[mix64(s->hstate) & (STEP_ANCHORS - 1)];
@@ -2648,11 +2713,13 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
     /* Packings tried in turn, the smallest change first: keep every block that sits in mapped
      * pages; put blocks back where they were when still free; pack the whole step. Unmapped pages
      * are obstacles in the first three, so that the first planned step maps (almost) nothing. */
-    static const struct { bool keep, holes, near; const char *what; } way[] = {
-        {true, true, false, "keeping what is mapped"},
-        {false, true, true, "near the last step, in mapped pages"},
-        {false, true, false, "anew, in mapped pages"},
-        {false, false, false, "anew"},
+    static const struct { bool keep; int holes; bool near; const char *what; } way[] = {
+        {true, 2, false, "keeping what is mapped, in mapped pages only"},
+        {false, 2, false, "anew, in mapped pages only"},
+        {true, 1, false, "keeping what is mapped"},
+        {false, 1, true, "near the last step, in mapped pages"},
+        {false, 1, false, "anew, in mapped pages"},
+        {false, 0, false, "anew"},
     };
     enum { NWAYS = sizeof way / sizeof way[0] };
     struct pinput cand[NWAYS];
@@ -2715,7 +2782,9 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
         }
     }
     for (size_t i = 0; i < in.n; i++)
-        if (in.it[i].order != UINT32_MAX) s->plan[in.it[i].order] = (struct pent){.addr = in.it[i].addr, .size = in.it[i].size};
+        if (in.it[i].order != UINT32_MAX)
+            s->plan[in.it[i].order] = (struct pent){.addr = in.it[i].addr, .size = in.it[i].size,
+                                                    .area = in.reg[in.it[i].reg].r->area};
     s->nplan = in.nalloc;
     s->fails = 0;
     s->plan_h = h0;
@@ -2723,8 +2792,9 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
     s->active = true;
     s->want = true;
     s->want_addr = s->plan[0].addr;
+    s->want_area = s->plan[0].area;
     pool->st.plans_built++;
-    plan_mark(pool, &in);
+    plan_mark(pool, &in, pages);
     raw_free(in.it, in.cap * sizeof *in.it);
 }
 
