@@ -451,6 +451,9 @@ static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capa
     prm.limit_bytes = capacity;
     prm.small_max = o->small_max;
     prm.defrag = o->defrag;
+    /* the replay waits for the planner at the step boundary where it handed it a step, so that
+     * every figure is the same from run to run (a job never waits: docs/pool.md) */
+    prm.plan_sync = true;
     /* VA only needs to hold the line: a few times the live peak keeps page tables small. */
     uint64_t base = capacity ? capacity : t->peak_live_bytes;
     prm.va_bytes = base * 4 > 8 * MSH_GiB ? base * 4 : 8 * MSH_GiB;
