@@ -1,5 +1,6 @@
 # memshim build. `make` builds build/libmemshim.so; `make check` builds and runs every test;
-# `make bench` prints the benchmark tables; `make demo` runs the main job on the driver double.
+# `make bench` prints the benchmark tables; `make demo` runs the main job on the driver double;
+# `make mutants` runs the mutation run (docs/testing.md).
 # Needs only the CUDA headers (CUDA_HOME, else /usr/local/cuda) and Debian packages that
 # scripts/setup.sh installs. BUILD=build-asan SAN=address,undefined gives a sanitizer build.
 
@@ -56,7 +57,7 @@ $(TORCH_MK): scripts/torch_flags.py
 GLUE := $(if $(filter 1,$(TORCH_OK)),$(BUILD)/libmemshim_torch.so,)
 TORCH_TESTS := $(if $(filter 1,$(TORCH_OK)),$(BUILD)/tests/torch/memshim_oom_probe$(TORCH_PYEXT),)
 
-.PHONY: all lib double tests check check-asan check-tsan bench demo install install-python clean
+.PHONY: all lib double tests check check-asan check-tsan bench demo install install-python clean mutants
 all: $(BUILD)/libmemshim.so $(TOOLS) double $(GLUE)
 
 lib: $(BUILD)/libmemshim.so
@@ -132,6 +133,11 @@ check-asan:
 check-tsan:
 	$(MAKE) BUILD=build-tsan CC=clang SAN=thread OPT=-O1 tests
 	BUILD=build-tsan MSH_SANITIZER=tsan bash tests/run.sh stress
+
+# The mutation run (docs/testing.md): every mutant of tests/mutants/mutants.txt on a scratch copy
+# against the quick suites. Not part of check: it takes most of an hour on 2 cores.
+mutants: tests
+	python3 tests/mutants/run_mutants.py
 
 bench: all
 	BUILD=$(BUILD) bash scripts/bench.sh

@@ -55,6 +55,8 @@ quick|all)
         [ -f tests/preload/run_preload.sh ] && run_suite "preload (LD_PRELOAD + double)" env BUILD="$BUILD" bash tests/preload/run_preload.sh
         run_suite "replay (CLI, traces, targets)" env BUILD="$BUILD" bash tests/replay/run_replay.sh
         run_suite "replay (torch models vs traces)" env BUILD="$BUILD" python3 tests/replay/test_models_traces.py
+        run_suite "replay --check (pool invariants)" env BUILD="$BUILD" python3 tests/replay/check_traces.py
+        run_suite "reports (figures vs ground truth)" env BUILD="$BUILD" python3 tests/reports/test_report_truth.py
         run_suite "demo (main job, reports)" env BUILD="$BUILD" bash tests/replay/run_demo.sh
         run_suite "report tool (memshim-report)" env BUILD="$BUILD" python3 tests/report_tool/test_report_tool.py
         run_suite "python GC step (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_pygc.py

@@ -42,6 +42,7 @@ struct opts {
     const char *torch_conf; /* --torch-conf, or NULL: the snapshot's recorded settings */
     bool compare, validate, torch_empty_start;
     struct msh_drvcost cost; /* the default table, or --driver-costs FILE */
+    bool check; /* --check: msh_pool_check during every replay (docs/testing.md) */
 };
 
 /* Devices users plan for: memory as nvidia-smi reports it (MiB), less 512 MiB for the CUDA
@@ -429,6 +430,26 @@ static void json_calib(const struct calib *c)
     printf("}}");
 }
 
+/* --check: the pool's invariants (msh_pool_check) after every event while a replay has at most
+ * CHECK_ALL_EVENTS events over all its passes, else after about CHECK_BUDGET evenly spread ones,
+ * and at the end of every pass (`i` = t->n). A check costs O(blocks + pages mapped), so the budget
+ * keeps a checked run within seconds per trace. Returns 0 or EFAULT after printing the violation. */
+#define CHECK_ALL_EVENTS 3000
+#define CHECK_BUDGET 1500
+static int replay_check(struct msh_pool *pool, const struct msh_trace *t, uint64_t capacity, int passes, int pass,
+                        size_t i)
+{
+    uint64_t total = (uint64_t)t->n * (uint64_t)passes;
+    uint64_t every = total <= CHECK_ALL_EVENTS ? 1 : total / CHECK_BUDGET;
+    if (i < t->n && ((uint64_t)pass * t->n + i) % every) return 0;
+    char why[512];
+    if (!msh_pool_check(pool, why, sizeof why)) return 0;
+    fprintf(stderr, "memshim-replay: --check: pool invariant broken after %s %zu of pass %d (device %d, capacity "
+            "%llu): %s\n", i < t->n ? "event" : "the last event,", i < t->n ? i : t->n, pass + 1, t->device,
+            (unsigned long long)capacity, why);
+    return EFAULT;
+}
+
 static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capacity, int passes,
                   struct run_result *res)
 {
@@ -473,9 +494,12 @@ static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capa
     /* wall counts the time spent on the trace's own events only: not the stats scan after the
      * first pass, nor releasing the live set between passes. */
     double wall = 0;
-    for (int pass = 0; pass < passes; pass++) {
+    int broken = 0;
+    for (int pass = 0; pass < passes && !broken; pass++) {
         double t0 = now_s();
         for (size_t i = 0; i < t->n; i++) {
+            /* the state after event i - 1 (after the whole pass below) */
+            if (o->check && i && (broken = replay_check(pool, t, capacity, passes, pass, i - 1))) break;
             const struct msh_trace_event *e = &t->ev[i];
             /* Streams of a recording are only names here; on a real device they would be
              * handles of another process, so --device replays everything on the null stream. */
@@ -501,6 +525,7 @@ static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capa
             }
         }
         wall += now_s() - t0;
+        if (o->check && !broken) broken = replay_check(pool, t, capacity, passes, pass, t->n);
         if (pass == 0) msh_pool_get_stats(pool, &res->st_pass1);
         if (pass + 2 == passes) msh_pool_get_stats(pool, &res->st_before_last);
         if (pass + 1 < passes) { /* the loop begins again: everything live is released */
@@ -516,7 +541,7 @@ static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capa
     free(m.t);
     msh_pool_destroy(pool);
     if (!o->use_device) msh_dev_sim_fini(&real);
-    return 0;
+    return broken;
 }
 
 static void print_row_header(void)
@@ -1225,6 +1250,8 @@ static void usage(FILE *f)
             "                        [PER_MIB]' (e.g. 'create 193us'); kinds not named keep the default\n"
             "  --show-driver-costs   print the cost table in force (defaults, or FILE) and exit\n"
             "  --to-text             print the traces in memshim's text format and exit\n"
+            "  --check               verify the pool's invariants during the replay (after every\n"
+            "                        event of short streams; a violation exits 3)\n"
             "  --policy P            memshim (default), torch (PyTorch's caching allocator, modelled)\n"
             "                        or torch-expandable (expandable_segments:True, modelled)\n"
             "  --torch-conf CONF     PYTORCH_CUDA_ALLOC_CONF for the torch policies (max_split_size_mb,\n"
@@ -1240,7 +1267,8 @@ static void usage(FILE *f)
     for (size_t i = 0; i < sizeof devices / sizeof devices[0]; i++) fprintf(f, " %s", devices[i].name);
     fprintf(f, "\n"
             "  -h, --help            this text\n"
-            "Exit status: 0 done (OOMs are results), 2 bad usage or unreadable/malformed input.\n");
+            "Exit status: 0 done (OOMs are results), 2 bad usage or unreadable/malformed input,\n"
+            "3 --check found the pool's invariants broken.\n");
 }
 
 int main(int argc, char **argv)
@@ -1257,6 +1285,7 @@ int main(int argc, char **argv)
         {"small-max", required_argument, 0, 's'}, {"no-defrag", no_argument, 0, 'n'},
         {"device", no_argument, 0, 'd'},         {"to-text", no_argument, 0, 't'},
         {"driver-costs", required_argument, 0, 'D'}, {"show-driver-costs", no_argument, 0, 'W'},
+        {"check", no_argument, 0, 'K'},
         {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -1333,6 +1362,7 @@ int main(int argc, char **argv)
             break;
         case 'n': o.defrag = false; break;
         case 'd': o.use_device = true; break;
+        case 'K': o.check = true; break;
         case 't': to_text = true; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
@@ -1348,6 +1378,10 @@ int main(int argc, char **argv)
     }
     if ((o.compare || o.policy != MSH_POLICY_MEMSHIM) && o.use_device) {
         fprintf(stderr, "memshim-replay: --device replays memshim's pool only (not with --compare or --policy)\n");
+        return 2;
+    }
+    if ((o.compare || o.policy != MSH_POLICY_MEMSHIM) && o.check) {
+        fprintf(stderr, "memshim-replay: --check verifies memshim's pool only (not with --compare or --policy)\n");
         return 2;
     }
     if (o.compare && o.auto_cap) o.auto_cap = false; /* --compare always searches the minimum */
@@ -1404,7 +1438,8 @@ int main(int argc, char **argv)
         for (size_t d = 0; d < set->ndev; d++) {
             struct msh_trace *t = &set->dev[d];
             msh_trace_analyze(t);
-            if (replay_trace(set, t, &o)) status = 2;
+            int rc = replay_trace(set, t, &o);
+            if (rc) status = rc == EFAULT && o.check ? 3 : status == 3 ? 3 : 2;
         }
         fflush(stdout);
         msh_trace_set_free(set);

@@ -343,6 +343,7 @@ static uint64_t g_next_handle = 0x1000;
 static int g_memfd = -1;
 static off_t g_memfd_size, g_memfd_next;
 static struct cudbl_counts g_counts;
+static struct cudbl_bytes g_bytes; /* cudbl_get_bytes (issue 12), under g_lock */
 /* peer capability (cuDeviceCanAccessPeer): g_peer[a][b] = devices a and b reach each other */
 static unsigned char g_peer[MAX_DEVICES][MAX_DEVICES];
 static int g_peer_configured;
@@ -1135,6 +1136,17 @@ static void uncharge_locked(int dev, size_t bytes)
     g_counts.bytes_in_use -= bytes;
 }
 
+/* cudbl_get_bytes: a current figure changed by delta; its two peaks follow it up. */
+static void bytes_move_locked(size_t *cur, size_t *peak, size_t *mark_peak, size_t delta, int up)
+{
+    if (up) *cur += delta;
+    else *cur -= delta;
+    if (*cur > *peak) *peak = *cur;
+    if (*cur > *mark_peak) *mark_peak = *cur;
+}
+#define HANDLE_BYTES(d, up) bytes_move_locked(&g_bytes.handle_bytes, &g_bytes.handle_peak, &g_bytes.handle_mark_peak, d, up)
+#define MAPPED_BYTES(d, up) bytes_move_locked(&g_bytes.mapped_bytes, &g_bytes.mapped_peak, &g_bytes.mapped_mark_peak, d, up)
+
 /* Physical memory: one sparse memfd for the whole process; each cuMemCreate takes a fresh range
  * (offsets are never reused) and gives its pages back with a hole punch. One fd, not one per
  * handle, so a job with thousands of handles does not run out of descriptors. */
@@ -1163,7 +1175,10 @@ static void phys_maybe_free_locked(struct phys *p)
     if (p->fd >= 0) close(p->fd);   /* a shareable handle: an exported fd keeps its pages alive */
     else if (fallocate(g_memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, p->off, (off_t)p->size))
         warn("hole punch failed: %s%s", strerror(errno), "");
-    if (p->charged) uncharge_locked(p->device, p->size);
+    if (p->charged) {
+        uncharge_locked(p->device, p->size);
+        HANDLE_BYTES(p->size, 0); /* counted where it was charged: cuMemCreate */
+    }
     g_counts.handles--;
     free(p);
 }
@@ -2116,6 +2131,7 @@ CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
         p->charged = 1;
         p->handle_types = prop->requestedHandleTypes;
         g_counts.handles++;
+        HANDLE_BYTES(size, 1);
         *handle = p->id;
     }
     pthread_mutex_unlock(&g_lock);
@@ -2255,6 +2271,7 @@ CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t align
     r->next = g_resvs;
     g_resvs = r;
     g_counts.reservations++;
+    g_bytes.reserved_va_bytes += size;
     pthread_mutex_unlock(&g_lock);
     *ptr = r->base;
     return CUDA_SUCCESS;
@@ -2272,6 +2289,7 @@ CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size)
     if (rc == CUDA_SUCCESS) {
         *pp = r->next;
         g_counts.reservations--;
+        g_bytes.reserved_va_bytes -= r->size;
         munmap((void *)(uintptr_t)r->base, r->size);
         free(r);
     }
@@ -2311,6 +2329,7 @@ CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
         r->nmaps++;
         p->maps++;
         g_counts.mappings++;
+        MAPPED_BYTES(size, 1);
     } else {
         free(m);
     }
@@ -2338,6 +2357,7 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)
         pages_unindex_locked(m);
         m->p->maps--;
         g_counts.mappings--;
+        MAPPED_BYTES(m->size, 0);
         phys_maybe_free_locked(m->p);
         free(m);
     }
@@ -3380,6 +3400,18 @@ void cudbl_get_counts(struct cudbl_counts *out)
     pthread_mutex_lock(&g_lock);
     *out = g_counts;
     out->misuse = atomic_load(&g_misuse);
+    pthread_mutex_unlock(&g_lock);
+}
+
+void cudbl_get_bytes(struct cudbl_bytes *out, int new_window)
+{
+    if (!out) return;
+    pthread_mutex_lock(&g_lock);
+    *out = g_bytes;
+    if (new_window) {
+        g_bytes.handle_mark_peak = g_bytes.handle_bytes;
+        g_bytes.mapped_mark_peak = g_bytes.mapped_bytes;
+    }
     pthread_mutex_unlock(&g_lock);
 }
 

@@ -29,6 +29,21 @@ struct cudbl_counts {
 };
 void cudbl_get_counts(struct cudbl_counts *out);
 
+/* Bytes of the VMM API, for tests that hold an allocator's own figures against the driver's
+ * (tests/reports: reserved bytes and their peaks in memshim's reports). handle_bytes: physical
+ * memory of cuMemCreate handles not yet freed (a released handle still mapped counts until its
+ * last unmap, as in the driver); mapped_bytes: bytes covered by cuMemMap ranges;
+ * reserved_va_bytes: bytes of cuMemAddressReserve ranges. *_peak: the most since the process
+ * started; *_mark_peak: the most since the last call with new_window = 1 (or since the start).
+ * With new_window = 1 the figures are read first, then the window restarts at the current ones.
+ * Totals over all devices. */
+struct cudbl_bytes {
+    size_t handle_bytes, handle_peak, handle_mark_peak;
+    size_t mapped_bytes, mapped_peak, mapped_mark_peak;
+    size_t reserved_va_bytes;
+};
+void cudbl_get_bytes(struct cudbl_bytes *out, int new_window);
+
 /* Misuse is what a real driver leaves undefined: a destroyed stream, event or graph handle used
  * again, a device touching memory it has no access to (VMM access is per device), a kernel
  * touching another device's cuMemAlloc memory without peer access. The double prints

@@ -6,7 +6,8 @@
 # and as its LAST line "N passed, N failed": a harness program adds its own counts, a program or
 # check without a harness adds one case. Exit status 1 when anything failed.
 #
-# Environment: BUILD (default build), PRELOAD_TIMEOUT seconds per program (default 120),
+# Environment: BUILD (default build), PRELOAD_TIMEOUT seconds per program (default 60, 300 with
+# MSH_SANITIZER; a harness program names a hung test itself after MSH_TEST_TIMEOUT, 50 s),
 # MSH_SANITIZER=asan|tsan for sanitizer builds (the sanitizer runtime is preloaded first).
 
 set -u
@@ -14,7 +15,7 @@ BUILD=${BUILD:-build}
 LIB=$BUILD/libmemshim.so
 DBL=$BUILD/double
 BIN=$BUILD/tests/preload
-TIMEOUT=${PRELOAD_TIMEOUT:-120}
+TIMEOUT=${PRELOAD_TIMEOUT:-$([ -n "${MSH_SANITIZER:-}" ] && echo 300 || echo 60)}
 passed=0
 failed=0
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/memshim-preload.XXXXXX")
@@ -133,6 +134,9 @@ ENV_EXTRA=(MEMSHIM_LIMIT=8M MEMSHIM_LOG=error)
 run_prog gc_reentry gc_reentry
 ENV_EXTRA=(CUDBL_DEVICES=2)
 run_prog multidev_free multidev_free
+run_prog free_ordering free_ordering
+ENV_EXTRA=()
+run_prog driver_oom driver_oom
 
 # ---- issue 8: peers, streams that go away, address ranges, legacy IPC, cudaFree ---------------
 ENV_EXTRA=(CUDBL_DEVICES=2)

@@ -55,9 +55,9 @@ def run(test, env_extra, tmp):
     env.update(env_extra)
     t0 = time.time()
     try:
-        p = subprocess.run([EXE, test], env=env, capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
-        case(test, False, "hung (killed after 120 s)")
+        p = subprocess.run([EXE, test], env=env, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:  # the harness' own watchdog names a hung test at 50 s first
+        case(test, False, "hung (killed after 60 s)")
         return None
     for line in p.stdout.splitlines():
         if line.startswith("    "):
@@ -87,8 +87,12 @@ def trace_check(name, path):
     if not os.path.exists(path):
         case(f"{name}: trace written", False, "no trace file")
         return None
-    p = subprocess.run([os.path.join(BUILD, "memshim-replay"), "--json", path], capture_output=True, text=True,
-                       timeout=300)
+    try:
+        p = subprocess.run([os.path.join(BUILD, "memshim-replay"), "--json", path], capture_output=True, text=True,
+                           timeout=60)
+    except subprocess.TimeoutExpired:
+        case(f"{name}: trace readable by memshim-replay", False, "memshim-replay hung (killed after 60 s)")
+        return None
     try:
         j = json.loads(p.stdout.splitlines()[0])
     except (ValueError, IndexError):

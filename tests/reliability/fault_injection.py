@@ -10,7 +10,12 @@ Workloads:
   memshim-train-demo (the README's main job, 1 epoch x 2 steps at scale 0.05): up to
     RELI_FI_DEMO_SAMPLES values of N per function, evenly spread (first and last included).
 
-Each run must: end by exit(), not a signal or a hang (limit 20 s); exit with 0 or a documented
+Every run preloads libreli-poolcheck.so in front of libmemshim.so (tests/reliability/poolcheck.c):
+after every allocator call of the workload, so right after every injected failure, and at exit, it
+runs memshim_debug_check(), the pool's invariants (msh_pool_check, docs/testing.md).
+
+Each run must: keep the pool's invariants after every call; end by exit(), not a signal or a hang
+(limit 20 s); exit with 0 or a documented
 "could not start" status (reli-workload: 3 when cudaSetDevice/cudaStreamCreate fail; demo: 1
 with its "failed" message); never see a corrupted pattern; leave every report it wrote complete
 JSON with no temp file; and leak nothing. Leaks are read from the double's exit line
@@ -55,6 +60,8 @@ KNOWN = {
 }
 res = {"passed": 0, "failed": 0, "skipped": 0}
 EXIT_RE = re.compile(r"cudbl: exit handles=(\d+) mappings=(\d+) reservations=(\d+) allocs=(\d+) events=(\d+)")
+CHECK_RE = re.compile(r"^reli-poolcheck: (\d+) checks, (\d+) violations$", re.M)
+BROKEN_RE = re.compile(r"^reli-poolcheck: POOL INVARIANT BROKEN after .*$", re.M)
 
 
 def case(name, ok, detail=""):
@@ -65,8 +72,8 @@ def case(name, ok, detail=""):
 def base_env():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MEMSHIM_", "CUDBL_"))}
     env.update({"LD_LIBRARY_PATH": os.path.join(BUILD, "double"),
-                "LD_PRELOAD": os.path.join(BUILD, "libmemshim.so") + ":" +
-                os.path.join(RBIN, "libreli-callcount.so"),
+                "LD_PRELOAD": os.path.join(RBIN, "libreli-poolcheck.so") + ":" +
+                os.path.join(BUILD, "libmemshim.so") + ":" + os.path.join(RBIN, "libreli-callcount.so"),
                 "CUDBL_CAPACITY": "1G", "CUDBL_REPORT_AT_EXIT": "1"})
     return env
 
@@ -105,6 +112,13 @@ def run(workload, fail, tmp, counts=False):
     out["calls"] = {a: int(b) for a, b in re.findall(r"^reli-calls (\S+) (\d+)$", p.stderr, re.M)}
     if "CORRUPT" in p.stderr or p.returncode == 4:
         out["why"].append("corrupted pattern")
+    broken = BROKEN_RE.search(p.stderr)
+    if broken:
+        out["why"].append(broken.group(0)[len("reli-poolcheck: "):])
+    cm = CHECK_RE.search(p.stderr)
+    out["pool_checks"] = int(cm.group(1)) if cm else 0
+    if not cm and m:
+        out["why"].append("no line from libreli-poolcheck.so (the invariant checks did not run)")
     # reports: complete JSON, no temp files
     summary = None
     for f in glob.glob(os.path.join(rdir, "*")):
@@ -173,6 +187,7 @@ def outcome(r, clean):
 
 def main():
     for exe in [os.path.join(RBIN, "reli-workload"), os.path.join(RBIN, "libreli-callcount.so"),
+                os.path.join(RBIN, "libreli-poolcheck.so"),
                 os.path.join(BUILD, "memshim-train-demo"), os.path.join(BUILD, "libmemshim.so")]:
         if not os.path.exists(exe):
             print(f"FAIL setup: {exe} not built")
@@ -185,6 +200,10 @@ def main():
             clean = run(workload, None, tmp, counts=True)
             total_runs += 1
             case(f"{workload}: clean run", not clean["why"] and clean["rc"] == 0, clean["why"])
+            # the checker must have seen a pool: the clean run allocates through memshim
+            case(f"{workload}: pool invariants checked after every call ({clean.get('pool_checks', 0)} checks)",
+                 clean.get("pool_checks", 0) >= 10 and "memshim_debug_check not found" not in clean.get("stderr", ""),
+                 clean.get("stderr", "")[-300:])
             calls = clean.get("calls", {})
             if not calls:
                 case(f"{workload}: call counts", False, "libreli-callcount.so printed nothing")

@@ -16,6 +16,10 @@
  * detected, deterministically with the double in synchronous mode, and at least once in async
  * mode.
  *
+ * msh_pool_check() (the pool's structural invariants, pool.h) runs every few milliseconds from a
+ * checker thread while the workers run, and once more when they are done: a violation fails the
+ * test with the checker's description and the moment it was seen.
+ *
  * Also built and run under ASan (make BUILD=build-asan SAN=address,undefined OPT=-O1
  * build-asan/tests/test_stress) and TSan (make BUILD=build-tsan CC=clang SAN=thread OPT=-O1
  * build-tsan/tests/test_stress). MSH_STRESS_SECONDS scales the main run (default 2).
@@ -315,7 +319,35 @@ struct run_result {
     size_t bytes, max_size;
     double secs;
     struct msh_pool_stats st;
+    long pool_checks;        /* msh_pool_check runs during and after the workers */
+    char pool_broken[512];   /* the first violation seen, "" when none */
 };
+
+/* ---- the invariant checker thread ------------------------------------------------------------------ */
+
+struct checker {
+    struct msh_pool *pool;
+    atomic_int stop;
+    long runs;
+    char why[512];
+    double t0, when;
+};
+
+static void *checker_main(void *arg)
+{
+    struct checker *c = arg;
+    while (!atomic_load(&c->stop)) {
+        char why[400];
+        c->runs++;
+        if (msh_pool_check(c->pool, why, sizeof why) && !c->why[0]) {
+            c->when = now_s() - c->t0;
+            snprintf(c->why, sizeof c->why, "%s", why);
+        }
+        struct timespec ts = {0, 3 * 1000 * 1000}; /* the workers must still get the lock */
+        nanosleep(&ts, NULL);
+    }
+    return NULL;
+}
 
 static size_t g_size_cap;
 
@@ -331,6 +363,10 @@ static void run_workers(int nthreads, double secs, long max_ops, bool lie, size_
     pthread_t th[16];
     struct worker w[16];
     double t0 = now_s();
+    struct checker chk = {.pool = pool, .t0 = t0};
+    pthread_t chk_th;
+    bool chk_on = pthread_create(&chk_th, NULL, checker_main, &chk) == 0;
+    if (!chk_on) res->errors++;
     for (int i = 0; i < nthreads; i++) {
         w[i] = (struct worker){.pool = pool, .id = i, .lie = lie, .deadline = t0 + secs,
                                .max_ops = max_ops, .detected = detected, .size_cap = g_size_cap};
@@ -348,9 +384,21 @@ static void run_workers(int nthreads, double secs, long max_ops, bool lie, size_
         res->bytes += w[i].bytes;
         if (w[i].max_size > res->max_size) res->max_size = w[i].max_size;
     }
+    if (chk_on) {
+        atomic_store(&chk.stop, 1);
+        pthread_join(chk_th, NULL);
+    }
     cuCtxSetCurrent(g_ctx);
     cuCtxSynchronize(); /* every late check has run */
     res->secs = now_s() - t0;
+    char why[400];
+    chk.runs++;
+    if (msh_pool_check(pool, why, sizeof why) && !chk.why[0]) {
+        chk.when = res->secs;
+        snprintf(chk.why, sizeof chk.why, "%s", why);
+    }
+    res->pool_checks = chk.runs;
+    if (chk.why[0]) snprintf(res->pool_broken, sizeof res->pool_broken, "%.1f s in: %.400s", chk.when, chk.why);
     msh_pool_get_stats(pool, &res->st);
     msh_pool_destroy(pool);
 }
@@ -382,6 +430,7 @@ static void stress(size_t limit, double share, bool want_reclaim)
     cudbl_get_counts(&c0);
     const char *e = getenv("MSH_STRESS_SECONDS");
     double secs = (e && atof(e) > 0 ? atof(e) : 2.0) * share;
+    TH_SET_TIMEOUT(secs + 50); /* MSH_STRESS_SECONDS may ask for a long run */
     const int nthreads = 8; /* issue 5: eight threads on several streams */
     atomic_store(&g_corrupt, 0);
     atomic_store(&g_checked_blocks, 0);
@@ -399,6 +448,8 @@ static void stress(size_t limit, double share, bool want_reclaim)
            "corruptions: %llu\n",
            (unsigned long long)g_checked_blocks, (unsigned long long)g_late_checks,
            g_checked_bytes / (double)GiB, r.host_checks, (unsigned long long)g_corrupt);
+    printf("    invariants: msh_pool_check ran %ld times during and after the run%s%s\n", r.pool_checks,
+           r.pool_broken[0] ? "; BROKEN " : "", r.pool_broken);
     printf("    pool: peak live %.0f MiB, peak mapped %.0f MiB, maps %llu, unmaps %llu, reclaimed %llu, "
            "cross-stream waits %llu, rescues reclaim %llu empty-cache %llu, OOM %llu\n",
            r.st.peak_live_bytes / (double)MiB, r.st.peak_mapped_bytes / (double)MiB,
@@ -407,6 +458,8 @@ static void stress(size_t limit, double share, bool want_reclaim)
            (unsigned long long)r.st.rescue_reclaim, (unsigned long long)r.st.rescue_empty_cache,
            (unsigned long long)r.st.oom_events);
     CHECK(r.errors == 0);
+    CHECKF(r.pool_broken[0] == 0, "pool invariant broken %s", r.pool_broken);
+    CHECK(r.pool_checks >= 2);
     CHECK(g_corrupt == 0);
     CHECK(r.host_bad == 0);
     CHECK(r.allocs > 100);
@@ -424,6 +477,15 @@ static void stress(size_t limit, double share, bool want_reclaim)
 /* One block, two streams, the double in synchronous mode (queued work runs only when a stream
  * is synchronized): the same sequence with the truth (free on s1) and with a lie (free as
  * completed while the late check is still queued on s1). */
+/* msh_pool_check after a pool call: 0, or -3 with the violation printed */
+static int pool_ok(struct msh_pool *pool, const char *after)
+{
+    char why[400];
+    if (!msh_pool_check(pool, why, sizeof why)) return 0;
+    printf("    pool invariant broken after %s: %s\n", after, why);
+    return -3;
+}
+
 static int reuse_sequence(bool lie, atomic_int *detected)
 {
     struct msh_pool *pool = pool_new(0);
@@ -434,12 +496,15 @@ static int reuse_sequence(bool lie, atomic_int *detected)
     const size_t size = 3 * MiB + 100;
     uint64_t a = 0, b = 0;
     int rc = msh_pool_alloc(pool, size, (uint64_t)(uintptr_t)s1, &a);
+    if (!rc) rc = pool_ok(pool, "the first alloc");
     if (!rc) {
         enqueue(s1, k_write, a, size, 0xAAAA, 0, NULL);
         cuStreamSynchronize(s1);
         enqueue(s1, k_check, a, size, 0xAAAA, 1, detected); /* queued, not run */
         msh_pool_free(pool, a, lie ? MSH_STREAM_COMPLETED : (uint64_t)(uintptr_t)s1);
-        rc = msh_pool_alloc(pool, size, (uint64_t)(uintptr_t)s2, &b);
+        rc = pool_ok(pool, "the first free");
+        if (!rc) rc = msh_pool_alloc(pool, size, (uint64_t)(uintptr_t)s2, &b);
+        if (!rc) rc = pool_ok(pool, "the second alloc");
     }
     if (!rc) {
         if (b != a) rc = -2; /* the test relies on the pool reusing the block */
@@ -447,6 +512,7 @@ static int reuse_sequence(bool lie, atomic_int *detected)
         cuStreamSynchronize(s2); /* runs s1's check first only if s2 was made to wait */
         cuStreamSynchronize(s1);
         msh_pool_free(pool, b, (uint64_t)(uintptr_t)s2);
+        if (!rc) rc = pool_ok(pool, "the second free");
     }
     cuStreamSynchronize(s2);
     msh_pool_forget_stream(pool, (uint64_t)(uintptr_t)s1);

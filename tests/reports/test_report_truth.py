@@ -1,0 +1,914 @@
+#!/usr/bin/env python3
+"""Every numeric field of memshim's epoch, summary and OOM reports against ground truth (issue 12).
+
+The demo (build/memshim-train-demo, tests/demo/train_loop.c) runs under LD_PRELOAD=libmemshim.so
+on the driver double, once per empty-cache policy and per epoch policy, under a limit and under a
+small device, so peaks, currents and the OOM path all differ from run to run; a Python workload
+(tests/reports/sites_workload.py, memshim_malloc through ctypes) gives the allocation sites. Two
+records that share no code with memshim's accounting give the truth:
+  - the trace memshim writes (MEMSHIM_TRACE_FILE): every allocation and free with its time, so the
+    allocated bytes, live blocks, counts, size histogram, touched pages and largest live blocks at
+    any report's t_end_s are recomputed here;
+  - the driver double's own counters, read by libreport-spy.so (tests/reports/report_spy.c) the
+    moment each report is renamed into place: handle, mapped and reserved-VA bytes with their
+    peaks over the epoch and over the run (cudbl_get_bytes), bytes in use, and how many times each
+    VMM call ran.
+Every numeric field has an entry in FIELDS: the check that holds it against that truth, or,
+where nothing independent exists, against the relations that must hold (peak >= current,
+reserved >= allocated, run peak >= every epoch peak, counts that add up). A numeric field
+without an entry fails the test (add its check to FIELDS: schema-2 fields such as sites,
+latency, versions, driver or torch_memory_stats included), and so does an entry no report
+ever showed. Ends with "N passed, N failed, N skipped"."""
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pyharness import BUILD, ROOT, case, finish, step  # noqa: E402
+
+MiB = 1 << 20
+GRAN = 2 * MiB
+DEMO = os.path.join(BUILD, "memshim-train-demo")
+LIB = os.path.join(BUILD, "libmemshim.so")
+SPY = os.path.join(BUILD, "reports", "libreport-spy.so")
+SPY_SRC = os.path.join(ROOT, "tests", "reports", "report_spy.c")
+OOM_REPORTS_MAX = 16  # shim/core.c caps OOM reports per process
+
+# One demo run per policy. cap: CUDBL_CAPACITY; limit: MEMSHIM_LIMIT (bytes or None); signals:
+# SIGUSR2 sent every that many seconds while the demo runs.
+RUNS = [
+    dict(name="ec-oom (default), manual epochs, RANK=3", env={"RANK": "3"}, args=["--epochs", "3", "--steps", "3"]),
+    dict(name="ec-never", env={"MEMSHIM_EMPTY_CACHE": "never"}, args=["--epochs", "3", "--steps", "3"]),
+    dict(name="ec-epoch", env={"MEMSHIM_EMPTY_CACHE": "epoch"}, args=["--epochs", "3", "--steps", "3"]),
+    dict(name="ec-threshold 16M", env={"MEMSHIM_EMPTY_CACHE": "threshold", "MEMSHIM_EMPTY_CACHE_THRESHOLD": "16M"},
+         args=["--epochs", "3", "--steps", "3"]),
+    dict(name="ec-idle 0.2 s", env={"MEMSHIM_EMPTY_CACHE": "idle", "MEMSHIM_EMPTY_CACHE_IDLE": "0.2"},
+         args=["--epochs", "2", "--steps", "3", "--pause", "0.7"]),
+    dict(name="epoch-steps 2", env={"MEMSHIM_EPOCH": "steps", "MEMSHIM_EPOCH_STEPS": "2"},
+         args=["--epochs", "2", "--steps", "3"]),
+    dict(name="epoch-seconds 0.25", env={"MEMSHIM_EPOCH_SECONDS": "0.25"},
+         args=["--epochs", "3", "--steps", "3", "--pause", "0.3"]),
+    dict(name="epoch-signal SIGUSR2", env={"MEMSHIM_EPOCH": "signal"}, signals=0.15,
+         args=["--epochs", "3", "--steps", "3", "--pause", "0.35"]),
+    dict(name="limit 330M (OOMs past the report cap)", limit=330 * MiB, args=["--epochs", "3", "--steps", "3"]),
+    dict(name="device of 370M (driver OOM)", cap=370 * MiB, args=["--epochs", "3", "--steps", "3"]),
+    dict(name="limit 340M, no defrag, cache never emptied (OOM beside cached pages)", limit=340 * MiB,
+         env={"MEMSHIM_DEFRAG": "0", "MEMSHIM_EMPTY_CACHE": "never"}, args=["--epochs", "3", "--steps", "3"]),
+    dict(name="limit 340M, no defrag (empty-cache rescue under the limit)", limit=340 * MiB,
+         env={"MEMSHIM_DEFRAG": "0"}, args=["--epochs", "3", "--steps", "3"]),
+    dict(name="device of 370M, no defrag (empty-cache rescue)", cap=370 * MiB, env={"MEMSHIM_DEFRAG": "0"},
+         args=["--epochs", "3", "--steps", "3"]),
+    dict(name="leak 8 MiB per epoch", args=["--epochs", "4", "--steps", "2", "--leak", "8"]),
+    # an epoch per step as well: allocated memory grows at one boundary in three, which is not
+    # the "grew at every epoch" of a leak
+    dict(name="leak 8 MiB, an epoch every step", env={"MEMSHIM_EPOCH": "steps", "MEMSHIM_EPOCH_STEPS": "1"},
+         args=["--epochs", "3", "--steps", "2", "--leak", "8"]),
+    dict(name="python workload (allocation sites)", python="sites_workload.py", env={"MEMSHIM_EPOCH": "manual"},
+         args=[]),
+]
+
+
+def build_spy():
+    if os.path.exists(SPY) and os.path.getmtime(SPY) >= max(os.path.getmtime(SPY_SRC), os.path.getmtime(
+            os.path.join(ROOT, "tests", "cudadouble", "cudbl.h"))):
+        return None
+    os.makedirs(os.path.dirname(SPY), exist_ok=True)
+    cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    p = subprocess.run([os.environ.get("CC", "gcc"), "-O2", "-g", "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra",
+                        "-fPIC", "-shared", "-I" + os.path.join(ROOT, "tests", "cudadouble"),
+                        "-I" + os.path.join(cuda, "include"), "-o", SPY, SPY_SRC,
+                        "-L" + os.path.join(BUILD, "double"), "-Wl,-rpath,$ORIGIN/../double", "-lcuda", "-ldl"],
+                       capture_output=True, text=True)
+    return None if p.returncode == 0 else p.stderr[-600:]
+
+
+# ---- one run: the demo, its reports, its trace, the driver's figures ------------------------------
+
+def run_demo(cfg, tmp):
+    d = tempfile.mkdtemp(prefix=re.sub(r"\W+", "-", cfg["name"])[:40] + "-", dir=tmp)
+    rdir, trace, spylog = os.path.join(d, "reports"), os.path.join(d, "trace.txt"), os.path.join(d, "spy.log")
+    cap = cfg.get("cap", 2048 * MiB)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEMSHIM_", "CUDBL_", "RANK", "LOCAL_RANK"))}
+    env.update({"LD_LIBRARY_PATH": os.path.join(BUILD, "double"), "LD_PRELOAD": SPY + ":" + LIB,
+                "CUDBL_CAPACITY": str(cap), "CUDBL_GRANULARITY": str(GRAN), "MEMSHIM_REPORT_DIR": rdir,
+                "MEMSHIM_TRACE_FILE": trace, "REPORT_SPY_LOG": spylog, "MEMSHIM_LOG": "error"})
+    if cfg.get("limit"):
+        env["MEMSHIM_LIMIT"] = str(cfg["limit"])
+    env.update(cfg.get("env", {}))
+    unix0, t0 = time.time(), time.monotonic()
+    argv = [DEMO, "--scale", "0.25", *cfg["args"]]
+    if cfg.get("python"):
+        script, sitelog = os.path.join(os.path.dirname(os.path.abspath(__file__)), cfg["python"]), os.path.join(d, "sites")
+        argv = [sys.executable, script, sitelog]
+    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if cfg.get("signals"):
+        while p.poll() is None:
+            time.sleep(cfg["signals"])
+            try:
+                p.send_signal(signal.SIGUSR2)
+            except ProcessLookupError:
+                break
+    out, err = p.communicate(timeout=60)
+    run = dict(cfg=cfg, pid=p.pid, rc=p.returncode, stdout=out, stderr=err, cap=cap, unix0=unix0,
+               unix1=time.time(), wall=time.monotonic() - t0, limit=cfg.get("limit") or 0,
+               rank=int(cfg.get("env", {}).get("RANK", "-1")), ec=cfg.get("env", {}).get("MEMSHIM_EMPTY_CACHE", "oom"))
+    run["reports"] = {}
+    for f in sorted(glob.glob(os.path.join(rdir, "*.json"))):
+        with open(f) as fh:
+            run["reports"][os.path.basename(f)] = json.load(fh)
+    run["spy"] = {}
+    if os.path.exists(spylog):
+        for line in open(spylog):
+            name, *kv = line.split()
+            run["spy"][name] = {k: int(v) for k, v in (x.split("=") for x in kv)}
+    run["site_seq"], run["site_where"] = None, {}
+    if cfg.get("python"):
+        run["site_seq"] = open(sitelog).read().split() if os.path.exists(sitelog) else []
+        func = None
+        for n, line in enumerate(open(script), 1):
+            m = re.match(r"^def (\w+)\(", line)
+            if m:
+                func = m.group(1)
+            elif not line.startswith((" ", "\t")) and line.strip():
+                func = "<module>"
+            m = re.search(r"# SITE (\w+)", line)
+            if m:
+                run["site_where"][m.group(1)] = (script, n, func)
+    run["events"] = []
+    if os.path.exists(trace):
+        for line in open(trace):
+            f = line.split()
+            if f and f[0] in ("a", "f"):
+                run["events"].append((f[0], int(f[3], 16), int(f[4]), int(f[5])))
+    return run
+
+
+def rsize(n):
+    return max((max(n, 1) + 511) // 512 * 512, 512)
+
+
+def bucket(n):
+    b, s = 0, n >> 9
+    while s and b < 23:
+        s >>= 1
+        b += 1
+    return b
+
+
+class Truth:
+    """The state after a prefix of the trace, advanced event by event."""
+
+    def __init__(self, site_seq=None, where=None):
+        self.site_seq, self.where, self.nalloc = site_seq, where or {}, 0
+        self.site_of, self.peak_sites = {}, {}
+        self.live, self.pages = {}, {}
+        self.alloc_bytes = self.allocs = self.frees = self.rsum = 0
+        self.hist = [0] * 24
+        self.run_peak = 0
+        self.win_peak = self.win_touched_peak = 0
+
+    def touched(self):
+        return len(self.pages) * GRAN
+
+    def _pages(self, addr, size):
+        return range(addr // GRAN, (addr + rsize(size) - 1) // GRAN + 1)
+
+    def apply(self, ev):
+        op, addr, size, _ = ev
+        if op == "a":
+            if self.site_seq is not None:
+                name = self.site_seq[self.nalloc] if self.nalloc < len(self.site_seq) else "?"
+                self.site_of[addr] = self.where.get(name, ("?", 0, name))
+            self.nalloc += 1
+            self.live[addr] = size
+            self.alloc_bytes += size
+            self.allocs += 1
+            self.rsum += rsize(size)
+            self.hist[bucket(size)] += 1
+            for pg in self._pages(addr, size):
+                self.pages[pg] = self.pages.get(pg, 0) + 1
+        else:
+            size = self.live.pop(addr)
+            self.alloc_bytes -= size
+            self.frees += 1
+            self.rsum -= rsize(size)
+            for pg in self._pages(addr, size):
+                self.pages[pg] -= 1
+                if not self.pages[pg]:
+                    del self.pages[pg]
+        self.run_peak = max(self.run_peak, self.alloc_bytes)
+        if self.alloc_bytes > self.win_peak and self.site_seq is not None:
+            self.peak_sites = self.sites()
+        self.win_peak = max(self.win_peak, self.alloc_bytes)
+        self.win_touched_peak = max(self.win_touched_peak, self.touched())
+
+    def new_window(self):
+        self.win_peak, self.win_touched_peak = self.alloc_bytes, self.touched()
+        if self.site_seq is not None:
+            self.peak_sites = self.sites()
+
+    def sites(self):
+        """(file, line, function) -> [live bytes, blocks], now."""
+        out = {}
+        for a, n in self.live.items():
+            e = out.setdefault(self.site_of.get(a, ("?", 0, "?")), [0, 0])
+            e[0] += n
+            e[1] += 1
+        return out
+
+    def top(self, n=5):
+        return sorted(self.live.items(), key=lambda kv: -kv[1])[:n]
+
+    def free_run_lower_bound(self):
+        """The longest run of bytes no live block covers inside consecutive touched pages: such
+        bytes are free and mapped, so memshim's largest free extent is at least this."""
+        best, prev_end = 0, None
+        for addr in sorted(self.live):
+            a0 = addr
+            if prev_end is not None and all(pg in self.pages for pg in range(prev_end // GRAN, a0 // GRAN + 1)):
+                best = max(best, a0 - prev_end)
+            elif prev_end is not None:  # the run stops at the end of the touched pages / starts at theirs
+                best = max(best, (prev_end + GRAN - 1) // GRAN * GRAN - prev_end, a0 - a0 // GRAN * GRAN)
+            else:
+                best = max(best, a0 - a0 // GRAN * GRAN)
+            prev_end = a0 + rsize(self.live[addr])
+        if prev_end is not None:
+            best = max(best, (prev_end + GRAN - 1) // GRAN * GRAN - prev_end)
+        return best
+
+
+def ground_truth(run):
+    """For every report (ordered by t_end_s): the trace state at that moment, the driver's figures,
+    and what came before it."""
+    reps = sorted(run["reports"].items(), key=lambda kv: kv[1]["t_end_s"])
+    tr, i, evs = Truth(run["site_seq"], run["site_where"]), 0, run["events"]
+    out, epoch_ends, site_ends = [], [], []
+    allocs0 = frees0 = 0  # at the last epoch report
+    for name, rep in reps:
+        t_end_us = rep["t_end_s"] * 1e6
+        while i < len(evs) and evs[i][3] < t_end_us:
+            tr.apply(evs[i])
+            i += 1
+        g = dict(alloc=tr.alloc_bytes, alloc_peak=tr.win_peak, run_peak=tr.run_peak, blocks=len(tr.live),
+                 allocs=tr.allocs, frees=tr.frees, hist=list(tr.hist), touched=tr.touched(),
+                 touched_peak=tr.win_touched_peak, rsum=tr.rsum, top=tr.top(), free_lb=tr.free_run_lower_bound(),
+                 events_before=i, addrs_by_size={})
+        for a, sz in tr.live.items():
+            g["addrs_by_size"].setdefault(sz, set()).add(a)
+        g["peak_sites"] = dict(tr.peak_sites)
+        g["allocs_epoch"], g["frees_epoch"] = tr.allocs - allocs0, tr.frees - frees0
+        if rep["kind"] == "epoch":
+            epoch_ends.append(tr.alloc_bytes)
+            site_ends.append(tr.sites() if run["site_seq"] is not None else {})
+            g["epoch_ends"] = list(epoch_ends)
+            g["site_ends"] = list(site_ends)
+            tr.new_window()
+            allocs0, frees0 = tr.allocs, tr.frees
+        else:
+            g["epoch_ends"] = list(epoch_ends)
+            g["site_ends"] = list(site_ends)
+        out.append((name, rep, g, run["spy"].get(name)))
+    run["trailing_events"] = len(evs) - i
+    return out
+
+
+# ---- the field table --------------------------------------------------------------------------
+# Each entry: path -> (how, check). how is "truth" (an independent recomputation) or "relation"
+# (what must hold between figures). check(c, v, idx) returns None when v is right, else why.
+# c: the report and its context (c.r report, c.g trace truth, c.s driver figures, c.run, c.prev).
+
+
+def need(cond, why):
+    return None if cond else why
+
+
+def eq(v, want, what):
+    return None if v == want else f"{v} != {want} ({what})"
+
+
+def close(v, want, what, tol=1e-9):
+    return None if abs(v - want) <= tol * max(1.0, abs(want)) else f"{v} != {want} ({what})"
+
+
+def mem(c, k):
+    return c.r["memory"][k]
+
+
+def ops(c, k):
+    return c.r["operations"][k]
+
+
+def oom_of(c):
+    """The OOM report that a report's last_oom must repeat: the last one written at or before it
+    (None when OOMs went past the report cap, after which last_oom has no report to match)."""
+    if c.r["kind"] == "oom":
+        return c.r
+    n = ops(c, "alloc_failures")
+    if n > OOM_REPORTS_MAX:
+        return None
+    prior = [p for p in c.prev if p["kind"] == "oom"]
+    return prior[-1] if len(prior) == n and prior else None
+
+
+def last_oom_same(c, v, idx, key):
+    o = oom_of(c)
+    if o is None:
+        return None  # the relations below still apply
+    return eq(v, o["last_oom"][key], f"last_oom.{key} of the OOM report it describes")
+
+
+def epoch_reports(c):
+    return [p for p in c.prev if p["kind"] == "epoch"] + ([c.r] if c.r["kind"] == "epoch" else [])
+
+
+def check_epoch_index(c, v, idx):
+    """The epoch under way: as many as the epoch reports before it (epoch, OOM and summary)."""
+    return eq(v, len([p for p in c.prev if p["kind"] == "epoch"]), "epoch reports before it")
+
+
+def check_oom_index(c, v, idx):
+    return eq(v, len([p for p in c.prev if p["kind"] == "oom"]), "OOM reports before it (the file's NNNN)") or \
+        need(c.name.endswith(f"-oom{v:04d}.json"), f"the file is {c.name}")
+
+
+def check_t_start(c, v, idx):
+    eps = [p for p in c.prev if p["kind"] == "epoch"]
+    if not eps:
+        return eq(v, 0.0, "the first epoch starts at 0")
+    last = eps[-1]["t_end_s"]
+    return need(last <= v <= last + 1.0 and v <= c.r["t_end_s"],
+                f"{v}: not between the previous epoch's end {last} and this report's end {c.r['t_end_s']}")
+
+
+def check_t_end(c, v, idx):
+    if not (c.r["t_start_s"] <= v <= c.run["wall"]):
+        return f"{v}: outside [t_start_s {c.r['t_start_s']}, the process's wall time {c.run['wall']:.3f}]"
+    return None
+
+
+def check_steps(c, v, idx):
+    cfg, reason = c.run["cfg"], c.r["reason"]
+    if cfg.get("python"):
+        return eq(v, 0, "the Python workload never calls memshim_step")
+    args = cfg["args"]
+    per_epoch = int(args[args.index("--steps") + 1])
+    if reason == "steps":
+        return eq(v, int(cfg["env"]["MEMSHIM_EPOCH_STEPS"]), "MEMSHIM_EPOCH_STEPS")
+    if c.r["kind"] == "summary":  # what every epoch report and the summary counted adds up
+        total = per_epoch * int(args[args.index("--epochs") + 1])
+        counted = sum(p["steps"] for p in c.prev if p["kind"] == "epoch") + v
+        return eq(counted, total, "steps over all epoch reports and the summary vs the demo's steps")
+    if reason == "manual" and not any(p["kind"] == "epoch" and p["reason"] != "manual" for p in c.prev) \
+            and cfg.get("env", {}).get("MEMSHIM_EPOCH") is None and "MEMSHIM_EPOCH_SECONDS" not in cfg.get("env", {}):
+        return eq(v, per_epoch, "the demo's --steps per epoch")
+    return need(0 <= v <= per_epoch * 4, f"{v} steps")
+
+
+def trend_verdict(ends, growing):
+    """report.c's rule, restated: growth by more than 1 MiB at every boundary of at least three,
+    naming the fastest-growing site when one grew."""
+    if len(ends) < 3:
+        return "too few epochs"
+    grew = sum(1 for a, b in zip(ends, ends[1:]) if b > a + MiB)
+    if grew != len(ends) - 1:
+        return "flat"
+    extra = ""
+    if growing:
+        g = growing[0]
+        extra = (f" (fastest-growing site: {os.path.basename(g['file'])}:{g['line']} {g['function']}, "
+                 f"+{g['growth_bytes_per_epoch'] / MiB:.1f} MiB per epoch)")
+    return "possible leak: allocated memory grew at every epoch" + extra
+
+
+def check_trend(c, v, idx):
+    want = c.g["epoch_ends"]
+    verdict = trend_verdict(want[-64:], growing_truth(c))
+    if idx[0] == 0 and c.r["trend"]["verdict"] != verdict:
+        return f"verdict '{c.r['trend']['verdict']}', the epoch ends {want[-64:]} say '{verdict}'"
+    if idx[0] == 0 and len(c.r["trend"]["epoch_end_allocated_bytes"]) != len(want[-64:]):
+        return f"{len(c.r['trend']['epoch_end_allocated_bytes'])} entries, {len(want[-64:])} epochs closed"
+    return eq(v, want[-64:][idx[0]] if idx[0] < len(want[-64:]) else None, "allocated bytes at that epoch's end (trace)")
+
+
+def check_free_in_mapped(c, v, idx):
+    # Blocks tile the pool's VA and every page a live block touches is mapped, so the mapped bytes
+    # are the live extents (requests rounded to 512) plus the free bytes inside mapped pages.
+    return eq(v, c.s["mapped"] - c.g["rsum"], "driver's mapped bytes - live extents from the trace")
+
+
+def check_largest_free(c, v, idx):
+    f = mem(c, "free_in_mapped_bytes")
+    return need(c.g["free_lb"] <= v <= f and v % 512 == 0 and (v > 0) == (f > 0),
+                f"{v}: not within [{c.g['free_lb']} (free run inside touched pages, trace), free_in_mapped {f}]")
+
+
+def check_released_pages(c, v, idx):
+    if (why := need(v <= ops(c, "release_ops"), f"{v} > release_ops {ops(c, 'release_ops')}")):
+        return why
+    ec = sum(p["policies"]["empty_cache_released_bytes"] for p in c.prev if p["kind"] == "epoch") \
+        + c.r["policies"]["empty_cache_released_bytes"]
+    if c.run["ec"] in ("never", "epoch", "idle") and not c.run["cfg"].get("cap"):
+        return eq(v * GRAN, ec, "bytes released by every empty-cache run so far (the only release path here)")
+    return need(v * GRAN >= ec, f"{v} pages < {ec} bytes released by empty-cache runs")
+
+
+def check_ec_runs(c, v, idx):
+    ec = c.run["ec"]
+    if ec in ("never", "oom", "threshold"):
+        return eq(v, 0, f"MEMSHIM_EMPTY_CACHE={ec} never runs the policy")
+    if ec == "epoch":
+        return eq(v, 1 if c.r["kind"] == "epoch" else 0, "one empty-cache run per epoch boundary")
+    return need(v >= 0 and (v > 0 or c.r["policies"]["empty_cache_released_bytes"] == 0), f"{v} runs")
+
+
+def check_ec_bytes(c, v, idx):
+    if (why := need(v % GRAN == 0 and v <= c.s["handle_mark_peak"] and (v == 0 or c.r["policies"]["empty_cache_runs"]),
+                    f"{v}: not whole pages, above the epoch's driver peak, or without a run")):
+        return why
+    if c.run["ec"] == "never":
+        return eq(v, 0, "MEMSHIM_EMPTY_CACHE=never")
+    return None
+
+
+def check_failures(c, v, idx):
+    if c.r["kind"] == "oom":
+        return eq(v, c.r["oom_index"] + 1, "the OOM reports so far, this one included")
+    n = len([p for p in c.prev if p["kind"] == "oom"])
+    if n < OOM_REPORTS_MAX:
+        return eq(v, n, "OOM reports written before it (each failure writes one)")
+    return need(v >= n, f"{v} < {n} OOM reports")
+
+
+def check_oom_requested(c, v, idx):
+    lo = c.r["last_oom"]
+    cap = lo["limit_bytes"] or (lo["reserved_bytes"] + lo["device_free_bytes"])
+    if lo["cause"] == "capacity":
+        return need(lo["live_bytes"] + v > cap, f"cause 'capacity' but live {lo['live_bytes']} + {v} <= {cap}")
+    return need(lo["live_bytes"] + v <= cap, f"cause '{lo['cause']}' but live {lo['live_bytes']} + {v} > {cap}")
+
+
+def check_top_bytes(c, v, idx):
+    blocks = c.r["last_oom"]["largest_live_blocks"]
+    if c.r["kind"] == "oom":
+        top = c.g["top"]
+        if len(blocks) != len(top):
+            return f"{len(blocks)} blocks listed, {len(top)} live in the trace"
+        want_addr, want = top[idx[0]]
+        if v != want:
+            return f"{v} != {want} (the {idx[0] + 1}th largest live block in the trace)"
+        return need(int(blocks[idx[0]]["addr"], 16) in c.g["addrs_by_size"].get(v, ()),
+                    f"address {blocks[idx[0]]['addr']} holds no live block of {v} bytes in the trace")
+    return last_oom_same_list(c, v, idx)
+
+
+def last_oom_same_list(c, v, idx):
+    o = oom_of(c)
+    if o is None:
+        return need(v <= mem(c, "allocated_run_peak_bytes"), f"{v} > allocated run peak")
+    return eq(v, o["last_oom"]["largest_live_blocks"][idx[0]]["bytes"], "the OOM report it describes")
+
+
+def cost_table():
+    """The driver cost table in force (memshim-replay --show-driver-costs): kind -> (s per call,
+    s per MiB). Read once; the formula is restated here."""
+    if "table" in COSTS:
+        return COSTS["table"]
+    unit = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "": 1.0}
+    table = {}
+    p = subprocess.run([os.path.join(BUILD, "memshim-replay"), "--show-driver-costs"], capture_output=True,
+                       text=True, timeout=30)
+    for line in p.stdout.splitlines():
+        f = line.split()
+        if not f or f[0].startswith("#"):
+            continue
+        vals = []
+        for x in f[1:3]:
+            m = re.match(r"^([0-9.eE+-]+)([a-z]*)$", x)
+            vals.append(float(m.group(1)) * unit[m.group(2)] if m else float("nan"))
+        table[f[0]] = (vals[0], vals[1] if len(vals) > 1 else 0.0)
+    COSTS["table"] = table
+    return table
+
+
+COSTS = {}
+# driver.calls kind -> (the double's function counting the same calls, exact: the pool is its only
+# caller in these workloads; else the double's count is an upper bound)
+DRIVER_CALLS = {"create": ("cuMemCreate", True), "release": ("cuMemRelease", True), "map": ("cuMemMap", True),
+                "unmap": ("cuMemUnmap", True), "set_access": ("cuMemSetAccess", True),
+                "event_record": ("cuEventRecord", True), "stream_wait": ("cuStreamWaitEvent", True),
+                "synchronize": ("cuCtxSynchronize", False), "malloc": ("cuMemAlloc", False),
+                "free": ("cuMemFree", False), "reserve": ("cuMemAddressReserve", True),
+                "unreserve": ("cuMemAddressFree", True)}
+
+
+def check_driver_calls(kind):
+    fn, exact = DRIVER_CALLS[kind]
+
+    def check(c, v, idx):
+        n = c.s[f"calls_{fn}"]  # the double counts refused calls too, as memshim does
+        if exact:
+            why = eq(v, n, f"driver: {fn} calls")
+        else:
+            why = need(v <= n, f"{v} > the driver's {n} {fn} calls")
+        if why:
+            return why
+        ops_of = {"create": "create_ops", "release": "release_ops", "map": "map_ops", "unmap": "unmap_ops",
+                  "set_access": "map_ops", "stream_wait": "cross_stream_waits"}
+        if kind == "create" and c.run["cfg"].get("cap"):  # creates the driver refused are calls, not ops
+            return need(v >= ops(c, "create_ops"), f"{v} calls < {ops(c, 'create_ops')} handles created")
+        if kind in ops_of:
+            return eq(v, ops(c, ops_of[kind]), f"operations.{ops_of[kind]}")
+        if kind in ("malloc", "free"):
+            return eq(v, 0, "memshim's pool never calls cuMemAlloc/cuMemFree (only the models do)")
+        return None
+    return check
+
+
+def check_modelled_seconds(c, v, idx):
+    table, calls = cost_table(), c.r["driver"]["calls"]
+    page_kinds = ("create", "release", "map", "unmap", "set_access")
+    total = 0.0
+    for k, n in calls.items():
+        if k not in table:
+            return f"driver kind '{k}' is not in the cost table"
+        nbytes = n * GRAN if k in page_kinds else c.s["va"] if k == "reserve" else 0
+        total += n * table[k][0] + nbytes / MiB * table[k][1]
+    return close(v, total, "calls x the cost table (memshim-replay --show-driver-costs)", tol=1e-6)
+
+
+def check_latency(which):
+    def check(c, v, idx, field):
+        lat = c.r["latency"][which]
+        covers = c.r["latency"]["covers"]
+        if covers != ("epoch" if c.r["kind"] == "epoch" else "run"):
+            return f"covers '{covers}' in a {c.r['kind']} report"
+        n = (c.g["allocs_epoch"] if which == "alloc_ns" else c.g["frees_epoch"]) if covers == "epoch" else \
+            (c.g["allocs"] if which == "alloc_ns" else c.g["frees"])
+        if field == "count":
+            return eq(v, n, f"{'allocations' if which == 'alloc_ns' else 'frees'} the trace shows for the {covers}")
+        order = [lat[k] for k in ("p50", "p90", "p99", "max")]
+        if any(x is None for x in order) or order != sorted(order):
+            return f"p50 <= p90 <= p99 <= max does not hold: {order}"
+        if field != "max":  # a bucket's upper bound (4 per power of two), or the max when lower
+            bounds = {b if b < 4 else ((5 + b % 4) << (b // 4 - 1)) - 1 for b in range(144)}
+            return need(v in bounds or v == lat["max"], f"{v} is neither a histogram bound nor the max")
+        if covers == "run":  # max exact: the mean cannot exceed it
+            mean = ops(c, "alloc_mean_ns" if which == "alloc_ns" else "free_mean_ns")
+            return need(v >= mean - 1, f"max {v} below the mean {mean}")
+        return None
+    return {f: (T if f == "count" else R, (lambda f: lambda c, v, i: check(c, v, i, f))(f))
+            for f in ("count", "p50", "p90", "p99", "max")}
+
+
+def sites_truth(c):
+    """The top 10 sites at the epoch's peak, from the trace and the workload's own site log."""
+    rows = sorted(((b, n, k) for k, (b, n) in c.g["peak_sites"].items()), key=lambda r: -r[0])[:10]
+    return [{"file": k[0], "line": k[1], "function": k[2], "bytes": b, "count": n} for b, n, k in rows]
+
+
+def check_site(field):
+    def check(c, v, idx):
+        if c.run["site_seq"] is None:
+            return "sites in a process that runs no Python"
+        want, got = sites_truth(c), c.r["sites"]
+        if len(got) != len(want):
+            return f"{len(got)} sites, the trace gives {len(want)}: {want}"
+        e = got[idx[0]]
+        match = [w for w in want if (w["file"], w["line"], w["function"]) == (e["file"], e["line"], e["function"])]
+        if not match:
+            return f"site {e['file']}:{e['line']} {e['function']} is not one the workload allocated from"
+        if idx[0] and got[idx[0] - 1]["bytes"] < e["bytes"]:
+            return "sites are not largest first"
+        return eq(v, match[0][field], f"{field} of that site at the epoch's peak (trace + the workload's log)")
+    return check
+
+
+def growing_truth(c):
+    ends = c.g["site_ends"][-8:]
+    out = []
+    if len(ends) >= 3:
+        for k in set().union(*ends):
+            series = [e.get(k, [0, 0])[0] for e in ends]
+            if all(b - a >= 4096 for a, b in zip(series, series[1:])):
+                out.append({"file": k[0], "line": k[1], "function": k[2],
+                            "growth_bytes_per_epoch": (series[-1] - series[0]) / (len(series) - 1)})
+    return sorted(out, key=lambda r: -r["growth_bytes_per_epoch"])[:10]
+
+
+def check_growing(field):
+    def check(c, v, idx):
+        want, got = growing_truth(c), c.r["trend"]["growing_sites"]
+        if len(got) != len(want):
+            return f"{len(got)} growing sites, the trace gives {len(want)}: {want}"
+        e = got[idx[0]]
+        match = [w for w in want if (w["file"], w["line"], w["function"]) == (e["file"], e["line"], e["function"])]
+        if not match:
+            return f"{e['file']}:{e['line']} {e['function']} did not grow at every epoch end"
+        if field == "growth_bytes_per_epoch":
+            return close(v, match[0][field], "mean growth of its live bytes over the recorded epoch ends", tol=1e-6)
+        return eq(v, match[0][field], field)
+    return check
+
+
+def check_torch_stat(c, v, idx, path):
+    """PyTorch's own figures (segment mode on a GPU): counts and bytes are never negative; a
+    peak is at least the current figure beside it."""
+    if v < 0:
+        return f"{v} < 0"
+    key = path.split(".", 1)[1]
+    if key.endswith(".peak"):
+        cur = c.r["torch_memory_stats"].get(key[:-5] + ".current")
+        return need(cur is None or v >= cur, f"peak {v} below the current {cur}")
+    return None
+
+
+T, R = "truth", "relation"
+FIELDS = {
+    "schema_version": (R, lambda c, v, i: eq(v, 2, "schema 2 (a new schema needs its fields declared here)")),
+    "pid": (T, lambda c, v, i: eq(v, c.run["pid"], "the demo's process id")),
+    "rank": (T, lambda c, v, i: eq(v, c.run["rank"], "the RANK variable of the run (-1: none)")),
+    "device": (T, lambda c, v, i: eq(v, 0, "the demo uses device 0")),
+    "epoch": (T, check_epoch_index),
+    "oom_index": (T, check_oom_index),
+    "t_start_s": (R, check_t_start),
+    "t_end_s": (R, check_t_end),
+    "steps": (T, check_steps),
+    "wall_time_unix": (T, lambda c, v, i: need(int(c.run["unix0"]) <= v <= c.run["unix1"] + 1,
+                                               f"{v}: outside the run [{c.run['unix0']:.0f}, {c.run['unix1']:.0f}]")),
+    # memory: allocated from the trace, reserved from the driver
+    "memory.allocated_bytes": (T, lambda c, v, i: eq(v, c.g["alloc"], "live requested bytes in the trace")),
+    "memory.allocated_peak_bytes": (T, lambda c, v, i: eq(v, c.g["alloc_peak"], "trace peak since the epoch began")),
+    "memory.allocated_run_peak_bytes": (T, lambda c, v, i: eq(v, c.g["run_peak"], "trace peak since the start")),
+    "memory.reserved_bytes": (T, lambda c, v, i: eq(v, c.s["handle"], "driver: bytes of handles held")),
+    "memory.reserved_peak_bytes": (T, lambda c, v, i: eq(v, c.s["handle_mark_peak"], "driver: handle bytes peak over this epoch")
+                                   or need(v >= mem(c, "allocated_peak_bytes") and v >= mem(c, "reserved_bytes"),
+                                           "below peak allocated or current reserved")),
+    "memory.reserved_run_peak_bytes": (T, lambda c, v, i: eq(v, c.s["handle_peak"], "driver: handle bytes peak since start")
+                                       or need(all(v >= p["memory"]["reserved_peak_bytes"] for p in epoch_reports(c)),
+                                               "below an epoch's peak")),
+    "memory.touched_bytes": (T, lambda c, v, i: eq(v, c.g["touched"], "pages live blocks touch, from the trace")),
+    "memory.touched_peak_bytes": (T, lambda c, v, i: eq(v, c.g["touched_peak"], "trace: most touched pages this epoch")),
+    "memory.physical_mapped_bytes": (T, lambda c, v, i: eq(v, c.s["mapped"], "driver: bytes covered by cuMemMap")),
+    "memory.virtual_reserved_bytes": (T, lambda c, v, i: eq(v, c.s["va"], "driver: cuMemAddressReserve bytes")),
+    "memory.free_in_mapped_bytes": (T, check_free_in_mapped),
+    "memory.largest_free_extent_bytes": (R, check_largest_free),
+    "memory.live_blocks": (T, lambda c, v, i: eq(v, c.g["blocks"], "live blocks in the trace")),
+    "memory.device_total_bytes": (T, lambda c, v, i: eq(v, c.run["cap"], "CUDBL_CAPACITY")),
+    "memory.device_free_bytes": (T, lambda c, v, i: eq(v, c.run["cap"] - c.s["bytes_in_use"], "capacity - driver bytes in use")),
+    "memory.not_served_by_memshim.cuda_malloc_passthrough_bytes": (
+        T, lambda c, v, i: eq(v, 0, "no cuMemAlloc block in the driver") if c.s["allocs"] == 0 else
+        need(0 <= v <= c.s["bytes_in_use"] - c.s["handle"], f"{v}")),
+    "memory.not_served_by_memshim.async_pool_bytes": (
+        T, lambda c, v, i: eq(v, 0, "no cuMemAllocAsync block in the driver") if c.s["allocs"] == 0 else None),
+    "memory.not_served_by_memshim.vmm_by_others_bytes": (
+        T, lambda c, v, i: eq(v, c.s["handle"] - mem(c, "reserved_bytes"), "driver handle bytes - memshim's")),
+    "memory.not_served_by_memshim.other_bytes_on_device": (
+        T, lambda c, v, i: eq(v, max(0, c.s["bytes_in_use"] - mem(c, "reserved_bytes")), "driver bytes in use - memshim's")),
+    # fragmentation: derived figures, recomputed from their inputs
+    "fragmentation.free_extent_fragmentation": (R, lambda c, v, i: close(
+        v, 1 - mem(c, "largest_free_extent_bytes") / mem(c, "free_in_mapped_bytes") if mem(c, "free_in_mapped_bytes") else 0.0,
+        "1 - largest free extent / free bytes")),
+    "fragmentation.peak_allocated_over_peak_reserved": (R, lambda c, v, i: close(
+        v, mem(c, "allocated_peak_bytes") / mem(c, "reserved_peak_bytes") if mem(c, "reserved_peak_bytes") else 1.0,
+        "peak allocated / peak reserved") or need(v <= 1.0, f"{v} > 1: reserved peak below allocated peak")),
+    # operations (cumulative): counts from the trace, driver work from the driver's call counters
+    "operations.allocs": (T, lambda c, v, i: eq(v, c.g["allocs"], "allocations in the trace")),
+    "operations.frees": (T, lambda c, v, i: eq(v, c.g["frees"], "frees in the trace")
+                         or eq(ops(c, "allocs") - v, mem(c, "live_blocks"), "allocs - frees vs live blocks")),
+    "operations.alloc_failures": (T, check_failures),
+    "operations.map_ops": (T, lambda c, v, i: eq(v, c.s["calls_cuMemMap"], "driver: cuMemMap calls")),
+    "operations.unmap_ops": (T, lambda c, v, i: eq(v, c.s["calls_cuMemUnmap"], "driver: cuMemUnmap calls")
+                             or eq(v, ops(c, "reclaimed_pages") + ops(c, "released_pages"), "reclaimed + released pages")),
+    "operations.create_ops": (T, lambda c, v, i: (eq(v, c.s["calls_cuMemCreate"], "driver: cuMemCreate calls")
+                                                  if not c.run["cfg"].get("cap") else
+                                                  need(v <= c.s["calls_cuMemCreate"], "more than the driver's calls"))
+                              or eq(v - ops(c, "release_ops"), c.s["handles"], "creates - releases vs driver handles")),
+    "operations.release_ops": (T, lambda c, v, i: eq(v, c.s["calls_cuMemRelease"], "driver: cuMemRelease calls")),
+    "operations.reclaimed_pages": (T, lambda c, v, i: eq(v, c.s["calls_cuMemUnmap"] - c.s["calls_cuMemRelease"],
+                                                         "driver: unmaps not followed by a release")),
+    "operations.released_pages": (R, check_released_pages),
+    "operations.cross_stream_waits": (T, lambda c, v, i: eq(v, c.s["calls_cuStreamWaitEvent"], "driver: cuStreamWaitEvent calls")),
+    "operations.alloc_mean_ns": (R, lambda c, v, i: need(
+        (v > 0) == (ops(c, "allocs") > 0) and v * ops(c, "allocs") <= c.r["t_end_s"] * 1e9,
+        f"{v} ns x {ops(c, 'allocs')} allocs: not positive or longer than the run so far")),
+    "operations.free_mean_ns": (R, lambda c, v, i: need(
+        (v > 0) == (ops(c, "frees") > 0) and v * ops(c, "frees") <= c.r["t_end_s"] * 1e9,
+        f"{v} ns x {ops(c, 'frees')} frees: not positive or longer than the run so far")),
+    "size_histogram[].lt_bytes": (T, lambda c, v, i: eq(v, 512 << i[0], "bucket i ends at 512 << i")
+                                  or eq(len(c.r["size_histogram"]), 24, "24 buckets")),
+    "size_histogram[].count": (T, lambda c, v, i: eq(v, c.g["hist"][i[0]], "allocations of that size in the trace")),
+    "oom.oom_events": (R, lambda c, v, i: eq(v, ops(c, "alloc_failures"), "each failed request is one OOM event")),
+    "oom.rescued_by_reclaim": (R, lambda c, v, i: need(v <= min(ops(c, "allocs"), ops(c, "reclaimed_pages")),
+                                                       f"{v} > allocs or reclaimed pages")
+                               or (eq(v, 0, "no limit, no reclaim") if not c.run["limit"] and not c.run["cfg"].get("cap") else None)),
+    "oom.rescued_by_gc": (T, lambda c, v, i: eq(v, 0, "a C program: no GC callback, no Python")),
+    "oom.rescued_by_empty_cache": (R, lambda c, v, i: need(v <= ops(c, "allocs"), f"{v} > allocs")
+                                   or (eq(v, 0, "the driver never refused memory and reclaim is on")
+                                       if not c.run["cfg"].get("cap") and c.run["cfg"].get("env", {}).get("MEMSHIM_DEFRAG") != "0"
+                                       else eq(v, 0, "MEMSHIM_EMPTY_CACHE=never") if c.run["ec"] == "never" else None)),
+    "last_oom.requested_bytes": (R, lambda c, v, i: check_oom_requested(c, v, i) or last_oom_same(c, v, i, "requested_bytes")),
+    "last_oom.device_total_bytes": (T, lambda c, v, i: eq(v, c.run["cap"], "CUDBL_CAPACITY")),
+    "last_oom.device_free_bytes": (T, lambda c, v, i: eq(v, mem(c, "device_free_bytes"), "same moment as the report")
+                                   if c.r["kind"] == "oom" else last_oom_same(c, v, i, "device_free_bytes")),
+    "last_oom.live_bytes": (T, lambda c, v, i: eq(v, c.g["alloc"], "trace at the failure") if c.r["kind"] == "oom"
+                            else (last_oom_same(c, v, i, "live_bytes") or need(v <= mem(c, "allocated_run_peak_bytes"), "> run peak"))),
+    "last_oom.reserved_bytes": (T, lambda c, v, i: eq(v, c.s["handle"], "driver handle bytes at the failure")
+                                if c.r["kind"] == "oom" else
+                                (last_oom_same(c, v, i, "reserved_bytes") or need(v <= mem(c, "reserved_run_peak_bytes"), "> run peak"))),
+    "last_oom.limit_bytes": (T, lambda c, v, i: eq(v, c.run["limit"] // GRAN * GRAN, "MEMSHIM_LIMIT in whole pages")),
+    "last_oom.largest_free_extent_bytes": (T, lambda c, v, i: eq(v, mem(c, "largest_free_extent_bytes"), "same moment")
+                                           if c.r["kind"] == "oom" else last_oom_same(c, v, i, "largest_free_extent_bytes")),
+    "last_oom.largest_live_blocks[].bytes": (T, check_top_bytes),
+    "policies.empty_cache_runs": (T, check_ec_runs),
+    "policies.empty_cache_released_bytes": (R, check_ec_bytes),
+    "policies.gc_runs": (T, lambda c, v, i: eq(v, 0, "a C program: no GC callback, no Python")),
+    "policies.gc_skipped_no_gil": (T, lambda c, v, i: eq(v, 0, "a C program: no Python")),
+    "trend.epoch_end_allocated_bytes[]": (T, check_trend),
+    # schema 2
+    **{f"driver.calls.{k}": (T, check_driver_calls(k)) for k in DRIVER_CALLS},
+    "driver.modelled_seconds": (R, check_modelled_seconds),
+    **{f"latency.alloc_ns.{f}": e for f, e in check_latency("alloc_ns").items()},
+    **{f"latency.free_ns.{f}": e for f, e in check_latency("free_ns").items()},
+    "sites[].bytes": (T, check_site("bytes")),
+    "sites[].count": (T, check_site("count")),
+    "sites[].line": (T, check_site("line")),
+    "trend.growing_sites[].growth_bytes_per_epoch": (T, check_growing("growth_bytes_per_epoch")),
+    "trend.growing_sites[].line": (T, check_growing("line")),
+    "torch_memory_stats.*": (R, check_torch_stat),
+}
+# Declared fields that these runs cannot produce (no failure when never seen): PyTorch's own
+# memory_stats() exist only in segment mode once PyTorch initialized CUDA (a GPU).
+OPTIONAL = {"torch_memory_stats.*"}
+
+
+def numeric_leaves(obj, path="", idx=()):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if path == "" and k == "config":
+                continue  # option values are strings (the effective configuration), not figures
+            yield from numeric_leaves(v, f"{path}.{k}" if path else k, idx)
+    elif isinstance(obj, list):
+        for n, v in enumerate(obj):
+            yield from numeric_leaves(v, path + "[]", idx + (n,))
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        yield path, idx, obj
+
+
+class Ctx:
+    pass
+
+
+DEMO_LINE = re.compile(r"^epoch (\d+): peak live +([\d.]+) MiB, reserved +([\d.]+) MiB \(peak +([\d.]+) MiB, "
+                       r"[\d.]+x live\), maps (\d+), unmaps (\d+), reclaimed pages (\d+), OOMs (\d+)$", re.M)
+
+
+def check_demo_lines(run, rows):
+    """The demo prints memshim_get_stats() (the public C API) just before it closes each epoch;
+    where every epoch is closed by the demo (manual epochs), line k and epoch report k describe
+    the same moment."""
+    eps = [r for _, r, _, _ in rows if r["kind"] == "epoch"]
+    lines = DEMO_LINE.findall(run["stdout"])
+    if not lines or any(r["reason"] != "manual" for r in eps) or len(lines) != len(eps):
+        return None
+    bad = []
+    # MEMSHIM_EMPTY_CACHE=epoch releases pages between the print and the report: the current
+    # reserved bytes and the unmaps differ there by design, the peaks do not.
+    released_between = run["ec"] == "epoch"
+    for (k, pl, res, pres, maps, unmaps, recl, ooms), r in zip(lines, eps):
+        m, o = r["memory"], r["operations"]
+        for what, printed, want in (("peak live", float(pl), m["allocated_peak_bytes"] / MiB),
+                                    ("reserved", float(res), None if released_between else m["reserved_bytes"] / MiB),
+                                    ("peak reserved", float(pres), m["reserved_peak_bytes"] / MiB)):
+            if want is not None and abs(printed - want) > 0.051:
+                bad.append(f"epoch {k} {what}: memshim_get_stats {printed} MiB, report {want:.2f} MiB")
+        for what, printed, want in (("maps", maps, o["map_ops"]),
+                                    ("unmaps", unmaps, None if released_between else o["unmap_ops"]),
+                                    ("reclaimed pages", recl, o["reclaimed_pages"]),
+                                    ("OOMs", ooms, r["oom"]["oom_events"])):
+            if want is not None and int(printed) != want:
+                bad.append(f"epoch {k} {what}: memshim_get_stats {printed}, report {want}")
+    return bad
+
+
+def check_policy(run, rows):
+    """What each empty-cache policy promises, on the driver's own figures at every report."""
+    ec, env, bad = run["ec"], run["cfg"].get("env", {}), []
+    for name, r, g, s in rows:
+        if s is None:
+            continue
+        cached = s["mapped"] - g["touched"]  # mapped pages no live block touches
+        # Every policy but never: when the driver itself refuses memory, or reclaim is off
+        # (MEMSHIM_DEFRAG=0), cached pages go back to the driver and the request is retried before
+        # it fails, so no request fails beside cached pages.
+        full = run["cap"] - s["bytes_in_use"] < GRAN or env.get("MEMSHIM_DEFRAG") == "0"
+        if ec != "never" and r["kind"] == "oom" and full and cached:
+            bad.append(f"{name}: a request failed ({'reclaim off' if env.get('MEMSHIM_DEFRAG') == '0' else 'driver full'})"
+                       f" with {cached} cached bytes not given back")
+        if env.get("MEMSHIM_DEFRAG") == "0" and (r["operations"]["reclaimed_pages"] or r["oom"]["rescued_by_reclaim"]):
+            bad.append(f"{name}: pages reclaimed with MEMSHIM_DEFRAG=0")
+        if ec == "threshold" and cached > int(env["MEMSHIM_EMPTY_CACHE_THRESHOLD"].rstrip("M")) * MiB:
+            bad.append(f"{name}: {cached} cached bytes above the threshold")
+        if ec == "epoch" and r["kind"] == "epoch" and cached:
+            bad.append(f"{name}: {cached} cached bytes right after the epoch's empty-cache")
+        if ec == "never" and s["calls_cuMemRelease"]:
+            bad.append(f"{name}: {s['calls_cuMemRelease']} handles released under MEMSHIM_EMPTY_CACHE=never")
+    return bad
+
+
+def check_run(run, seen, differ):
+    cfg = run["cfg"]["name"]
+    ok = run["rc"] == 0 and "finished" in run["stdout"] and run["reports"] and run["events"]
+    case(f"{cfg}: the demo ran under memshim ({len(run['reports'])} reports, {len(run['events'])} trace events)",
+         ok, (run["stdout"] + run["stderr"])[-400:])
+    if not ok:
+        return
+    rows = ground_truth(run)
+    kinds = [r["kind"] for _, r, _, _ in rows]
+    case(f"{cfg}: the last report is the summary and no trace event comes after it",
+         kinds[-1] == "summary" and run["trailing_events"] == 0, (kinds, run["trailing_events"]))
+    failures = rows[-1][1]["operations"]["alloc_failures"]
+    case(f"{cfg}: one OOM report per failed request, at most {OOM_REPORTS_MAX} ({failures} failures)",
+         kinds.count("oom") == min(failures, OOM_REPORTS_MAX), f"{kinds.count('oom')} OOM reports")
+    if run["site_seq"] is None:
+        bad = [n for n, r, _, _ in rows if r.get("sites") != [] or not r.get("sites_note")]
+        case(f"{cfg}: no allocation sites in a process without Python, and a note that says why", not bad, bad[:3])
+    bad = check_demo_lines(run, rows)
+    if bad is not None:
+        case(f"{cfg}: memshim_get_stats as the demo prints it matches each epoch report", not bad, "; ".join(bad[:6]))
+    bad = check_policy(run, rows)
+    case(f"{cfg}: MEMSHIM_EMPTY_CACHE={run['ec']} keeps its promise at every report", not bad, "; ".join(bad[:6]))
+    if "rescue" in cfg:  # the run is sized so that giving cached pages back saves requests
+        case(f"{cfg}: the empty-cache rescue ran and saved requests",
+             rows[-1][1]["oom"]["rescued_by_empty_cache"] > 0, rows[-1][1]["oom"])
+    prev = []
+    for name, rep, g, s in rows:
+        if rep["kind"] == "epoch":
+            m = rep["memory"]
+            differ["epochs"] += 1
+            differ["reserved"] += m["reserved_peak_bytes"] != m["reserved_bytes"]
+            differ["allocated"] += m["allocated_peak_bytes"] != m["allocated_bytes"]
+        label = f"{cfg}: {rep['kind']} {rep.get('oom_index', rep['epoch'])} ({name.split('-dev0-')[-1]})"
+        if s is None:
+            case(label, False, "libreport-spy.so recorded nothing when this report was renamed into place")
+            prev.append(rep)
+            continue
+        c = Ctx()
+        c.r, c.g, c.s, c.run, c.prev, c.name = rep, g, s, run, list(prev), name
+        bad, n = [], 0
+        for path, idx, v in numeric_leaves(rep):
+            n += 1
+            entry = FIELDS.get(path)
+            if entry is None and path.startswith("torch_memory_stats."):
+                entry = FIELDS["torch_memory_stats.*"]
+                path_for = path
+                entry = (entry[0], lambda c, v, i, _p=path_for: check_torch_stat(c, v, i, _p))
+                seen.add("torch_memory_stats.*")
+            if entry is None:
+                bad.append(f"{path}: a numeric field with no declared check (add it to FIELDS in "
+                           f"tests/reports/test_report_truth.py)")
+                continue
+            seen.add(path)
+            try:
+                why = entry[1](c, v, idx)
+            except (KeyError, IndexError, TypeError, ZeroDivisionError) as e:
+                why = f"the check could not be evaluated: {type(e).__name__}: {e}"
+            if why:
+                bad.append(f"{path}{list(idx) if idx else ''} = {v}: {why}")
+        case(f"{label}: all {n} numeric fields match", not bad, "; ".join(bad[:8]) + (
+            f"; and {len(bad) - 8} more" if len(bad) > 8 else ""))
+        prev.append(rep)
+
+
+def main():
+    for exe in (DEMO, LIB):
+        if not os.path.exists(exe):
+            case("built", False, f"{exe} missing (make)")
+            finish()
+    err = build_spy()
+    case("libreport-spy.so builds", err is None, err)
+    if err:
+        finish()
+    seen, differ = set(), {"epochs": 0, "reserved": 0, "allocated": 0}
+    with tempfile.TemporaryDirectory(prefix="memshim-truth-") as tmp:
+        for cfg in RUNS:
+            step(f"demo run '{cfg['name']}' and its reports")
+            check_run(run_demo(cfg, tmp), seen, differ)
+    # A peak that reads the current figure hides where peak == current: the runs must give plenty
+    # of epochs where they differ, or the checks above prove nothing about peaks.
+    case(f"peaks differ from currents in the runs: reserved in {differ['reserved']}, allocated in "
+         f"{differ['allocated']} of {differ['epochs']} epoch reports",
+         differ["reserved"] >= 5 and differ["allocated"] >= 5, differ)
+    missing = sorted(set(FIELDS) - seen - OPTIONAL)
+    case(f"every declared field appeared in some report ({len(seen)} of {len(FIELDS)} fields; "
+         f"{sum(1 for k in seen if FIELDS[k][0] == 'truth')} against ground truth, "
+         f"{sum(1 for k in seen if FIELDS[k][0] == 'relation')} by relations)", not missing, missing)
+    finish()
+
+
+main()
