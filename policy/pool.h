@@ -38,6 +38,9 @@ static inline uint64_t msh_lat_upper(int b)
 
 struct msh_pool;
 
+/* The learned step is packed by a planner thread (plan_sync, planner_hook below). */
+#define MSH_POOL_PLANNER 1
+
 struct msh_pool_params {
     size_t limit_bytes;        /* cap on physical bytes held; 0 = device memory is the only cap */
     size_t small_max;          /* requests up to this many bytes go to the small region */
