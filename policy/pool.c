@@ -596,6 +596,13 @@ static inline void ev_ref(struct msh_pool *pool, uint32_t i)
     if (i != NO_EV) pool->evs[i].refs++;
 }
 
+/* Destroy an event (without the lock). A destroy the driver refused is tried once more, so that
+ * one failed call does not leak the event (docs/reliability.md). */
+static void ev_destroy(struct msh_pool *pool, uint64_t h)
+{
+    if (pool->dev->ops->event_release(pool->dev, h)) pool->dev->ops->event_release(pool->dev, h);
+}
+
 /* ---- stream tags of extents ------------------------------------------------------------------- */
 
 /* No queued work can touch the extent: none was recorded, or a synchronize covered its free. */
@@ -1177,7 +1184,7 @@ static void job_run(struct msh_pool *pool, struct job *j)
         if (!rc && w->record) rc = dev_event_record(pool, w->h, w->stream);
         if (!rc) rc = dev_stream_wait(pool, j->stream, w->h);
         if (w->created && w->ev == NO_EV) { /* no slot to keep it in: the wait holds what it needs */
-            pool->dev->ops->event_release(pool->dev, w->h);
+            ev_destroy(pool, w->h);
             w->created = 0;
         }
         if (rc) { /* cannot order the streams: wait for everything instead */
@@ -1693,7 +1700,7 @@ void msh_pool_destroy(struct msh_pool *pool)
     for (int i = 0; i < pool->norphans; i++) /* a second chance for handles whose release failed */
         dev_release(pool, pool->orphans[i].h, (size_t)pool->orphans[i].pages * pool->gran);
     for (uint32_t i = 0; i < pool->nevs; i++)
-        if (pool->evs[i].h) pool->dev->ops->event_release(pool->dev, pool->evs[i].h);
+        if (pool->evs[i].h) ev_destroy(pool, pool->evs[i].h);
     raw_free(pool->evs, (size_t)pool->capevs * sizeof *pool->evs);
     step_destroy(pool);
     raw_free(pool->htab, pool->hcap * sizeof *pool->htab);
@@ -1953,7 +1960,7 @@ static void events_trim(struct msh_pool *pool, bool at_exit)
             }
         if (!n) break;
         pthread_mutex_unlock(&pool->lock);
-        for (int i = 0; i < n; i++) pool->dev->ops->event_release(pool->dev, h[i]);
+        for (int i = 0; i < n; i++) ev_destroy(pool, h[i]);
         pthread_mutex_lock(&pool->lock);
     }
 }
