@@ -2190,7 +2190,6 @@ struct step {
     pthread_t worker;
     bool worker_on, worker_failed, stop;
     pthread_cond_t wake;     /* the planner waits for a job */
-    pthread_cond_t done;     /* a job ended (plan_sync waits for it) */
 };
 enum { PJ_IDLE = 0, PJ_QUEUED, PJ_RUNNING, PJ_DONE };
 
@@ -2222,7 +2221,6 @@ static void step_create(struct msh_pool *pool)
         return;
     }
     pthread_cond_init(&s->wake, NULL);
-    pthread_cond_init(&s->done, NULL);
     pool->step = s;
 }
 
@@ -2254,7 +2252,6 @@ static void step_destroy(struct msh_pool *pool)
     snap_free(s->snap);
     pin_free(s->res);
     pthread_cond_destroy(&s->wake);
-    pthread_cond_destroy(&s->done);
     raw_free(s, sizeof *s);
     pool->step = NULL;
 }
@@ -2887,7 +2884,6 @@ static void planner_run(struct msh_pool *pool)
         s->fail_until = t1 + ((t1 - t0) << (6 + (s->fails < 4 ? s->fails : 4)));
         s->fails++;
     }
-    pthread_cond_broadcast(&s->done);
 }
 
 static void *planner_main(void *arg)
@@ -2968,8 +2964,8 @@ static void plan_install(struct msh_pool *pool, uint64_t rsize)
 }
 
 /* Before an allocation of rsize bytes: follow the plan, switch to one the planner has packed, or
- * hand the planner a step to pack. Called with the lock held; never packs (unless the planner
- * thread cannot start), and waits for the planner only with plan_sync (deterministic replays). */
+ * hand the planner a step to pack. Called with the lock held; packs only with plan_sync
+ * (deterministic replays) or when the planner thread cannot start. */
 static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
 {
     struct step *s = pool->step;
@@ -3000,11 +2996,13 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
             sn->cap = capn;
             s->snap = sn;
             s->job = PJ_QUEUED;
-            pthread_cond_signal(&s->wake);
-            if (!planner_start(pool)) {
+            /* plan_sync (a deterministic replay): packed here, at this boundary, as if the
+             * planner had been instant; otherwise by the planner thread (or here when it cannot
+             * start), and used from a later boundary */
+            if (pool->prm.plan_sync || !planner_start(pool)) {
                 if (s->job == PJ_QUEUED) planner_run(pool);
-            } else if (pool->prm.plan_sync) {
-                while (s->job == PJ_QUEUED || s->job == PJ_RUNNING) pthread_cond_wait(&s->done, &pool->lock);
+            } else {
+                pthread_cond_signal(&s->wake);
             }
             plan_install(pool, rsize); /* when it is ready already and this is still its boundary */
         }

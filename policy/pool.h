@@ -54,10 +54,10 @@ struct msh_pool_params {
                                 * this many bytes (0 = 20 MiB; one page or less = never) */
     bool no_learn;             /* never place by the learned step (today's placement only) */
     /* The learned step is packed by a planner thread of the pool's own while allocations go on,
-     * and used from the next step boundary once ready. plan_sync: the allocation that hands the
-     * planner a step waits for the plan and uses it at once (memshim-replay: results that do not
-     * depend on thread timing). planner_hook (tests): called on the planner thread before each
-     * packing. */
+     * and used from the next step boundary once ready. plan_sync: the allocation that finds the
+     * step packs it itself and uses the plan at once, no thread (memshim-replay: results that do
+     * not depend on thread timing). planner_hook (tests): called before each packing, on the
+     * thread that packs. */
     bool plan_sync;
     void (*planner_hook)(void *arg);
     void *planner_hook_arg;

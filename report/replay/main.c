@@ -472,8 +472,9 @@ static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capa
     prm.limit_bytes = capacity;
     prm.small_max = o->small_max;
     prm.defrag = o->defrag;
-    /* the replay waits for the planner at the step boundary where it handed it a step, so that
-     * every figure is the same from run to run (a job never waits: docs/pool.md) */
+    /* the replay packs a learned step itself, at the step boundary where it found it, so that
+     * every figure is the same from run to run (a job's pool packs on a thread of its own while
+     * allocations go on: docs/pool.md) */
     prm.plan_sync = true;
     /* VA only needs to hold the line: a few times the live peak keeps page tables small. */
     uint64_t base = capacity ? capacity : t->peak_live_bytes;
@@ -662,8 +663,8 @@ static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_t
     const struct msh_pool_stats *s = &main_run.st;
     double evps = timing.wall > 0 ? (double)timing.events / timing.wall : 0;
     double evps1 = main_run.wall > 0 ? (double)main_run.events / main_run.wall : 0;
-    /* the replay waits for the learned step's packing (plan_sync): its wall holds the planner's
-     * time, which a job spends on the planner thread instead */
+    /* the replay packs the learned step on its own thread (plan_sync): its wall holds the
+     * packing, which a job's pool does on its planner thread instead */
     double plan_s = (double)timing.st.plan_pack_ns / 1e9;
     double evps_np = timing.wall > plan_s ? (double)timing.events / (timing.wall - plan_s) : 0;
     if (o->json) {

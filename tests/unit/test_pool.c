@@ -419,8 +419,8 @@ static struct msh_pool *mk_pool(struct msh_device *d, size_t limit, bool defrag,
     p.ahead_bytes = GRAN;
     p.limit_bytes = limit;
     p.defrag = defrag;
-    p.plan_sync = true; /* the learned step is used from the boundary where it was found, as in the
-                         * replay (test_pool_threads.c tests the planner in the background) */
+    p.plan_sync = true; /* the learned step is packed and used at the boundary where it was found,
+                         * as in the replay (test_pool_threads.c tests the planner thread) */
     if (small_max) p.small_max = small_max;
     p.va_bytes = 8 * GiB;
     struct msh_pool *pool = NULL;
