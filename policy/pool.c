@@ -26,6 +26,7 @@
 #include "pool.h"
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -615,6 +616,13 @@ static void ev_put(struct msh_pool *pool, uint32_t i)
 static inline void ev_ref(struct msh_pool *pool, uint32_t i)
 {
     if (i != NO_EV) pool->evs[i].refs++;
+}
+
+/* Destroy an event (without the lock). A destroy the driver refused is tried once more, so that
+ * one failed call does not leak the event (docs/reliability.md). */
+static void ev_destroy(struct msh_pool *pool, uint64_t h)
+{
+    if (pool->dev->ops->event_release(pool->dev, h)) pool->dev->ops->event_release(pool->dev, h);
 }
 
 /* ---- stream tags of extents ------------------------------------------------------------------- */
@@ -1207,7 +1215,7 @@ static void job_run(struct msh_pool *pool, struct job *j)
             if (!rc) j->waits_done++;
         }
         if (w->created && w->ev == NO_EV) { /* no slot to keep it in: the wait holds what it needs */
-            pool->dev->ops->event_release(pool->dev, w->h);
+            ev_destroy(pool, w->h);
             w->created = 0;
         }
         if (rc) { /* cannot order the streams: wait for everything instead */
@@ -1511,13 +1519,13 @@ static bool place_high(const struct msh_pool *pool, const struct blk *b, uint64_
     return new_pages(pool, r, b->addr + b->size - rsize, rsize) < new_pages(pool, r, b->addr, rsize);
 }
 
-static struct blk *plan_place(struct msh_pool *pool, int area, uint64_t rsize);
+static struct blk *plan_place(struct msh_pool *pool, uint64_t rsize);
 
 /* Best fit by (size, address), or where the learned step says. NULL with *rc = ENOSPC when the
  * area needs another region, ENOMEM when the pool's own memory ran out. */
 static struct blk *place(struct msh_pool *pool, int area, uint64_t rsize, int *rc)
 {
-    struct blk *b = pool->step ? plan_place(pool, area, rsize) : NULL;
+    struct blk *b = pool->step ? plan_place(pool, rsize) : NULL;
     if (b) return b;
     b = treap_lower_bound(pool->tree[area], rsize);
     if (!b) {
@@ -1571,6 +1579,7 @@ static void streams_plan(struct msh_pool *pool, struct blk *b, uint64_t stream, 
 static void step_note_alloc(struct msh_pool *pool, struct blk *b);
 static void step_note_free(struct msh_pool *pool, struct blk *b);
 static void step_destroy(struct msh_pool *pool);
+static void step_stop(struct msh_pool *pool);
 static void step_create(struct msh_pool *pool);
 static void step_before_alloc(struct msh_pool *pool, uint64_t rsize);
 
@@ -1695,6 +1704,7 @@ int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params
 void msh_pool_destroy(struct msh_pool *pool)
 {
     if (!pool) return;
+    step_stop(pool);
     dev_synchronize(pool);
     for (int a = 0; a < NAREAS; a++) {
         struct region *r = pool->areas[a];
@@ -1725,7 +1735,7 @@ void msh_pool_destroy(struct msh_pool *pool)
     for (int i = 0; i < pool->norphans; i++) /* a second chance for handles whose release failed */
         dev_release(pool, pool->orphans[i].h, (size_t)pool->orphans[i].pages * pool->gran);
     for (uint32_t i = 0; i < pool->nevs; i++)
-        if (pool->evs[i].h) pool->dev->ops->event_release(pool->dev, pool->evs[i].h);
+        if (pool->evs[i].h) ev_destroy(pool, pool->evs[i].h);
     raw_free(pool->evs, (size_t)pool->capevs * sizeof *pool->evs);
     step_destroy(pool);
     raw_free(pool->htab, pool->hcap * sizeof *pool->htab);
@@ -1997,7 +2007,7 @@ static void events_trim(struct msh_pool *pool, bool at_exit)
             }
         if (!n) break;
         pthread_mutex_unlock(&pool->lock);
-        for (int i = 0; i < n; i++) pool->dev->ops->event_release(pool->dev, h[i]);
+        for (int i = 0; i < n; i++) ev_destroy(pool, h[i]);
         pthread_mutex_lock(&pool->lock);
     }
 }
@@ -2187,6 +2197,7 @@ struct anchor {
 
 struct pent {
     uint64_t addr, size;
+    int area;
 };
 
 struct fprun {
@@ -2206,6 +2217,7 @@ struct step {
     bool active;
     bool want;             /* the allocation being served has a planned address */
     uint64_t want_addr;
+    int want_area;
     struct fprun *fp;      /* the plan's footprint, to clear its page flags */
     size_t nfp, capfp;
     uint64_t quiet_until;  /* no packing before this serial: one try per step length */
@@ -2214,7 +2226,21 @@ struct step {
      * (the packing of a step hardly depends on where its blocks were). Other steps are tried. */
     uint32_t fails;
     uint64_t fail_len, fail_budget, fail_until;
+    /* The planner: a thread of the pool's own, started when the first step is worth packing,
+     * packs a snapshot taken under the lock while allocations go on; the plan is switched to at
+     * the next step boundary (plan_install). Every field below is read and written under the
+     * pool lock, except the snapshot while the job runs (the planner's alone). */
+    int job;                 /* PJ_IDLE, PJ_QUEUED, PJ_RUNNING, PJ_DONE (a plan waits for a boundary) */
+    struct psnap *snap;      /* queued or running: the planner's input */
+    struct pinput *res;      /* done: the packed step */
+    uint64_t res_pages;      /* its footprint */
+    uint64_t res_h0, res_first; /* its boundary: the live-set hash, the size of the first allocation */
+    uint64_t res_until;      /* a boundary that has not come by this serial will not: the step changed */
+    pthread_t worker;
+    bool worker_on, worker_failed, stop;
+    pthread_cond_t wake;     /* the planner waits for a job */
 };
+enum { PJ_IDLE = 0, PJ_QUEUED, PJ_RUNNING, PJ_DONE };
 
 static inline uint64_t mix64(uint64_t x)
 {
@@ -2243,7 +2269,25 @@ static void step_create(struct msh_pool *pool)
         raw_free(s, sizeof *s);
         return;
     }
+    pthread_cond_init(&s->wake, NULL);
     pool->step = s;
+}
+
+static void snap_free(struct psnap *sn);
+static void pin_free(struct pinput *in);
+
+/* Stop the planner (it ends the packing under way first) and wait for it. Without the lock. */
+static void step_stop(struct msh_pool *pool)
+{
+    struct step *s = pool->step;
+    if (!s) return;
+    pthread_mutex_lock(&pool->lock);
+    s->stop = true;
+    pthread_cond_broadcast(&s->wake);
+    bool on = s->worker_on;
+    s->worker_on = false;
+    pthread_mutex_unlock(&pool->lock);
+    if (on) pthread_join(s->worker, NULL);
 }
 
 static void step_destroy(struct msh_pool *pool)
@@ -2254,6 +2298,9 @@ static void step_destroy(struct msh_pool *pool)
     raw_free(s->anchors, (size_t)STEP_ANCHORS * sizeof *s->anchors);
     raw_free(s->plan, s->capplan * sizeof *s->plan);
     raw_free(s->fp, s->capfp * sizeof *s->fp);
+    snap_free(s->snap);
+    pin_free(s->res);
+    pthread_cond_destroy(&s->wake);
     raw_free(s, sizeof *s);
     pool->step = NULL;
 }
@@ -2274,6 +2321,7 @@ static void step_drop(struct msh_pool *pool)
 {
     struct step *s = pool->step;
     if (s->active) pool->st.plan_dropped++;
+    if (s->active) msh_debug("pool: learned step dropped at event %llu (allocation %zu of %zu)", (unsigned long long)s->n, s->cursor, s->nplan);
     s->active = false;
     s->want = false;
 }
@@ -2301,11 +2349,12 @@ static void step_note_free(struct msh_pool *pool, struct blk *b)
 }
 
 /* The plan's address for this allocation, when a plan is active and it matches. */
-static struct blk *plan_place(struct msh_pool *pool, int area, uint64_t rsize)
+static struct blk *plan_place(struct msh_pool *pool, uint64_t rsize)
 {
     struct step *s = pool->step;
     if (!s->want) return NULL;
-    struct blk *b = atreap_floor(pool->atree[area], s->want_addr);
+    /* the plan's area: a plan packed across areas may put a block in the other area's pages */
+    struct blk *b = atreap_floor(pool->atree[s->want_area], s->want_addr);
     if (!b || b->addr + b->size < s->want_addr + rsize) {
         step_drop(pool); /* the planned range is not free: the step changed */
         return NULL;
@@ -2330,6 +2379,7 @@ struct pitem {
 struct pregion {
     uint64_t base, size;
     struct region *r;
+    int sr;               /* its index in the snapshot */
 };
 
 struct pinput {
@@ -2343,6 +2393,7 @@ struct pinput {
     uint64_t budget;      /* pages the plan may use */
     bool prefer_prev;     /* a block goes back where it was when that is still free */
     bool keep_mapped;     /* blocks in mapped pages stay (fixed): few are packed */
+    bool across;          /* every region is one line: a block may go to another area's pages */
 };
 
 static int cmp_u64pair(const void *a, const void *b)
@@ -2407,23 +2458,32 @@ static int cmp_addr(const void *a, const void *b, void *arg)
     return x < y ? -1 : x > y;
 }
 
-/* Greedy packing of the movable items of region g in the given order: each at the lowest address
- * where it overlaps no placed item alive at the same time (with prefer_prev: where it was, when
- * that is still free). Placed items are kept sorted by address, so a search stops at the first
- * gap and an insertion is a binary search and a move. Returns the footprint in pages, or
- * UINT64_MAX when an item does not fit in the region. */
+/* Greedy packing of the movable items of region g (g < 0: of every region, which then form one
+ * line in address order, an item going to whichever region has room) in the given order: each at
+ * the lowest address where it overlaps no placed item alive at the same time (with prefer_prev:
+ * where it was, when that is still free). Placed items are kept sorted by address, so a search
+ * stops at the first gap and an insertion is a binary search and a move. Returns the footprint in
+ * pages, or UINT64_MAX when an item does not fit. */
 static uint64_t pack_region(struct pinput *in, int g, const uint32_t *order, size_t nmov, uint32_t *placed,
                             uint64_t (*tmp)[2])
 {
     struct pitem *it = in->it;
     size_t np = 0;
     for (size_t i = 0; i < in->n; i++)
-        if (it[i].reg == g && it[i].fixed) placed[np++] = (uint32_t)i;
+        if ((g < 0 || it[i].reg == g) && it[i].fixed) placed[np++] = (uint32_t)i;
     qsort_r(placed, np, sizeof *placed, cmp_addr, it);
-    uint64_t base = in->reg[g].base, end = base + in->reg[g].size;
+    int line[64], nl = 0; /* the regions of the line, by address */
+    for (int i = 0; i < in->nreg; i++) {
+        if (g >= 0 && i != g) continue;
+        int k = nl++;
+        for (; k > 0 && in->reg[line[k - 1]].base > in->reg[i].base; k--) line[k] = line[k - 1];
+        line[k] = i;
+    }
+    if (!nl) return nmov ? UINT64_MAX : 0;
     for (size_t k = 0; k < nmov; k++) {
         struct pitem *x = &it[order[k]];
-        uint64_t cand = base;
+        int li = 0;
+        uint64_t cand = in->reg[line[0]].base;
         bool at_prev = false;
         if (in->prefer_prev && x->prev) {
             bool clash = false;
@@ -2431,19 +2491,29 @@ static uint64_t pack_region(struct pinput *in, int g, const uint32_t *order, siz
                 const struct pitem *y = &it[placed[q]];
                 clash = y->addr + y->size > x->prev && y->t0 < x->t1 && x->t0 < y->t1;
             }
-            if (!clash) {
-                cand = x->prev;
-                at_prev = true;
-            }
+            for (int i = 0; !clash && i < nl; i++)
+                if (x->prev >= in->reg[line[i]].base && x->prev < in->reg[line[i]].base + in->reg[line[i]].size) {
+                    cand = x->prev;
+                    li = i;
+                    at_prev = true;
+                }
         }
-        for (size_t q = 0; q < np && !at_prev; q++) {
+        for (size_t q = 0; !at_prev;) {
+            const struct pregion *rg = &in->reg[line[li]];
+            if (cand + x->size > rg->base + rg->size) { /* past this region's end: the next one */
+                if (++li == nl) return UINT64_MAX;
+                cand = in->reg[line[li]].base;
+                continue;
+            }
+            if (q == np) break;
             const struct pitem *y = &it[placed[q]];
             if (y->addr >= cand + x->size) break; /* sorted by address: the gap is free of the rest */
+            q++;
             if (y->t0 >= x->t1 || x->t0 >= y->t1 || y->addr + y->size <= cand) continue;
             cand = y->addr + y->size;
         }
-        if (cand + x->size > end) return UINT64_MAX;
         x->addr = cand;
+        x->reg = line[li];
         size_t lo = 0, hi = np; /* insert after every item at or below cand */
         while (lo < hi) {
             size_t mid = (lo + hi) / 2;
@@ -2454,12 +2524,14 @@ static uint64_t pack_region(struct pinput *in, int g, const uint32_t *order, siz
         placed[lo] = order[k];
         np++;
     }
-    return footprint_pages(in, g, tmp);
+    uint64_t pages = 0;
+    for (int i = 0; i < nl; i++) pages += footprint_pages(in, line[i], tmp);
+    return pages;
 }
 
-/* Pack every region with up to three orders and keep the best per region (with one region, the
- * first order that fits the budget ends the search). Returns the total pages, or UINT64_MAX when
- * something does not fit. */
+/* Pack every region with up to three orders and keep the best per region (with one region, or
+ * with every region as one line, the first order that fits the budget ends the search). Returns
+ * the total pages, or UINT64_MAX when something does not fit. */
 static uint64_t pack_all(struct pinput *in)
 {
     size_t n = in->n;
@@ -2467,15 +2539,17 @@ static uint64_t pack_all(struct pinput *in)
     uint32_t *placed = raw_alloc((n + 1) * sizeof *placed);
     uint64_t (*tmp)[2] = raw_alloc((n + 1) * sizeof *tmp);
     uint64_t *best = raw_alloc((n + 1) * sizeof *best);
+    int32_t *best_reg = raw_alloc((n + 1) * sizeof *best_reg);
     uint64_t total = 0;
-    if (!order || !placed || !tmp || !best) {
+    if (!order || !placed || !tmp || !best || !best_reg) {
         total = UINT64_MAX;
         goto out;
     }
-    for (int g = 0; g < in->nreg && total != UINT64_MAX; g++) {
+    int g0 = in->across ? -1 : 0, g1 = in->across ? 0 : in->nreg;
+    for (int g = g0; g < g1 && total != UINT64_MAX; g++) {
         size_t nmov = 0;
         for (size_t i = 0; i < n; i++)
-            if (in->it[i].reg == g && !in->it[i].fixed) order[nmov++] = (uint32_t)i;
+            if ((g < 0 || in->it[i].reg == g) && !in->it[i].fixed) order[nmov++] = (uint32_t)i;
         if (nmov > STEP_MAX_MOVABLE) {
             total = UINT64_MAX;
             break;
@@ -2489,16 +2563,21 @@ static uint64_t pack_all(struct pinput *in)
             uint64_t p = pack_region(in, g, order, nmov, placed, tmp);
             if (p < bestp) {
                 bestp = p;
-                for (size_t i = 0; i < nmov; i++) best[order[i]] = in->it[order[i]].addr;
+                for (size_t i = 0; i < nmov; i++) {
+                    best[order[i]] = in->it[order[i]].addr;
+                    best_reg[order[i]] = in->it[order[i]].reg;
+                }
             }
-            if (in->nreg == 1 && bestp <= in->budget) break; /* fits: the other orders only cost time */
+            if ((in->nreg == 1 || g < 0) && bestp <= in->budget) break; /* fits: the other orders only cost time */
         }
         if (bestp == UINT64_MAX) {
             total = UINT64_MAX;
             break;
         }
-        for (size_t i = 0; i < n; i++)
-            if (in->it[i].reg == g && !in->it[i].fixed) in->it[i].addr = best[i];
+        for (size_t k = 0; k < nmov; k++) {
+            in->it[order[k]].addr = best[order[k]];
+            in->it[order[k]].reg = best_reg[order[k]];
+        }
         total += bestp;
     }
 out:
@@ -2506,6 +2585,7 @@ out:
     raw_free(placed, (n + 1) * sizeof *placed);
     raw_free(tmp, (n + 1) * sizeof *tmp);
     raw_free(best, (n + 1) * sizeof *best);
+    raw_free(best_reg, (n + 1) * sizeof *best_reg);
     return total;
 }
 
@@ -2522,16 +2602,92 @@ static bool pin_push(struct pinput *in, struct pitem it)
     return true;
 }
 
-static int region_index(struct msh_pool *pool, struct pinput *in, uint64_t addr)
+/* What the planner packs, copied under the lock at a step boundary so that the packing needs
+ * neither the lock nor the pool: the step's events, the live set, and which pages are mapped. */
+struct psreg {
+    uint64_t base, size;
+    struct region *r;    /* regions live as long as the pool: plan_mark() uses it under the lock */
+    uint32_t hi_page;
+    const uint8_t *mapped; /* [hi_page]: 1 where a handle is mapped */
+};
+
+struct psnap {
+    uint64_t t0, t1, h0;  /* the step's events [t0, t1); the live-set hash at its start */
+    uint64_t gran, budget;
+    size_t cap;           /* cap_pages() then (SIZE_MAX: no limit), for the back-off after a failure */
+    struct slog *ev;      /* [t1 - t0] */
+    struct pent *live;    /* the live set at the boundary (address, VA size) */
+    size_t nlive;
+    struct psreg reg[64];
+    int nreg;
+    uint8_t *maps;        /* every region's mapped[] */
+    size_t nmaps;
+};
+
+static void snap_free(struct psnap *sn)
+{
+    if (!sn) return;
+    raw_free(sn->ev, (size_t)(sn->t1 - sn->t0) * sizeof *sn->ev);
+    raw_free(sn->live, (sn->nlive + 1) * sizeof *sn->live);
+    raw_free(sn->maps, sn->nmaps + 1);
+    raw_free(sn, sizeof *sn);
+}
+
+static void pin_free(struct pinput *in)
+{
+    if (!in) return;
+    raw_free(in->it, in->cap * sizeof *in->it);
+    raw_free(in, sizeof *in);
+}
+
+/* Under the lock: copy what the planner needs (O(step events + live blocks + pages mapped so far);
+ * no packing). NULL when memory ran out. */
+static struct psnap *snap_take(struct msh_pool *pool, uint64_t t0, uint64_t t1, uint64_t h0, uint64_t budget)
+{
+    struct step *s = pool->step;
+    struct psnap *sn = raw_alloc(sizeof *sn);
+    if (!sn) return NULL;
+    *sn = (struct psnap){.t0 = t0, .t1 = t1, .h0 = h0, .gran = pool->gran, .budget = budget, .nlive = pool->hcount};
+    for (int a = 0; a < NAREAS; a++)
+        for (struct region *r = pool->areas[a]; r; r = r->next)
+            if (sn->nreg < 64) {
+                sn->reg[sn->nreg++] = (struct psreg){.base = r->base, .size = r->size, .r = r, .hi_page = r->hi_page};
+                sn->nmaps += r->hi_page;
+            }
+    sn->ev = raw_alloc((size_t)(t1 - t0) * sizeof *sn->ev);
+    sn->live = raw_alloc((sn->nlive + 1) * sizeof *sn->live);
+    sn->maps = raw_alloc(sn->nmaps + 1);
+    if (!sn->ev || !sn->live || !sn->maps) {
+        snap_free(sn);
+        return NULL;
+    }
+    /* the window is contiguous in the ring but for one wrap */
+    uint64_t k0 = t0 % STEP_LOG, n = t1 - t0, first = n < STEP_LOG - k0 ? n : STEP_LOG - k0;
+    memcpy(sn->ev, &s->log[k0], first * sizeof *sn->ev);
+    memcpy(sn->ev + first, s->log, (n - first) * sizeof *sn->ev);
+    size_t k = 0;
+    for (size_t i = 0; i < pool->hcap; i++)
+        for (struct blk *b = pool->htab[i]; b && k < sn->nlive; b = b->hnext) sn->live[k++] = (struct pent){.addr = b->addr, .size = b->size};
+    sn->nlive = k;
+    uint8_t *m = sn->maps;
+    for (int g = 0; g < sn->nreg; g++) {
+        const struct region *r = sn->reg[g].r;
+        for (uint32_t p = 0; p < sn->reg[g].hi_page; p++) m[p] = r->pages[p].hd != 0;
+        sn->reg[g].mapped = m;
+        m += sn->reg[g].hi_page;
+    }
+    return sn;
+}
+
+static int region_index(const struct psnap *sn, struct pinput *in, uint64_t addr)
 {
     for (int g = 0; g < in->nreg; g++)
         if (addr >= in->reg[g].base && addr < in->reg[g].base + in->reg[g].size) return g;
-    for (int a = 0; a < NAREAS; a++)
-        for (struct region *r = pool->areas[a]; r; r = r->next)
-            if (addr >= r->base && addr < r->base + r->size && in->nreg < 64) {
-                in->reg[in->nreg] = (struct pregion){.base = r->base, .size = r->size, .r = r};
-                return in->nreg++;
-            }
+    for (int i = 0; i < sn->nreg; i++)
+        if (addr >= sn->reg[i].base && addr < sn->reg[i].base + sn->reg[i].size && in->nreg < 64) {
+            in->reg[in->nreg] = (struct pregion){.base = sn->reg[i].base, .size = sn->reg[i].size, .r = sn->reg[i].r, .sr = i};
+            return in->nreg++;
+        }
     return -1;
 }
 
@@ -2541,89 +2697,108 @@ static int cmp_u64(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-/* Whether every page of [addr, addr + size) in region g is mapped now. */
-static bool range_mapped(const struct msh_pool *pool, const struct pinput *in, int g, uint64_t addr, uint64_t size)
+/* Whether every page of [addr, addr + size) in region g was mapped at the snapshot. */
+static bool range_mapped(const struct psnap *sn, const struct pinput *in, int g, uint64_t addr, uint64_t size)
 {
-    const struct region *r = in->reg[g].r;
-    uint32_t p0 = (uint32_t)((addr - r->base) / pool->gran), p1 = (uint32_t)((addr + size - 1 - r->base) / pool->gran);
-    for (uint32_t p = p0; p <= p1; p++)
-        if (p >= r->hi_page || !r->pages[p].hd) return false;
+    const struct psreg *r = &sn->reg[in->reg[g].sr];
+    uint64_t p0 = (addr - r->base) / sn->gran, p1 = (addr + size - 1 - r->base) / sn->gran;
+    for (uint64_t p = p0; p <= p1; p++)
+        if (p >= r->hi_page || !r->mapped[p]) return false;
     return true;
 }
 
-/* Under the lock: the step's blocks with their lifetimes, from the log window [t0, t1) and the
- * live set (which is the step's starting live set). With keep, the blocks the last step placed
- * in pages that are mapped now stay where they were, and the others are packed into mapped free
- * space first (unmapped pages below the top of each region are obstacles): the plan changes as
- * little as it can, so the first planned step maps little. */
-static bool plan_input(struct msh_pool *pool, uint64_t t0, uint64_t t1, bool keep, bool holes, struct pinput *in)
+/* The step's blocks with their lifetimes, from the snapshot's events and live set (which is the
+ * step's starting live set); no lock needed. With keep, the blocks the last step placed in pages
+ * that were mapped stay where they were. With holes, unmapped pages below the top of each region
+ * are obstacles, so that blocks are packed into mapped free space first and the first planned
+ * step maps little; with holes > 1 every unmapped page is (the plan maps nothing), and every
+ * region of the pool is part of the line (a block may go to mapped pages of the other area: at the
+ * end of a step under pressure one area often holds most of the mapped pages). */
+static bool plan_input(const struct psnap *sn, bool keep, int holes, struct pinput *in)
 {
-    struct step *s = pool->step;
-    uint32_t len = (uint32_t)(t1 - t0);
+    uint32_t len = (uint32_t)(sn->t1 - sn->t0);
     uint32_t *idx = raw_alloc((size_t)len * sizeof *idx);
     uint64_t *prefree = raw_alloc((size_t)len * sizeof *prefree);
     size_t npre = 0;
     bool ok = idx && prefree;
     in->len = len;
-    in->gran = pool->gran;
-    for (uint64_t k = t0; ok && k < t1; k++) {
-        const struct slog *e = &s->log[k % STEP_LOG];
-        uint32_t t = (uint32_t)(k - t0);
+    in->gran = sn->gran;
+    in->budget = sn->budget;
+    in->across = holes > 1;
+    for (int i = 0; in->across && i < sn->nreg; i++) region_index(sn, in, sn->reg[i].base);
+    for (uint32_t t = 0; ok && t < len; t++) {
+        const struct slog *e = &sn->ev[t];
         if (e->op == 0) {
-            int g = region_index(pool, in, e->addr);
+            int g = region_index(sn, in, e->addr);
             idx[t] = (uint32_t)in->n;
             ok = g >= 0 && pin_push(in, (struct pitem){.addr = e->addr, .size = e->size, .t0 = t, .t1 = len,
                                                        .reg = g, .order = (uint32_t)in->nalloc});
             in->nalloc++;
-        } else if (e->ref > t0 && e->ref <= t1) { /* freed inside the step: movable */
-            uint32_t ai = idx[e->ref - 1 - t0];
+        } else if (e->ref > sn->t0 && e->ref <= sn->t1) { /* freed inside the step: movable */
+            uint32_t ai = idx[e->ref - 1 - sn->t0];
             in->it[ai].t1 = t;
         } else { /* alive when the step began, freed during it */
-            int g = region_index(pool, in, e->addr);
+            int g = region_index(sn, in, e->addr);
             ok = g >= 0 && pin_push(in, (struct pitem){.addr = e->addr, .size = e->size, .t0 = 0, .t1 = t,
                                                        .reg = g, .fixed = 1, .order = UINT32_MAX});
             prefree[npre++] = e->addr;
         }
     }
     for (size_t i = 0; ok && i < in->n; i++)
-        if (!in->it[i].fixed && range_mapped(pool, in, in->it[i].reg, in->it[i].addr, in->it[i].size))
+        if (!in->it[i].fixed && range_mapped(sn, in, in->it[i].reg, in->it[i].addr, in->it[i].size))
             in->it[i].prev = in->it[i].addr;
     /* allocations still alive at the end keep their place (they are the next step's start) */
     for (size_t i = 0; ok && i < in->n; i++)
-        if (!in->it[i].fixed && (in->it[i].t1 == len ||
-                                 (keep && range_mapped(pool, in, in->it[i].reg, in->it[i].addr, in->it[i].size))))
+        if (!in->it[i].fixed && (in->it[i].t1 == len || (keep && in->it[i].prev)))
             in->it[i].fixed = 1;
     for (int g = 0; ok && holes && g < in->nreg; g++) {
-        const struct region *r = in->reg[g].r;
+        const struct psreg *r = &sn->reg[in->reg[g].sr];
         for (uint32_t p = 0; ok && p < r->hi_page;) {
-            if (r->pages[p].hd) {
+            if (r->mapped[p]) {
                 p++;
                 continue;
             }
             uint32_t e = p;
-            while (e < r->hi_page && !r->pages[e].hd) e++;
-            ok = pin_push(in, (struct pitem){.addr = page_va(pool, r, p), .size = (uint64_t)(e - p) * pool->gran, .t0 = 0,
-                                             .t1 = len, .reg = g, .fixed = 1, .hole = 1, .order = UINT32_MAX});
+            while (e < r->hi_page && !r->mapped[e]) e++;
+            ok = pin_push(in, (struct pitem){.addr = r->base + (uint64_t)p * sn->gran, .size = (uint64_t)(e - p) * sn->gran,
+                                             .t0 = 0, .t1 = len, .reg = g, .fixed = 1, .hole = 1, .order = UINT32_MAX});
             p = e;
         }
+        uint64_t top = r->base + (uint64_t)r->hi_page * sn->gran;
+        if (ok && holes > 1 && top < r->base + r->size)
+            ok = pin_push(in, (struct pitem){.addr = top, .size = r->base + r->size - top, .t0 = 0, .t1 = len,
+                                             .reg = g, .fixed = 1, .hole = 1, .order = UINT32_MAX});
     }
     /* live blocks not freed during the step sit there throughout */
     qsort(prefree, npre, sizeof *prefree, cmp_u64);
-    for (size_t i = 0; ok && i < pool->hcap; i++)
-        for (struct blk *b = pool->htab[i]; ok && b; b = b->hnext) {
-            if (bsearch(&b->addr, prefree, npre, sizeof *prefree, cmp_u64)) continue;
-            int g = region_index(pool, in, b->addr);
-            if (g < 0) continue;
-            ok = pin_push(in, (struct pitem){.addr = b->addr, .size = b->size, .t0 = 0, .t1 = len, .reg = g,
-                                             .fixed = 1, .order = UINT32_MAX});
-        }
+    for (size_t i = 0; ok && i < sn->nlive; i++) {
+        if (bsearch(&sn->live[i].addr, prefree, npre, sizeof *prefree, cmp_u64)) continue;
+        int g = region_index(sn, in, sn->live[i].addr);
+        if (g < 0) continue;
+        ok = pin_push(in, (struct pitem){.addr = sn->live[i].addr, .size = sn->live[i].size, .t0 = 0, .t1 = len, .reg = g,
+                                         .fixed = 1, .order = UINT32_MAX});
+    }
     raw_free(idx, (size_t)len * sizeof *idx);
     raw_free(prefree, (size_t)len * sizeof *prefree);
     return ok;
 }
 
 /* Mark the plan's footprint (PLAN_PAGE) and move cached handles to the list they now belong to. */
-static void plan_mark(struct msh_pool *pool, const struct pinput *in)
+static void fp_add(struct msh_pool *pool, struct region *r, uint32_t p0, uint32_t p1)
+{
+    struct step *s = pool->step;
+    if (s->nfp == s->capfp) {
+        void *v = s->fp;
+        uint32_t cap = (uint32_t)s->capfp;
+        if (!arr_grow(&v, &cap, sizeof *s->fp, NULL)) return; /* not in the footprint: only reclaimed sooner */
+        s->fp = v;
+        s->capfp = cap;
+    }
+    for (uint32_t p = p0; p <= p1; p++) r->pages[p].plan |= PLAN_PAGE;
+    s->fp[s->nfp++] = (struct fprun){.r = r, .p0 = p0, .p1 = p1};
+}
+
+static void plan_mark(struct msh_pool *pool, const struct pinput *in, uint64_t pages)
 {
     struct step *s = pool->step;
     for (size_t i = 0; i < s->nfp; i++)
@@ -2632,22 +2807,30 @@ static void plan_mark(struct msh_pool *pool, const struct pinput *in)
     for (size_t i = 0; i < in->n; i++) {
         const struct pitem *x = &in->it[i];
         if (x->hole) continue;
-        for (int a = 0; a < NAREAS; a++)
-            for (struct region *r = pool->areas[a]; r; r = r->next) {
-                if (x->addr < r->base || x->addr >= r->base + r->size) continue;
-                uint32_t p0 = (uint32_t)((x->addr - r->base) / pool->gran);
-                uint32_t p1 = (uint32_t)((x->addr + x->size - 1 - r->base) / pool->gran);
-                for (uint32_t p = p0; p <= p1; p++) r->pages[p].plan |= PLAN_PAGE;
-                if (s->nfp == s->capfp) {
-                    void *v = s->fp;
-                    uint32_t cap = (uint32_t)s->capfp;
-                    if (!arr_grow(&v, &cap, sizeof *s->fp, NULL)) continue;
-                    s->fp = v;
-                    s->capfp = cap;
-                }
-                s->fp[s->nfp++] = (struct fprun){.r = r, .p0 = p0, .p1 = p1};
-            }
+        struct region *r = in->reg[x->reg].r;
+        fp_add(pool, r, (uint32_t)((x->addr - r->base) / pool->gran), (uint32_t)((x->addr + x->size - 1 - r->base) / pool->gran));
     }
+    /* A mapped handle partly in the footprint would be re-partitioned (unmapped and mapped again)
+     * the first time a planned block touches it: when the budget allows, its other pages join the
+     * footprint, and the handle is used as it is. */
+    uint64_t extra = 0;
+    for (int pass = 0; pass < 2 && (!pass || (extra && pages + extra <= in->budget)); pass++)
+        for (int a = 0; a < NAREAS; a++)
+            for (struct region *r = pool->areas[a]; r; r = r->next)
+                for (uint32_t p = 0; p < r->hi_page;) {
+                    const struct page *hp = &r->pages[p];
+                    if (pg_head(hp) != p) {
+                        p++;
+                        continue;
+                    }
+                    uint32_t m = 0;
+                    for (uint32_t q = p; q < p + hp->npages; q++) m += (r->pages[q].plan & PLAN_PAGE) != 0;
+                    if (m && m < hp->npages) {
+                        if (!pass) extra += hp->npages - m;
+                        else fp_add(pool, r, p, p + hp->npages - 1);
+                    }
+                    p += hp->npages;
+                }
     /* re-file cached handles: in the footprint if any of their pages is */
     for (int a = 0; a < NAREAS; a++)
         for (struct region *r = pool->areas[a]; r; r = r->next)
@@ -2669,8 +2852,169 @@ static void plan_mark(struct msh_pool *pool, const struct pinput *in)
             }
 }
 
-/* Before an allocation of rsize bytes: follow the plan, or learn one. Called with the lock held;
- * the packing itself runs without it. */
+/* ---- the planner ---- */
+
+/* Packings tried in turn, the smallest change first: in mapped pages only (the switch maps
+ * nothing): keep every block that sits in mapped pages, or pack the whole step anew; then with
+ * unmapped pages above the top of each region allowed: keep, put blocks back where they were when
+ * still free, pack anew; last, pack anew anywhere. The first that fits wins (the greedy packings
+ * are heuristics: one that keeps blocks where they are sometimes fits where packing anew does not). */
+static const struct { bool keep; int holes; bool near; const char *what; } plan_ways[] = {
+    {true, 2, false, "keeping what is mapped, in mapped pages only"},
+    {false, 2, false, "anew, in mapped pages only"},
+    {true, 1, false, "keeping what is mapped"},
+    {false, 1, true, "near the last step, in mapped pages"},
+    {false, 1, false, "anew, in mapped pages"},
+    {false, 0, false, "anew"},
+};
+enum { NWAYS = sizeof plan_ways / sizeof plan_ways[0] };
+
+/* Pack a snapshot (no lock, no pool): the packed input, or NULL with *failed when no packing fits
+ * the budget (NULL alone: too short a step, or memory ran out). */
+static struct pinput *plan_pack(const struct psnap *sn, uint64_t *pages, bool *failed)
+{
+    for (int w = 0; w < NWAYS; w++) {
+        struct pinput *in = raw_alloc(sizeof *in);
+        if (!in) return NULL;
+        memset(in, 0, sizeof *in);
+        if (!plan_input(sn, plan_ways[w].keep, plan_ways[w].holes, in) || in->nalloc < STEP_MIN_ALLOCS) {
+            pin_free(in);
+            return NULL;
+        }
+        in->prefer_prev = plan_ways[w].near;
+        in->keep_mapped = plan_ways[w].keep;
+        *pages = pack_all(in);
+        msh_debug("pool: step of %zu allocations packed %s: %llu pages of %llu", in->nalloc, plan_ways[w].what,
+                  (unsigned long long)*pages, (unsigned long long)in->budget);
+        if (*pages <= in->budget) return in;
+        pin_free(in);
+    }
+    *failed = true;
+    return NULL;
+}
+
+/* Run the queued job: the lock is held on entry and on return, and dropped for the packing. */
+static void planner_run(struct msh_pool *pool)
+{
+    struct step *s = pool->step;
+    struct psnap *sn = s->snap;
+    s->job = PJ_RUNNING;
+    pthread_mutex_unlock(&pool->lock);
+    if (pool->prm.planner_hook) pool->prm.planner_hook(pool->prm.planner_hook_arg);
+    uint64_t t = msh_now_ns(), pages = UINT64_MAX, t0 = sn->t0, t1 = sn->t1;
+    size_t capn = sn->cap;
+    bool failed = false;
+    struct pinput *in = plan_pack(sn, &pages, &failed);
+    t = msh_now_ns() - t;
+    msh_debug("pool: step of %llu events from %llu: %s in %.3f s", (unsigned long long)(t1 - t0),
+              (unsigned long long)t0, in ? "packed" : failed ? "does not fit" : "not packed", (double)t / 1e9);
+    uint64_t first = 0, h0 = sn->h0;
+    for (size_t i = 0; in && i < in->n; i++)
+        if (in->it[i].order == 0) first = in->it[i].size;
+    snap_free(sn);
+    pthread_mutex_lock(&pool->lock);
+    s->snap = NULL;
+    pool->st.plan_pack_ns += t;
+    s->job = PJ_IDLE;
+    if (in && !s->stop) {
+        s->res = in;
+        s->res_pages = pages;
+        s->res_h0 = h0;
+        s->res_first = first;
+        s->res_until = s->n + 2 * (t1 - t0);
+        s->job = PJ_DONE;
+    } else {
+        pin_free(in);
+    }
+    if (failed) { /* the same step at the same budget will not pack next time either */
+        if (!step_failed_before(s, t1 - t0, capn + 1) || s->fail_budget != capn) s->fails = 0;
+        s->fail_len = t1 - t0;
+        s->fail_budget = capn;
+        s->fail_until = t1 + ((t1 - t0) << (6 + (s->fails < 4 ? s->fails : 4)));
+        s->fails++;
+    }
+}
+
+static void *planner_main(void *arg)
+{
+    struct msh_pool *pool = arg;
+    struct step *s = pool->step;
+    pthread_mutex_lock(&pool->lock);
+    for (;;) {
+        while (!s->stop && s->job != PJ_QUEUED) pthread_cond_wait(&s->wake, &pool->lock);
+        if (s->stop) break;
+        planner_run(pool);
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return NULL;
+}
+
+/* Start the planner thread (once per pool). The lock is held on entry and on return; it is
+ * dropped while the thread is created (thread creation may use the host's malloc). False when
+ * the thread cannot start: the caller packs on its own thread, as the pool did before. */
+static bool planner_start(struct msh_pool *pool)
+{
+    struct step *s = pool->step;
+    if (s->worker_on) return true; /* running, or being started by another thread */
+    if (s->worker_failed) return false;
+    s->worker_on = true;
+    pthread_mutex_unlock(&pool->lock);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old); /* the job's signals are never delivered to the planner */
+    int rc = pthread_create(&s->worker, NULL, planner_main, pool);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_mutex_lock(&pool->lock);
+    if (rc) {
+        s->worker_on = false;
+        s->worker_failed = true;
+        msh_warn("pool: cannot start the planner thread (error %d): steps are packed on the allocating thread", rc);
+    }
+    return !rc;
+}
+
+/* At a step boundary of the packed step (the live set it started from, and the size of its first
+ * allocation), switch to its plan. The lock is held. */
+static void plan_install(struct msh_pool *pool, uint64_t rsize)
+{
+    struct step *s = pool->step;
+    if (s->active || s->job != PJ_DONE || s->hstate != s->res_h0 || s->res_first != rsize) return;
+    struct pinput *in = s->res;
+    s->res = NULL;
+    s->job = PJ_IDLE;
+    size_t capn = cap_pages(pool);
+    if (capn != SIZE_MAX && s->res_pages > capn) { /* the limit went down meanwhile */
+        pin_free(in);
+        return;
+    }
+    if (s->capplan < in->nalloc) {
+        raw_free(s->plan, s->capplan * sizeof *s->plan);
+        s->capplan = in->nalloc;
+        s->plan = raw_alloc(s->capplan * sizeof *s->plan);
+        if (!s->plan) {
+            s->capplan = 0;
+            pin_free(in);
+            return;
+        }
+    }
+    for (size_t i = 0; i < in->n; i++)
+        if (in->it[i].order != UINT32_MAX)
+            s->plan[in->it[i].order] = (struct pent){.addr = in->it[i].addr, .size = in->it[i].size,
+                                                     .area = in->reg[in->it[i].reg].r->area};
+    s->nplan = in->nalloc;
+    s->fails = 0;
+    s->plan_h = s->res_h0;
+    s->cursor = 0;
+    s->active = true;
+    pool->st.plans_built++;
+    msh_debug("pool: learned step of %zu allocations in use from event %llu", s->nplan, (unsigned long long)s->n);
+    plan_mark(pool, in, s->res_pages);
+    pin_free(in);
+}
+
+/* Before an allocation of rsize bytes: follow the plan, switch to one the planner has packed, or
+ * hand the planner a step to pack. Called with the lock held; packs only with plan_sync
+ * (deterministic replays) or when the planner thread cannot start. */
 static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
 {
     struct step *s = pool->step;
@@ -2679,102 +3023,48 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
         if (s->hstate == s->plan_h && s->plan[0].size == rsize) s->cursor = 0;
         else step_drop(pool);
     }
+    if (s->job == PJ_DONE) plan_install(pool, rsize);
+    if (s->job == PJ_DONE && s->n > s->res_until) { /* its boundary did not come back: the step changed */
+        pin_free(s->res);
+        s->res = NULL;
+        s->job = PJ_IDLE;
+    }
+    struct anchor *an = &s->anchors[mix64(s->hstate) & (STEP_ANCHORS - 1)];
+    bool candidate = !s->active && s->job == PJ_IDLE && an->h == s->hstate && an->size == rsize &&
+                     an->serial < s->n && s->n - an->serial <= STEP_LOG && pool->pressure_reclaims > an->reclaims &&
+                     s->n >= s->quiet_until && !step_failed_before(s, s->n - an->serial, cap_pages(pool));
+    uint64_t t0 = an->serial, t1 = s->n, h0 = s->hstate;
+    *an = (struct anchor){.h = s->hstate, .serial = s->n, .reclaims = pool->pressure_reclaims, .size = rsize};
+    if (candidate) {
+        /* Every allocation of a repeated step starts a window of the same length: try once per
+         * step length, not at each of them. */
+        s->quiet_until = t1 + (t1 - t0);
+        size_t capn = cap_pages(pool);
+        struct psnap *sn = snap_take(pool, t0, t1, h0, capn != SIZE_MAX ? capn : pool->held);
+        if (sn) {
+            sn->cap = capn;
+            s->snap = sn;
+            s->job = PJ_QUEUED;
+            /* plan_sync (a deterministic replay): packed here, at this boundary, as if the
+             * planner had been instant; otherwise by the planner thread (or here when it cannot
+             * start), and used from a later boundary */
+            if (pool->prm.plan_sync || !planner_start(pool)) {
+                if (s->job == PJ_QUEUED) planner_run(pool);
+            } else {
+                pthread_cond_signal(&s->wake);
+            }
+            plan_install(pool, rsize); /* when it is ready already and this is still its boundary */
+        }
+    }
     if (s->active) {
         if (s->plan[s->cursor].size != rsize) {
             step_drop(pool);
         } else {
             s->want = true;
             s->want_addr = s->plan[s->cursor].addr;
+            s->want_area = s->plan[s->cursor].area;
         }
     }
-    struct anchor *an = &s->anchors[mix64(s->hstate) & (STEP_ANCHORS - 1)];
-    bool candidate = !s->active && an->h == s->hstate && an->size == rsize && an->serial < s->n &&
-                     s->n - an->serial <= STEP_LOG && pool->pressure_reclaims > an->reclaims && s->n >= s->quiet_until &&
-                     !step_failed_before(s, s->n - an->serial, cap_pages(pool));
-    uint64_t t0 = an->serial, t1 = s->n, h0 = s->hstate;
-    *an = (struct anchor){.h = s->hstate, .serial = s->n, .reclaims = pool->pressure_reclaims, .size = rsize};
-    if (!candidate) return;
-    /* Packings tried in turn, the smallest change first: keep every block that sits in mapped
-     * pages; put blocks back where they were when still free; pack the whole step. Unmapped pages
-     * are obstacles in the first three, so that the first planned step maps (almost) nothing. */
-    static const struct { bool keep, holes, near; const char *what; } way[] = {
-        {true, true, false, "keeping what is mapped"},
-        {false, true, true, "near the last step, in mapped pages"},
-        {false, true, false, "anew, in mapped pages"},
-        {false, false, false, "anew"},
-    };
-    enum { NWAYS = sizeof way / sizeof way[0] };
-    struct pinput cand[NWAYS];
-    memset(cand, 0, sizeof cand);
-    /* Every allocation of a repeated step starts a window of the same length: try once per
-     * step length, not at each of them. */
-    s->quiet_until = t1 + (t1 - t0);
-    size_t capn = cap_pages(pool);
-    bool ok = true;
-    for (int w = 0; w < NWAYS && ok; w++) {
-        ok = plan_input(pool, t0, t1, way[w].keep, way[w].holes, &cand[w]) && cand[w].nalloc >= STEP_MIN_ALLOCS;
-        cand[w].budget = capn != SIZE_MAX ? capn : pool->held;
-        cand[w].prefer_prev = way[w].near;
-        cand[w].keep_mapped = way[w].keep;
-    }
-    if (!ok) {
-        for (int w = 0; w < NWAYS; w++) raw_free(cand[w].it, cand[w].cap * sizeof *cand[w].it);
-        return;
-    }
-    pthread_mutex_unlock(&pool->lock);
-    uint64_t tpack = msh_now_ns();
-    /* The first packing that fits wins (the greedy packings are heuristics: one that keeps blocks
-     * where they are sometimes fits where packing anew does not). */
-    uint64_t pages = UINT64_MAX;
-    int chosen = -1;
-    for (int w = 0; w < NWAYS && chosen < 0; w++) {
-        pages = pack_all(&cand[w]);
-        msh_debug("pool: step of %zu allocations packed %s: %llu pages of %llu", cand[w].nalloc, way[w].what,
-                  (unsigned long long)pages, (unsigned long long)cand[w].budget);
-        if (pages <= cand[w].budget) chosen = w;
-    }
-    struct pinput in = cand[chosen < 0 ? NWAYS - 1 : chosen];
-    for (int w = 0; w < NWAYS; w++)
-        if (cand[w].it != in.it) raw_free(cand[w].it, cand[w].cap * sizeof *cand[w].it);
-    msh_debug("pool: step of %zu allocations (events %llu..%llu): %llu pages, budget %llu, packed in %.3f s",
-              in.nalloc, (unsigned long long)t0, (unsigned long long)t1, (unsigned long long)pages,
-              (unsigned long long)in.budget, (double)(msh_now_ns() - tpack) / 1e9);
-    pthread_mutex_lock(&pool->lock);
-    if (s->n != t1 || s->hstate != h0 || s->active) { /* another thread moved on: not this time */
-        raw_free(in.it, in.cap * sizeof *in.it);
-        return;
-    }
-    if (pages > in.budget) { /* the same step at the same budget will not pack next time either */
-        if (!step_failed_before(s, t1 - t0, capn + 1) || s->fail_budget != capn) s->fails = 0;
-        s->fail_len = t1 - t0;
-        s->fail_budget = capn;
-        s->fail_until = t1 + ((t1 - t0) << (6 + (s->fails < 4 ? s->fails : 4)));
-        s->fails++;
-        raw_free(in.it, in.cap * sizeof *in.it);
-        return;
-    }
-    if (s->capplan < in.nalloc) {
-        raw_free(s->plan, s->capplan * sizeof *s->plan);
-        s->capplan = in.nalloc;
-        s->plan = raw_alloc(s->capplan * sizeof *s->plan);
-        if (!s->plan) {
-            s->capplan = 0;
-            raw_free(in.it, in.cap * sizeof *in.it);
-            return;
-        }
-    }
-    for (size_t i = 0; i < in.n; i++)
-        if (in.it[i].order != UINT32_MAX) s->plan[in.it[i].order] = (struct pent){.addr = in.it[i].addr, .size = in.it[i].size};
-    s->nplan = in.nalloc;
-    s->fails = 0;
-    s->plan_h = h0;
-    s->cursor = 0;
-    s->active = true;
-    s->want = true;
-    s->want_addr = s->plan[0].addr;
-    pool->st.plans_built++;
-    plan_mark(pool, &in);
-    raw_free(in.it, in.cap * sizeof *in.it);
 }
 
 /* ---- issue 8's entry points: streams that go away, blocks by interior address, release on free -- */
@@ -3206,6 +3496,44 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
                                                       (unsigned long long)pool->synced_gen, (unsigned long long)pool->free_gen);
     if (pool->step && pool->step->active && (pool->step->cursor > pool->step->nplan || !pool->step->nplan))
         CHECK_FAIL("learned step: cursor %zu of %zu entries", pool->step->cursor, pool->step->nplan);
+    if (pool->step) {
+        const struct step *s = pool->step;
+        /* the planner's job: a snapshot exactly while it is queued or running, a packed step
+         * exactly while it waits for its boundary, and none of them while a plan is in use */
+        if (s->job < PJ_IDLE || s->job > PJ_DONE) CHECK_FAIL("learned step: planner job state %d", s->job);
+        if ((s->snap != NULL) != (s->job == PJ_QUEUED || s->job == PJ_RUNNING))
+            CHECK_FAIL("learned step: planner job %d with%s a snapshot", s->job, s->snap ? "" : "out");
+        if ((s->res != NULL) != (s->job == PJ_DONE))
+            CHECK_FAIL("learned step: planner job %d with%s a packed step", s->job, s->res ? "" : "out");
+        if (s->active && s->job != PJ_IDLE) CHECK_FAIL("learned step: a plan in use while the planner has job %d", s->job);
+        /* the footprint flags are exactly the pages of the footprint's runs */
+        for (int a = 0; a < NAREAS; a++)
+            for (struct region *r = pool->areas[a]; r; r = r->next) {
+                uint32_t top = r->hi_page;
+                for (size_t i = 0; i < s->nfp; i++)
+                    if (s->fp[i].r == r && s->fp[i].p1 + 1 > top) top = s->fp[i].p1 + 1;
+                if (!top) continue;
+                size_t need = (size_t)top * sizeof *live_count;
+                if (need > live_count_bytes) {
+                    raw_free(live_count, live_count_bytes);
+                    live_count_bytes = round_up(need, 4096);
+                    live_count = raw_alloc(live_count_bytes);
+                    if (!live_count) {
+                        live_count_bytes = 0;
+                        CHECK_FAIL("cannot map %zu bytes for the check", need);
+                    }
+                }
+                memset(live_count, 0, need);
+                for (size_t i = 0; i < s->nfp; i++)
+                    if (s->fp[i].r == r)
+                        for (uint32_t p = s->fp[i].p0; p <= s->fp[i].p1; p++) live_count[p] = 1;
+                for (uint32_t p = 0; p < top; p++)
+                    if (live_count[p] != ((r->pages[p].plan & PLAN_PAGE) != 0))
+                        CHECK_FAIL("region %#llx page %u: %sin the learned step's footprint, but its flag says %s",
+                                   (unsigned long long)r->base, p, live_count[p] ? "" : "not ",
+                                   live_count[p] ? "not" : "it is");
+            }
+    }
 out:
     pthread_mutex_unlock(&pool->lock);
     raw_free(live_count, live_count_bytes);

@@ -38,6 +38,9 @@ static inline uint64_t msh_lat_upper(int b)
 
 struct msh_pool;
 
+/* The learned step is packed by a planner thread (plan_sync, planner_hook below). */
+#define MSH_POOL_PLANNER 1
+
 struct msh_pool_params {
     size_t limit_bytes;        /* cap on physical bytes held; 0 = device memory is the only cap */
     size_t small_max;          /* requests up to this many bytes go to the small region */
@@ -50,6 +53,14 @@ struct msh_pool_params {
     size_t ahead_bytes;        /* far from any limit, map the open end of the VA line in chunks of
                                 * this many bytes (0 = 20 MiB; one page or less = never) */
     bool no_learn;             /* never place by the learned step (today's placement only) */
+    /* The learned step is packed by a planner thread of the pool's own while allocations go on,
+     * and used from the next step boundary once ready. plan_sync: the allocation that finds the
+     * step packs it itself and uses the plan at once, no thread (memshim-replay: results that do
+     * not depend on thread timing). planner_hook (tests): called before each packing, on the
+     * thread that packs. */
+    bool plan_sync;
+    void (*planner_hook)(void *arg);
+    void *planner_hook_arg;
     /* Several pools of one device (PyTorch's CUDA-graph capture pools beside the main pool,
      * shim/torch.c) under one limit: when set, limit_bytes is ignored and share->limit_bytes
      * (0 = none, changeable at any time) caps the handle bytes all sharing pools hold together. */
@@ -97,6 +108,7 @@ struct msh_pool_stats {
     /* The learned step (docs/pool.md): steps learned, allocations placed where the plan said,
      * and plans dropped because the stream of requests left them. */
     uint64_t plans_built, plan_placed, plan_dropped;
+    uint64_t plan_pack_ns;                       /* time spent packing steps (on the planner thread) */
     uint64_t lock_waits;                         /* allocations that waited for another thread's mapping */
 };
 

@@ -422,6 +422,15 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_u(ops, "reclaimed_pages", st->reclaimed_pages);
     set_u(ops, "released_pages", st->released_pages);
     set_u(ops, "cross_stream_waits", st->cross_stream_waits);
+    /* the pool's streams, learned step and threads (docs/pool.md; issue 10) */
+    set_u(ops, "cross_stream_reuses", st->cross_stream_reuses);
+    set_u(ops, "free_event_records", st->free_event_records);
+    set_u(ops, "reuse_event_records", st->reuse_event_records);
+    set_u(ops, "plans_built", st->plans_built);
+    set_u(ops, "plan_placed", st->plan_placed);
+    set_u(ops, "plan_dropped", st->plan_dropped);
+    set_u(ops, "lock_waits", st->lock_waits);
+    set_u(ops, "handles", st->handles);
     set_d(ops, "alloc_mean_ns", st->allocs ? (double)st->alloc_ns_total / (double)st->allocs : 0.0);
     set_d(ops, "free_mean_ns", st->frees ? (double)st->free_ns_total / (double)st->frees : 0.0);
     J.object_set_new(root, "operations", ops);

@@ -71,6 +71,7 @@ int msh_memshim_policy_create(uint64_t capacity, uint64_t granularity, uint64_t 
     struct msh_pool_params prm;
     msh_pool_params_default(&prm);
     prm.limit_bytes = capacity;
+    prm.plan_sync = true; /* as memshim-replay: figures that do not depend on thread timing */
     uint64_t base = capacity ? capacity : va_hint;
     prm.va_bytes = base * 4 > 8 * MSH_GiB ? base * 4 : 8 * MSH_GiB;
     if ((rc = msh_pool_create(&m->dev, &prm, &m->pool))) {

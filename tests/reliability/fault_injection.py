@@ -49,14 +49,8 @@ GRAN = 2 << 20
 # function -> (symptom test on one run's "why" list, reason). Reported to the lead; see
 # docs/reliability.md "Known gaps".
 KNOWN = {
-    "cuMemRelease": (lambda why: all("handles=1 mappings=0" in w for w in why),
-                     "known issue: the pool drops a handle whose cuMemRelease failed (policy/pool.c "
-                     "release_cached/pages_commit/msh_pool_destroy ignore the error): 1 handle leaks"),
-    "cuEventDestroy": (lambda why: all("events=1" in w and "handles=0 mappings=0" in w.replace(
-                           "exit handles", "handles") or "events=1" in w and "but memshim's summary" in w
-                           for w in why),
-                       "known issue: an event whose cuEventDestroy failed is not destroyed again "
-                       "(policy/pool.c streams_settle_for): 1 event leaks, no handle or mapping"),
+    # none: the pool keeps a handle whose cuMemRelease failed as an orphan and retries it, and
+    # tries a failed cuEventDestroy once more (policy/pool.c ev_destroy); both pass RELI_STRICT=1
 }
 res = {"passed": 0, "failed": 0, "skipped": 0}
 EXIT_RE = re.compile(r"cudbl: exit handles=(\d+) mappings=(\d+) reservations=(\d+) allocs=(\d+) events=(\d+)")

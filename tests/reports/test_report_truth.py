@@ -696,6 +696,22 @@ FIELDS = {
                                                          "driver: unmaps not followed by a release")),
     "operations.released_pages": (R, check_released_pages),
     "operations.cross_stream_waits": (T, lambda c, v, i: eq(v, c.s["calls_cuStreamWaitEvent"], "driver: cuStreamWaitEvent calls")),
+    # the pool's streams, learned step and threads (issue 10)
+    "operations.cross_stream_reuses": (R, lambda c, v, i: need(
+        v <= ops(c, "cross_stream_waits") <= 4 * v, f"{v} reuses on another stream but {ops(c, 'cross_stream_waits')} "
+        "stream waits (each waits for 1 to 4 old streams)") or need(v <= ops(c, "allocs"), f"{v} > allocs")),
+    "operations.free_event_records": (T, lambda c, v, i: eq(v + ops(c, "reuse_event_records"), c.s["calls_cuEventRecord"],
+                                                            "free + reuse event records vs driver: cuEventRecord calls")),
+    "operations.reuse_event_records": (R, lambda c, v, i: need(v <= ops(c, "cross_stream_waits"),
+                                                               f"{v} records at reuse > {ops(c, 'cross_stream_waits')} waits")),
+    "operations.plans_built": (R, lambda c, v, i: need(16 * v <= ops(c, "allocs"), f"{v} plans of 16+ allocations each "
+                                                       f"from {ops(c, 'allocs')} allocations")),
+    "operations.plan_placed": (R, lambda c, v, i: need(v <= ops(c, "allocs"), f"{v} > allocs")
+                               or need(v == 0 or ops(c, "plans_built") > 0, f"{v} placed by a plan, but no plan built")),
+    "operations.plan_dropped": (R, lambda c, v, i: need(v <= ops(c, "plans_built"), f"{v} plans dropped of {ops(c, 'plans_built')} built")),
+    "operations.lock_waits": (T, lambda c, v, i: eq(v, 0, "one thread allocates: it never waits for another's mapping")),
+    "operations.handles": (T, lambda c, v, i: eq(v, c.s["handles"], "driver: live handles")
+                           or eq(v, ops(c, "create_ops") - ops(c, "release_ops"), "creates - releases")),
     "operations.alloc_mean_ns": (R, lambda c, v, i: need(
         (v > 0) == (ops(c, "allocs") > 0) and v * ops(c, "allocs") <= c.r["t_end_s"] * 1e9,
         f"{v} ns x {ops(c, 'allocs')} allocs: not positive or longer than the run so far")),

@@ -419,6 +419,8 @@ static struct msh_pool *mk_pool(struct msh_device *d, size_t limit, bool defrag,
     p.ahead_bytes = GRAN;
     p.limit_bytes = limit;
     p.defrag = defrag;
+    p.plan_sync = true; /* the learned step is packed and used at the boundary where it was found,
+                         * as in the replay (test_pool_threads.c tests the planner thread) */
     if (small_max) p.small_max = small_max;
     p.va_bytes = 8 * GiB;
     struct msh_pool *pool = NULL;
@@ -1914,6 +1916,56 @@ TEST(a_repeated_step_that_remaps_is_learned_and_then_maps_nothing)
         CHECKF(f->calls[OP_UNMAP] > u0, "step %d without learning did not remap", step);
     }
     msh_pool_destroy(pool);
+    free(f);
+}
+
+/* A step whose large blocks take back, late in the step, the small area's only page: at the step
+ * boundary the small area has nothing mapped, while the large area has room for the small blocks
+ * at the time they live. Returns the allocations that failed. */
+static int area_step(struct msh_pool *pool)
+{
+    int fails = 0;
+    uint64_t a, b, c, sm[24];
+    for (int i = 0; i < 24; i++) fails += msh_pool_alloc(pool, 64 * 1024, 1, &sm[i]) != 0;
+    fails += msh_pool_alloc(pool, 4 * MiB, 1, &a) != 0;
+    fails += msh_pool_alloc(pool, 2 * MiB, 1, &b) != 0;
+    for (int i = 0; i < 24; i++) msh_pool_free(pool, sm[i], 1);
+    msh_pool_free(pool, a, 1);
+    fails += msh_pool_alloc(pool, 6 * MiB, 1, &c) != 0; /* after b: reclaims the small page and a's */
+    msh_pool_free(pool, b, 1);
+    msh_pool_free(pool, c, 1);
+    return fails;
+}
+
+/* Issue 10: from the second step on, no map and no unmap. The plan is packed into the pages
+ * mapped at the step boundary only, across both areas (the small blocks go to large-area pages
+ * that are free while they live), and a block the plan places shares the handles it finds. The
+ * pool before this change mapped again in the second step (it packed the small blocks into the
+ * small area, whose page the first step had given to the large blocks). */
+TEST(the_second_step_maps_nothing_when_the_step_boundary_left_one_area_unmapped)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 10 * MiB, true, 0); /* 5 pages in all */
+    REQUIRE(pool);
+    long maps[6], unmaps[6];
+    int fails = 0;
+    for (int step = 0; step < 6; step++) {
+        long m0 = f->calls[OP_MAP], u0 = f->calls[OP_UNMAP];
+        fails += area_step(pool);
+        maps[step] = f->calls[OP_MAP] - m0;
+        unmaps[step] = f->calls[OP_UNMAP] - u0;
+    }
+    struct msh_pool_stats s = stats(pool);
+    printf("    map/unmap per step:");
+    for (int i = 0; i < 6; i++) printf(" %ld/%ld", maps[i], unmaps[i]);
+    printf("; plans %llu, placed %llu, dropped %llu\n", (unsigned long long)s.plans_built,
+           (unsigned long long)s.plan_placed, (unsigned long long)s.plan_dropped);
+    CHECK(fails == 0);
+    CHECK(unmaps[0] > 0); /* online, the step remaps */
+    CHECK(s.plans_built == 1 && s.plan_dropped == 0);
+    for (int i = 1; i < 6; i++) CHECKF(maps[i] == 0 && unmaps[i] == 0, "step %d: %ld maps, %ld unmaps", i + 1, maps[i], unmaps[i]);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
     free(f);
 }
 

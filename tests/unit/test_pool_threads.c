@@ -6,7 +6,10 @@
  *    wrapped): while one thread is inside a map, other threads must keep allocating and freeing
  *    (the pool holds no lock across a driver call), a thread that needs a page being mapped waits
  *    for it and then finds it mapped, and the pool stays consistent (msh_pool_check).
- * 2. The CUDA driver double with deferred completion (tests/cudadouble, synchronous mode: queued
+ * 2. The learned step's planner thread, held inside its job by a hook: the allocating thread goes on
+ *    with best fit, switches to the plan at the next boundary of the step once it is packed,
+ *    never uses a plan whose step did not come back, and destroy waits for the planner.
+ * 3. The CUDA driver double with deferred completion (tests/cudadouble, synchronous mode: queued
  *    work runs only when the test says): a block freed on stream A and reused on stream B makes B
  *    wait for the work A queued before the free, and not for what A queued after it.
  * The tests use only the pool's API and the device's map entry, so they build against older pools
@@ -267,6 +270,225 @@ TEST(a_thread_needing_a_page_being_mapped_waits_for_it)
     CHECK(msh_pool_free(pool, b.addr, 1) == 0);
     check_pool(pool, "at the end");
     msh_pool_destroy(pool);
+    msh_dev_sim_fini(&d);
+}
+
+/* ---- the learned step's planner (issue 10) -----------------------------------------------------------
+ * The packing of a learned step runs on a thread of the pool's own; the allocating thread only
+ * hands it a copy of the step and switches to the plan at a later step boundary. A hook holds the
+ * planner inside its job, so the tests can show what happens meanwhile. Built against a pool
+ * without the planner (no MSH_POOL_PLANNER), the hook is never called and the tests fail: the
+ * allocation that found the step packed it itself and used the plan at once. */
+
+static struct {
+    pthread_mutex_t m;
+    pthread_cond_t c;
+    int hold;    /* the planner waits in the hook until this is 0 */
+    int entered; /* jobs the planner started */
+} pgate = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0};
+
+__attribute__((unused)) static void planner_gate(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&pgate.m);
+    pgate.entered++;
+    pthread_cond_broadcast(&pgate.c);
+    while (pgate.hold) pthread_cond_wait(&pgate.c, &pgate.m);
+    pthread_mutex_unlock(&pgate.m);
+}
+
+static void pgate_set(int hold)
+{
+    pthread_mutex_lock(&pgate.m);
+    pgate.hold = hold;
+    if (hold) pgate.entered = 0;
+    pthread_cond_broadcast(&pgate.c);
+    pthread_mutex_unlock(&pgate.m);
+}
+
+/* Wait (at most 5 s) until the planner has started n jobs. */
+static bool pgate_wait_entered(int n)
+{
+    uint64_t t0 = now_ms();
+    pthread_mutex_lock(&pgate.m);
+    while (pgate.entered < n && now_ms() - t0 < 5000) {
+        pthread_mutex_unlock(&pgate.m);
+        usleep(1000);
+        pthread_mutex_lock(&pgate.m);
+    }
+    bool ok = pgate.entered >= n;
+    pthread_mutex_unlock(&pgate.m);
+    return ok;
+}
+
+static struct msh_pool *mk_learning_pool(struct msh_device *d)
+{
+    struct msh_pool_params p;
+    msh_pool_params_default(&p);
+    p.va_bytes = 8 * GiB;
+    p.ahead_bytes = GRAN;
+    p.limit_bytes = 10 * MiB; /* 5 pages: the step below remaps when placed online */
+#ifdef MSH_POOL_PLANNER
+    p.planner_hook = planner_gate;
+#endif
+    struct msh_pool *pool = NULL;
+    return msh_pool_create(d, &p, &pool) ? NULL : pool;
+}
+
+/* A step that remaps at 5 pages when placed best fit (its large blocks take back the small
+ * area's page late in the step). `small`, `big`: the sizes of its first and last blocks (other
+ * sizes: another step). Returns the allocations that failed. */
+static int step_with(struct msh_pool *pool, size_t small, size_t big)
+{
+    int fails = 0;
+    uint64_t a, b, c, sm[24];
+    for (int i = 0; i < 24; i++) fails += msh_pool_alloc(pool, small, 1, &sm[i]) != 0;
+    fails += msh_pool_alloc(pool, 4 * MiB, 1, &a) != 0;
+    fails += msh_pool_alloc(pool, 2 * MiB, 1, &b) != 0;
+    for (int i = 0; i < 24; i++) msh_pool_free(pool, sm[i], 1);
+    msh_pool_free(pool, a, 1);
+    fails += msh_pool_alloc(pool, big, 1, &c) != 0;
+    msh_pool_free(pool, b, 1);
+    msh_pool_free(pool, c, 1);
+    return fails;
+}
+
+static int step_of(struct msh_pool *pool, size_t big)
+{
+    return step_with(pool, 64 * 1024, big);
+}
+
+static struct msh_pool_stats pstats(struct msh_pool *pool)
+{
+    struct msh_pool_stats s;
+    msh_pool_get_stats(pool, &s);
+    return s;
+}
+
+/* Run steps until the plan is in use (at most 5 s); returns the steps run, or -1. */
+static int steps_until_planned(struct msh_pool *pool, size_t big, uint64_t plans, int *fails)
+{
+    uint64_t t0 = now_ms();
+    for (int n = 1; now_ms() - t0 < 5000; n++) {
+        *fails += step_of(pool, big);
+        check_pool(pool, "while waiting for the plan");
+        if (pstats(pool).plans_built > plans) return n;
+        usleep(1000);
+    }
+    return -1;
+}
+
+TEST(allocations_go_on_while_the_planner_packs_and_the_plan_is_used_from_the_next_boundary)
+{
+    struct msh_device d;
+    REQUIRE(msh_dev_sim_init(&d, 0, GRAN) == 0);
+    pgate_set(1);
+    struct msh_pool *pool = mk_learning_pool(&d);
+    REQUIRE(pool);
+    int fails = step_of(pool, 6 * MiB); /* online: remaps */
+    struct msh_pool_stats s = pstats(pool);
+    CHECK(s.unmap_ops > 0);
+    fails += step_of(pool, 6 * MiB); /* its first allocation found the step: the planner has it */
+    CHECKF(pgate_wait_entered(1), "the planner never started packing the step");
+    /* while the planner is held, steps go on with best fit (and remap, as before) */
+    uint64_t unmaps0 = pstats(pool).unmap_ops;
+    for (int i = 0; i < 4; i++) {
+        fails += step_of(pool, 6 * MiB);
+        check_pool(pool, "a step while the planner packs");
+    }
+    s = pstats(pool);
+    CHECKF(s.plans_built == 0, "%llu plans in use while the planner was still packing", (unsigned long long)s.plans_built);
+    CHECK(s.unmap_ops > unmaps0 && s.plan_placed == 0);
+    pgate_set(0);
+    int n = steps_until_planned(pool, 6 * MiB, 0, &fails);
+    CHECKF(n > 0, "the packed plan was never used");
+    /* from the first step that follows the plan on: nothing mapped, nothing unmapped */
+    s = pstats(pool);
+    for (int i = 0; i < 3; i++) fails += step_of(pool, 6 * MiB);
+    struct msh_pool_stats e = pstats(pool);
+    printf("    plan in use after %d more step(s); then %llu maps, %llu unmaps in 3 steps; placed %llu\n", n,
+           (unsigned long long)(e.map_ops - s.map_ops), (unsigned long long)(e.unmap_ops - s.unmap_ops),
+           (unsigned long long)e.plan_placed);
+    CHECK(e.map_ops == s.map_ops && e.unmap_ops == s.unmap_ops && e.plan_placed > s.plan_placed);
+    /* the step changes: the plan is dropped, placement is best fit again, nothing fails */
+    fails += step_of(pool, 5 * MiB);
+    e = pstats(pool);
+    CHECK(e.plan_dropped == 1);
+    check_pool(pool, "after the step changed");
+    CHECK(fails == 0);
+    msh_pool_destroy(pool);
+    msh_dev_sim_fini(&d);
+}
+
+TEST(a_plan_packed_for_a_step_that_does_not_come_back_is_never_used)
+{
+    /* The step changes while the planner packs it (its first allocation too, so the new steps
+     * never start like the packed one): the packed plan finds no boundary, is set aside after two
+     * step lengths, and the new step is learned and followed instead. */
+    struct msh_device d;
+    REQUIRE(msh_dev_sim_init(&d, 0, GRAN) == 0);
+    pgate_set(1);
+    struct msh_pool *pool = mk_learning_pool(&d);
+    REQUIRE(pool);
+    int fails = step_of(pool, 6 * MiB);
+    fails += step_of(pool, 6 * MiB);
+    CHECKF(pgate_wait_entered(1), "the planner never started packing the step");
+    for (int i = 0; i < 3; i++) fails += step_with(pool, 32 * 1024, 6 * MiB); /* another step from here on */
+    pgate_set(0);
+    uint64_t t0 = now_ms();
+    int n = -1;
+    for (int k = 1; n < 0 && now_ms() - t0 < 5000; k++) {
+        fails += step_with(pool, 32 * 1024, 6 * MiB);
+        check_pool(pool, "while the new step is learned");
+        if (pstats(pool).plans_built) n = k;
+        usleep(1000);
+    }
+    CHECKF(n > 0, "the new step was never learned");
+    struct msh_pool_stats s = pstats(pool);
+    CHECK(s.plans_built == 1 && s.plan_dropped == 0); /* the first plan never came into use */
+    for (int i = 0; i < 3; i++) fails += step_with(pool, 32 * 1024, 6 * MiB);
+    struct msh_pool_stats e = pstats(pool);
+    printf("    new step in use after %d step(s); then %llu maps, %llu unmaps in 3 steps; placed %llu, dropped %llu\n", n,
+           (unsigned long long)(e.map_ops - s.map_ops), (unsigned long long)(e.unmap_ops - s.unmap_ops),
+           (unsigned long long)e.plan_placed, (unsigned long long)e.plan_dropped);
+    CHECK(e.map_ops == s.map_ops && e.unmap_ops == s.unmap_ops && e.plan_dropped == 0);
+    CHECK(fails == 0);
+    check_pool(pool, "at the end");
+    msh_pool_destroy(pool);
+    msh_dev_sim_fini(&d);
+}
+
+struct destroy_req {
+    struct msh_pool *pool;
+    atomic_int done;
+};
+
+static void *do_destroy(void *arg)
+{
+    struct destroy_req *r = arg;
+    msh_pool_destroy(r->pool);
+    atomic_store(&r->done, 1);
+    return NULL;
+}
+
+TEST(destroying_a_pool_waits_for_its_planner)
+{
+    struct msh_device d;
+    REQUIRE(msh_dev_sim_init(&d, 0, GRAN) == 0);
+    pgate_set(1);
+    struct msh_pool *pool = mk_learning_pool(&d);
+    REQUIRE(pool);
+    int fails = step_of(pool, 6 * MiB) + step_of(pool, 6 * MiB);
+    CHECK(fails == 0);
+    CHECKF(pgate_wait_entered(1), "the planner never started packing the step");
+    struct destroy_req r = {.pool = pool};
+    pthread_t t;
+    REQUIRE(pthread_create(&t, NULL, do_destroy, &r) == 0);
+    usleep(50 * 1000);
+    CHECKF(!atomic_load(&r.done), "the pool was destroyed under its planner");
+    pgate_set(0);
+    CHECKF(wait_flag(&r.done, 5000), "destroy did not come back once the planner was let go");
+    pthread_join(t, NULL);
     msh_dev_sim_fini(&d);
 }
 
