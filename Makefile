@@ -4,6 +4,7 @@
 # Needs only the CUDA headers (CUDA_HOME, else /usr/local/cuda) and Debian packages that
 # scripts/setup.sh installs. BUILD=build-asan SAN=address,undefined gives a sanitizer build.
 
+.DEFAULT_GOAL := all
 BUILD   ?= build
 CC      ?= gcc
 PREFIX  ?= /usr/local
