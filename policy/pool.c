@@ -1845,7 +1845,12 @@ static size_t trim_cached(struct msh_pool *pool)
 {
     size_t thr = pool->prm.release_threshold;
     if (!thr || pool->cached * pool->gran <= thr) return 0;
-    return release_cached(pool, thr, pool->prm.release_quiet_ms);
+    size_t n = release_cached(pool, thr, pool->prm.release_quiet_ms);
+    if (n) { /* the reports count these as empty-cache runs, whichever thread made them */
+        pool->st.trim_runs++;
+        pool->st.trim_bytes += n;
+    }
+    return n;
 }
 
 int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream)

@@ -87,6 +87,7 @@ struct msh_pool_stats {
     uint64_t map_ops, unmap_ops, create_ops, release_ops;
     uint64_t reclaimed_pages;                    /* pages unmapped to be remapped elsewhere */
     uint64_t released_pages;                     /* pages given back to the driver */
+    uint64_t trim_runs, trim_bytes;              /* MEMSHIM_EMPTY_CACHE=threshold: releases and bytes */
     uint64_t cross_stream_waits;                 /* stream waits issued when another stream reuses memory */
     uint64_t rescue_reclaim, rescue_gc, rescue_empty_cache; /* OOM rescue steps that succeeded */
     uint64_t oom_events;                         /* requests that failed after the whole chain */

@@ -56,6 +56,7 @@ static _Atomic uint64_t last_activity_ns;
 /* Set by the signal handler (lock-free atomic: async-signal-safe), taken by one thread. */
 static _Atomic int epoch_signalled;
 static uint64_t ec_runs, ec_bytes, gc_runs;
+static uint64_t trim_base[MSH_MAX_DEVICES][2]; /* pool trim_runs/trim_bytes at the epoch's start */
 static uint64_t trend_live[MSH_MAX_DEVICES][MSH_TREND_MAX]; /* under epoch_lock */
 static int trend_n[MSH_MAX_DEVICES];
 
@@ -456,6 +457,9 @@ static void fill_report(struct msh_report *r, const char *kind, const char *reas
         if (p) {
             rd->has_pool = true;
             msh_pool_get_stats(p, &rd->st);
+            /* threshold releases, made by the pool at a free or by the trim thread */
+            r->empty_cache_runs += rd->st.trim_runs - trim_base[d][0];
+            r->empty_cache_bytes += rd->st.trim_bytes - trim_base[d][1];
             msh_pool_last_oom(p, &rd->oom);
             rd->had_oom = rd->st.oom_events > 0;
             size_t f = 0, t = 0;
@@ -527,6 +531,10 @@ static void close_epoch(const char *reason, bool may_gc)
     steps_in_epoch = 0;
     steps_close_claimed = false;
     ec_runs = ec_bytes = gc_runs = gc_skipped_no_gil = 0;
+    for (int i = 0; i < r.ndev; i++) { /* the pool's threshold releases so far belong to this epoch */
+        trim_base[r.dev[i].device][0] = r.dev[i].st.trim_runs;
+        trim_base[r.dev[i].device][1] = r.dev[i].st.trim_bytes;
+    }
     epoch_start_ns = msh_now_ns();
     pthread_mutex_unlock(&epoch_lock);
     msh_in_hook--;
@@ -605,12 +613,7 @@ static void *trim_thread(void *arg)
         nanosleep(&ts, NULL);
         for (int d = 0; d < MSH_MAX_DEVICES; d++) {
             struct msh_pool *p = atomic_load(&pools[d]);
-            size_t n = p ? msh_pool_trim(p) : 0;
-            if (!n) continue;
-            pthread_mutex_lock(&epoch_lock);
-            ec_runs++;
-            ec_bytes += n;
-            pthread_mutex_unlock(&epoch_lock);
+            if (p) msh_pool_trim(p); /* counted by the pool (trim_runs), like a trim at a free */
         }
     }
     return NULL;

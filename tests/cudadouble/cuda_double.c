@@ -1178,6 +1178,7 @@ static void phys_maybe_free_locked(struct phys *p)
     if (p->charged) {
         uncharge_locked(p->device, p->size);
         HANDLE_BYTES(p->size, 0); /* counted where it was charged: cuMemCreate */
+        g_bytes.released_total += p->size;
     }
     g_counts.handles--;
     free(p);
@@ -2358,6 +2359,7 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)
         m->p->maps--;
         g_counts.mappings--;
         MAPPED_BYTES(m->size, 0);
+        g_bytes.unmapped_total += m->size;
         phys_maybe_free_locked(m->p);
         free(m);
     }
@@ -3413,6 +3415,21 @@ void cudbl_get_bytes(struct cudbl_bytes *out, int new_window)
         g_bytes.mapped_mark_peak = g_bytes.mapped_bytes;
     }
     pthread_mutex_unlock(&g_lock);
+}
+
+long cudbl_foreach_mapping(void (*fn)(void *arg, CUdeviceptr va, size_t size), void *arg)
+{
+    long n = 0;
+    pthread_mutex_lock(&g_lock);
+    for (size_t i = 0; i < g_page_tab.cap; i++) { /* a mapping is listed under each of its pages */
+        if (g_page_tab.keys[i] <= HT_TOMB) continue;
+        struct vmap *m = g_page_tab.vals[i];
+        if (m->va != (CUdeviceptr)g_page_tab.keys[i]) continue; /* once: at its first page */
+        if (fn) fn(arg, m->va, m->size);
+        n++;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return n;
 }
 
 int cudbl_stream_enqueue(CUstream s, void (*fn)(void *), void *arg)

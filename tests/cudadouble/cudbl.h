@@ -41,8 +41,14 @@ struct cudbl_bytes {
     size_t handle_bytes, handle_peak, handle_mark_peak;
     size_t mapped_bytes, mapped_peak, mapped_mark_peak;
     size_t reserved_va_bytes;
+    size_t unmapped_total, released_total; /* cumulative: bytes cuMemUnmap took away, bytes of
+                                            * handles whose memory went back (cuMemRelease) */
 };
 void cudbl_get_bytes(struct cudbl_bytes *out, int new_window);
+/* Calls fn once for every mapping now held (each is one whole handle: the double maps handles
+ * whole), in no particular order, under the double's lock (fn must not call the double).
+ * Returns the number of mappings. */
+long cudbl_foreach_mapping(void (*fn)(void *arg, CUdeviceptr va, size_t size), void *arg);
 
 /* Misuse is what a real driver leaves undefined: a destroyed stream, event or graph handle used
  * again, a device touching memory it has no access to (VMM access is per device), a kernel

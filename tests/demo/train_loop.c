@@ -81,20 +81,21 @@ static void dev_free(struct blk *b)
 int main(int argc, char **argv)
 {
     int epochs = 3, steps = 20;
-    double scale = 1.0, pause = 0;
+    double scale = 1.0, pause = 0, quiet = 0;
     int leak_mib = 0; /* --leak: memory kept every epoch, to show the reports' trend verdict */
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--epochs") && i + 1 < argc) epochs = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--scale") && i + 1 < argc) scale = atof(argv[++i]);
         else if (!strcmp(argv[i], "--pause") && i + 1 < argc) pause = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--quiet") && i + 1 < argc) quiet = atof(argv[++i]);
         else if (!strcmp(argv[i], "--leak") && i + 1 < argc) leak_mib = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: %s [--epochs N] [--steps N] [--scale X] [--pause SECONDS] [--leak MIB]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--epochs N] [--steps N] [--scale X] [--pause SECONDS] [--quiet SECONDS] [--leak MIB]\n", argv[0]);
             return 2;
         }
     }
-    if (epochs < 1 || steps < 1 || scale <= 0 || scale > 64 || pause < 0 || pause > 3600 || leak_mib < 0 ||
+    if (epochs < 1 || steps < 1 || scale <= 0 || scale > 64 || pause < 0 || pause > 3600 || quiet < 0 || quiet > 3600 || leak_mib < 0 ||
         leak_mib > 4096) {
         fprintf(stderr, "train-demo: bad arguments\n");
         return 2;
@@ -168,6 +169,10 @@ int main(int argc, char **argv)
             if (dev_alloc(&leaked, (size_t)leak_mib * MiB, NULL, 1) != 0) ooms++;
         }
         cudaDeviceSynchronize();
+        if (quiet > 0) { /* idle before the epoch ends (a validation pass on the host): timed policies act */
+            struct timespec ts = {(time_t)quiet, (long)((quiet - (double)(time_t)quiet) * 1e9)};
+            nanosleep(&ts, NULL);
+        }
         if (ms.stats) {
             struct stats s;
             if (ms.stats(0, &s) == 0)

@@ -22,6 +22,23 @@ static const char *const calls[] = {"cuMemCreate", "cuMemRelease", "cuMemMap", "
                                     "cuStreamWaitEvent", "cuEventRecord", "cuCtxSynchronize", "cuMemAddressReserve",
                                     "cuMemAddressFree", "cuMemAlloc", "cuMemFree"};
 
+struct mapbuf { char *s; size_t n, cap; };
+
+/* One "va:size" entry per mapping, comma separated, into a growing buffer (called under the
+ * double's lock: plain memory work only). */
+static void add_mapping(void *arg, CUdeviceptr va, size_t size)
+{
+    struct mapbuf *b = arg;
+    if (!b->s) return;
+    if (b->cap - b->n < 64) {
+        char *s = realloc(b->s, b->cap * 2);
+        if (!s) { free(b->s); b->s = NULL; return; }
+        b->s = s;
+        b->cap *= 2;
+    }
+    b->n += (size_t)snprintf(b->s + b->n, b->cap - b->n, "%s%llx:%zu", b->n ? "," : "", (unsigned long long)va, size);
+}
+
 static void record(const char *path)
 {
     const char *log = getenv("REPORT_SPY_LOG");
@@ -36,18 +53,33 @@ static void record(const char *path)
     char line[2048];
     int k = snprintf(line, sizeof line,
                      "%s handle=%zu handle_mark_peak=%zu handle_peak=%zu mapped=%zu mapped_mark_peak=%zu "
-                     "mapped_peak=%zu va=%zu bytes_in_use=%zu allocs=%ld handles=%ld mappings=%ld",
+                     "mapped_peak=%zu va=%zu bytes_in_use=%zu allocs=%ld handles=%ld mappings=%ld unmapped_total=%zu "
+                     "released_total=%zu",
                      base, b.handle_bytes, b.handle_mark_peak, b.handle_peak, b.mapped_bytes, b.mapped_mark_peak,
-                     b.mapped_peak, b.reserved_va_bytes, c.bytes_in_use, c.allocs, c.handles, c.mappings);
+                     b.mapped_peak, b.reserved_va_bytes, c.bytes_in_use, c.allocs, c.handles, c.mappings,
+                     b.unmapped_total, b.released_total);
     for (size_t i = 0; i < sizeof calls / sizeof calls[0] && k > 0 && (size_t)k < sizeof line; i++)
         k += snprintf(line + k, sizeof line - (size_t)k, " calls_%s=%ld", calls[i], cudbl_call_count(calls[i]));
     if (k <= 0 || (size_t)k >= sizeof line - 1) return;
-    line[k++] = '\n';
+    /* the mappings held now (each one whole handle), so the test can tell a handle no live block
+     * touches (the pool could give it back) from free pages inside a handle still in use */
+    struct mapbuf mb = {malloc(4096), 0, 4096};
+    cudbl_foreach_mapping(add_mapping, &mb);
+    if (!mb.s) return;
     int fd = open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
-    if (fd < 0) return;
-    ssize_t w = write(fd, line, (size_t)k);
-    (void)w;
-    close(fd);
+    if (fd >= 0) {
+        /* one write per line: O_APPEND keeps lines whole */
+        size_t total = (size_t)k + 6 + mb.n + 1;
+        char *all = malloc(total + 1);
+        if (all) {
+            int m = snprintf(all, total + 1, "%.*s maps=%s\n", k, line, mb.n ? mb.s : "-");
+            ssize_t w = write(fd, all, (size_t)m);
+            (void)w;
+            free(all);
+        }
+        close(fd);
+    }
+    free(mb.s);
 }
 
 int rename(const char *oldpath, const char *newpath)
