@@ -62,6 +62,9 @@ static pthread_mutex_t report_lock = PTHREAD_MUTEX_INITIALIZER;
 static bool report_on, report_inited;
 static char report_dir[PATH_MAX];
 static char host[64];
+/* The launcher's job id, when there is one (TORCHELASTIC_RUN_ID, else SLURM_JOB_ID with its
+ * step): every rank of one job carries the same, so memshim-report groups runs by it exactly. */
+static char run_id[80];
 
 static bool load_jansson(void)
 {
@@ -121,6 +124,11 @@ bool msh_report_init(void)
     if (gethostname(host, sizeof host - 1)) strcpy(host, "host");
     for (char *p = host; *p; p++)
         if (*p == '/' || *p == '.') *p = *p == '.' ? 0 : '_';
+    const char *te = getenv("TORCHELASTIC_RUN_ID"), *sj = getenv("SLURM_JOB_ID"), *ss = getenv("SLURM_STEP_ID");
+    if (te && *te) snprintf(run_id, sizeof run_id, "torchelastic:%.64s", te);
+    else if (sj && *sj) snprintf(run_id, sizeof run_id, "slurm:%.32s%s%.16s", sj, ss && *ss ? "." : "", ss && *ss ? ss : "");
+    for (char *p = run_id; *p; p++) /* printable ASCII only: it goes into JSON and tables */
+        if (*p < 0x20 || *p > 0x7e) *p = '?';
     if (msh_cfg.report_dir[0]) {
         if (msh_expand_path(msh_cfg.report_dir, report_dir, sizeof report_dir)) {
             msh_warn("MEMSHIM_REPORT_DIR='%.200s' is too long after expansion; reports are off",
@@ -361,6 +369,7 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_s(root, "host", host);
     set_i(root, "pid", getpid());
     set_i(root, "rank", msh_report_rank());
+    set_sn(root, "run_id", run_id[0] ? run_id : NULL);
     set_i(root, "device", d->device);
     set_u(root, "epoch", r->epoch);
     if (!strcmp(r->kind, "oom")) set_u(root, "oom_index", r->oom_index);

@@ -35,10 +35,12 @@ TOOL = os.path.join(ROOT, "scripts", "memshim-report")
 MiB = 1024 * 1024
 SYNTHETIC = "written by tests/report_tool/test_report_tool.py: schema-2 fields the library does not yet produce"
 RANK_VARS = ("RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+JOB_VARS = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID")  # the reports' run_id
 
 
 def demo_env(report_dir, rank=None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSHIM_") and k not in RANK_VARS}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MEMSHIM_") and k not in RANK_VARS and k not in JOB_VARS}
     env.update({"LD_LIBRARY_PATH": os.path.join(BUILD, "double"), "LD_PRELOAD": os.path.join(BUILD, "libmemshim.so"),
                 "CUDBL_CAPACITY": "8G", "MEMSHIM_REPORT_DIR": report_dir})
     if rank is not None:
@@ -516,6 +518,34 @@ def make_job(tmp):
     if not case("8-rank job, a second run of it and an unranked process write their reports", ok):
         return None
     return d, run1, run2, solo
+
+
+def check_job_ids(tmp):
+    """Two 2-rank jobs started at once into one directory, told apart by the launcher's job id."""
+    d = os.path.join(tmp, "two-jobs")
+    procs = []
+    for r in range(2):  # interleaved starts: A0, B0, A1, B1
+        for job in ("jobA", "jobB"):
+            procs.append((job, r, demo_start(d, "--epochs", "3", "--steps", "2", rank=r,
+                                             env={"TORCHELASTIC_RUN_ID": job})))
+    want, ok = {}, True
+    for job, r, p in procs:
+        out, _ = p.communicate(timeout=300)
+        ok &= p.returncode == 0 and "finished, 0 failed" in out
+        want.setdefault("torchelastic:" + job, {})[r] = p.pid
+    pid, ok_, _ = demo(d, "--epochs", "3", "--steps", "2", rank=0, env={"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "7"})
+    ok &= ok_
+    want["slurm:4242.7"] = {0: pid}
+    if not case("two torchrun jobs started at once and a Slurm step write their reports", ok):
+        return
+    raw = raw_reports(d)
+    ids = {(r["pid"], r["run_id"]) for r in raw.values()}
+    expect = {(p, rid) for rid, m in want.items() for p in m.values()}
+    case("every report carries its launcher's job id as run_id", ids == expect, sorted(ids ^ expect))
+    rep = json.loads(tool(d, "--json").stdout)
+    got = {r["run_id"]: {k["rank"]: k["pid"] for k in r["ranks"]} for r in rep["runs"]}
+    case("memshim-report: one run per job id, each with its own ranks", got == want and len(rep["runs"]) == 3,
+         [got, want])
 
 
 def check_ranks(tmp, d, run1, run2, solo):
@@ -1042,6 +1072,7 @@ def main():
             guarded(check_single, steady, leak)
         if job:
             guarded(check_ranks, tmp, *job)
+        guarded(check_job_ids, tmp)
         if steady and job:
             guarded(check_schema2, tmp, steady, leak, job[0])
             guarded(check_wide, tmp, job[0])
