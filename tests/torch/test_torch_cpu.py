@@ -286,6 +286,66 @@ case("a program that sets PyTorch's allocator settings keeps PyTorch's allocator
      and sum("memshim stays in segment mode" in l and "_set_allocator_settings" in l for l in err.splitlines()) == 1,
      out + err[-1500:])
 
+# A program that calls the settings binding itself (PyTorch 2.15 deprecates
+# torch.cuda.memory._set_allocator_settings in favour of torch._C._accelerator_setAllocatorSettings).
+rc, out, err = py("import torch\nf = getattr(torch._C, '_accelerator_setAllocatorSettings', None)\n"
+                  "print('HAS', f is not None)\nf and f('expandable_segments:False')\n"
+                  "try:\n    torch.empty(1, device='cuda')\nexcept Exception:\n    pass\n"
+                  "from memshim import _torch as mt\nprint('SET', mt.state.decided, mt.state.tensor)",
+                  {"MEMSHIM_LOG": "info"})
+if lines(out, "HAS") == ["False"]:
+    skip("torch._C._accelerator_setAllocatorSettings called directly keeps PyTorch's allocator",
+         "this PyTorch has no torch._C._accelerator_setAllocatorSettings")
+else:
+    case("a program that calls torch._C._accelerator_setAllocatorSettings itself keeps PyTorch's allocator "
+         "(segment mode, said once)",
+         rc == 0 and lines(out, "SET") == ["True False"]
+         and sum("memshim stays in segment mode" in l and "_accelerator_setAllocatorSettings" in l
+                 for l in err.splitlines()) == 1, out + err[-1500:])
+
+# ---- 3b. another PyTorch's pluggable-allocator hooks (simulated on this one) ------------------------
+if os.path.exists(GLUE):
+    hooks = r'''
+import sys, torch
+P = torch._C._CUDAPluggableAllocator
+calls = []
+def spy(name, orig):
+    def f(self, addr):
+        calls.append(name)
+        return orig(self, addr)
+    return f
+for name in [n for n in dir(P) if n.startswith("set_")]:
+    setattr(P, name, spy(name, getattr(P, name)))
+if sys.argv[1] == "no_release":      # a PyTorch without set_release_pool
+    delattr(P, "set_release_pool")
+elif sys.argv[1] == "bad_setter":    # a binding of another shape
+    def bad(self, addr):
+        raise TypeError("set_record_stream_fn(): incompatible function arguments")
+    P.set_record_stream_fn = bad
+try:
+    torch.empty(1, device="cuda")
+except Exception as exc:
+    print("CUDA", type(exc).__name__)
+from memshim import _torch as mt
+print("MODE", mt.state.decided, mt.state.tensor)
+print("CALLS", ",".join(sorted(calls)))
+'''
+    rc, out, err = py(hooks, {"MEMSHIM_LOG": "info"}, args=("no_release",))
+    said = [l for l in err.splitlines() if "capture-pool hook" in l]
+    case("a PyTorch without set_release_pool: tensor mode, no capture-pool hook set (begin without release "
+         "would keep capture pools forever), said in one line",
+         rc == 0 and lines(out, "MODE") == ["True True"]
+         and lines(out, "CALLS") == ["set_base_alloc_fn,set_init_fn,set_memory_fraction_fn,set_record_stream_fn,"
+                                     "set_reset_fn"]
+         and len(said) == 1 and "set_release_pool" in said[0] and "backstop" in said[0], out + err[-1500:])
+    rc, out, err = py(hooks, {"MEMSHIM_LOG": "info"}, args=("bad_setter",))
+    case("a hook setter that refuses memshim's argument (another binding shape): that hook is left unset, "
+         "the switch still happens and names it",
+         rc == 0 and lines(out, "MODE") == ["True True"]
+         and "set_begin_allocate_to_pool" in lines(out, "CALLS")[0]
+         and any("tensor mode" in l and "set_record_stream_fn (TypeError)" in l for l in err.splitlines()),
+         out + err[-1500:])
+
 with tempfile.TemporaryDirectory(prefix="memshim-t9-") as tmp:
     # an installed layout without the C++ glue: memshim stays in segment mode and says why
     os.makedirs(os.path.join(tmp, "lib"))

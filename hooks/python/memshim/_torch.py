@@ -72,13 +72,19 @@ def on_torch(torch):
         orig = getattr(mem, name, None)
         if orig is None:
             continue
-
-        def wrapper(*a, __orig=orig, __why=why, **k):
-            if not state.decided:
-                state.user_choice = __why
-            return __orig(*a, **k)
-        functools.update_wrapper(wrapper, orig)
-        _replace([mem, cuda], name, orig, wrapper)
+        _replace([mem, cuda], name, orig, _noting(orig, why))
+    # The bindings themselves, for programs that call them directly. PyTorch 2.15's
+    # torch.cuda.memory._set_allocator_settings is deprecated in favour of
+    # torch._C._accelerator_setAllocatorSettings (and only forwards to it); older PyTorch has
+    # torch._C._cuda_cudaCachingAllocator_set_allocator_settings. Both are looked up at call time.
+    C = getattr(torch, "_C", None)
+    for name in _SETTINGS_BINDINGS:
+        orig = getattr(C, name, None)
+        if orig is not None and not getattr(orig, "_memshim", False):
+            try:
+                setattr(C, name, _noting(orig, f"the program set PyTorch's allocator settings (torch._C.{name})"))
+            except (AttributeError, TypeError):
+                pass
     state.orig_change = getattr(mem, "change_current_allocator", None)
     if state.orig_change is not None and hasattr(state.orig_change, "__wrapped__"):
         state.orig_change = state.orig_change.__wrapped__
@@ -90,6 +96,24 @@ def on_torch(torch):
             log(LOG_INFO, f"memshim stays in segment mode: {state.why}")
     import atexit
     atexit.register(_at_exit)
+
+
+# The bindings that change PyTorch's allocator settings, newest first (feature-checked).
+_SETTINGS_BINDINGS = ("_accelerator_setAllocatorSettings", "_cuda_cudaCachingAllocator_set_allocator_settings")
+
+
+def _noting(orig, why):
+    """orig, noting before the switch that the program made its own allocator choice."""
+    def wrapper(*a, **k):
+        if not state.decided and state.user_choice is None:
+            state.user_choice = why
+        return orig(*a, **k)
+    try:
+        functools.update_wrapper(wrapper, orig)
+    except (AttributeError, TypeError):  # a builtin without some attributes
+        pass
+    wrapper._memshim = True
+    return wrapper
 
 
 def _decide():
@@ -149,24 +173,7 @@ def _switch():
     glue_path, glue = state.glue
     lib = _boot.lib()
     alloc = CUDAPluggableAllocator(glue_path, "memshim_glue_malloc", "memshim_glue_free")
-    a = alloc._allocator
-    hooks = [("set_init_fn", lib, "memshim_torch_init"),
-             ("set_reset_fn", lib, "memshim_empty_cache"),
-             ("set_memory_fraction_fn", lib, "memshim_torch_set_memory_fraction"),
-             ("set_base_alloc_fn", lib, "memshim_torch_base_alloc"),
-             ("set_record_stream_fn", lib, "memshim_torch_record_stream"),
-             ("set_begin_allocate_to_pool", glue, "memshim_glue_begin_allocate_to_pool"),
-             ("set_end_allocate_to_pool_fn", glue, "memshim_glue_end_allocate_to_pool"),
-             ("set_release_pool", glue, "memshim_glue_release_pool")]
-    missing = []
-    for setter, so, sym in hooks:
-        if hasattr(a, setter):
-            getattr(a, setter)(ctypes.cast(getattr(so, sym), ctypes.c_void_p).value)
-        else:
-            missing.append(setter)
-    if "set_begin_allocate_to_pool" in missing or "set_release_pool" in missing:
-        log(LOG_INFO, "this PyTorch has no capture-pool hooks: allocations during CUDA-graph capture go to "
-                      "memshim's capture-only pool (backstop)")
+    missing = _set_hooks(alloc._allocator, lib, glue)
     (state.orig_change or torch.cuda.memory.change_current_allocator)(alloc)
     state.allocator, state.tensor = alloc, True
     _patch_memory_api(torch)
@@ -182,6 +189,54 @@ def _switch():
     _boot.watch("torch._inductor.config", _no_cudagraph_trees)
     log(LOG_INFO, "tensor mode: PyTorch allocates every tensor through memshim"
         + (f" (hooks this PyTorch lacks: {', '.join(missing)})" if missing else ""))
+
+
+# Capture-pool hooks, set last to first: begin (which routes capture allocations into a pool) only
+# once end and release are in place, so a pool that begins always ends and is released.
+_POOL_HOOKS = ("set_release_pool", "set_end_allocate_to_pool_fn", "set_begin_allocate_to_pool")
+
+
+def _set_hooks(a, lib, glue):
+    """Set every hook this PyTorch's pluggable allocator has (probed: versions differ). Returns
+    the hooks left unset. The capture-pool hooks go as a group or not at all: without one of them
+    captures use memshim's capture-only pool (the backstop) instead."""
+    plain = [("set_init_fn", lib, "memshim_torch_init"),
+             ("set_reset_fn", lib, "memshim_empty_cache"),
+             ("set_memory_fraction_fn", lib, "memshim_torch_set_memory_fraction"),
+             ("set_base_alloc_fn", lib, "memshim_torch_base_alloc"),
+             ("set_record_stream_fn", lib, "memshim_torch_record_stream")]
+    pool = [("set_release_pool", glue, "memshim_glue_release_pool"),
+            ("set_end_allocate_to_pool_fn", glue, "memshim_glue_end_allocate_to_pool"),
+            ("set_begin_allocate_to_pool", glue, "memshim_glue_begin_allocate_to_pool")]
+    unset = []
+
+    def put(setter, so, sym):
+        fn = getattr(a, setter, None)
+        if fn is None:
+            unset.append(setter)
+            return False
+        try:
+            fn(ctypes.cast(getattr(so, sym), ctypes.c_void_p).value)
+        except (TypeError, RuntimeError, ValueError) as exc:  # a binding of another shape
+            unset.append(f"{setter} ({type(exc).__name__})")
+            return False
+        return True
+
+    for h in plain:
+        put(*h)
+    lacking = [s for s in _POOL_HOOKS if not hasattr(a, s)]
+    if lacking:
+        unset.extend(s for s in _POOL_HOOKS)
+    else:
+        for h in pool:
+            if not put(*h):
+                unset.extend(s for s, _, _ in pool[pool.index(h) + 1:])
+                lacking = [h[0]]
+                break
+    if lacking:
+        log(LOG_INFO, f"this PyTorch lacks the capture-pool hook {', '.join(lacking)}: allocations during "
+                      "CUDA-graph capture go to memshim's capture-only pool (backstop)")
+    return unset
 
 
 def _no_cudagraph_trees(cfg):
