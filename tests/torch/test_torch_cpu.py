@@ -198,6 +198,12 @@ s = torch.cuda.memory_stats(0)
 print("ALLOC", torch.cuda.memory_allocated(0), torch.cuda.memory_allocated("cuda:0"), s["allocation.all.current"],
       s["requested_bytes.all.current"], s["allocated_bytes.small_pool.current"], s["allocated_bytes.large_pool.current"],
       torch.cuda.memory_reserved(0) >= torch.cuda.memory_allocated(0) > 0)
+am = getattr(torch, "accelerator", None)
+if am is not None and hasattr(am, "memory_allocated"):
+    print("ACCEL", am.memory_allocated(0) == torch.cuda.memory_allocated(0) > 0,
+          am.memory_stats(0)["allocation.all.current"], am.max_memory_reserved(0) == torch.cuda.max_memory_reserved(0))
+else:
+    print("ACCEL none")
 probe.free(ff, c, 5 * MiB, 0)
 print("FREE", torch.cuda.memory_allocated(0), torch.cuda.max_memory_allocated(0), s["allocated_bytes.all.allocated"])
 torch.cuda.reset_peak_memory_stats(0)
@@ -242,6 +248,11 @@ print("STATS", st["mode"], st["torch"]["allocated_bytes.all.current"] == torch.c
         case("memory_allocated/memory_stats answer from memshim's counters, PyTorch's key names, small/large pools",
              o.get("ALLOC") == f"{r3 + r5 + r1} {r3 + r5 + r1} 3 {r3 + r5 + 1000} {r1} {r3 + r5} True",
              out + err[-1500:])
+        if o.get("ACCEL") == "none":
+            skip("torch.accelerator's memory functions answer too", "this PyTorch has no torch.accelerator memory API")
+        else:
+            case("torch.accelerator's memory functions answer from the same counters",
+                 o.get("ACCEL") == "True 3 True", out + err[-1500:])
         case("a free lowers allocated, the peak stays", o.get("FREE") == f"{r3 + r1} {r3 + r5 + r1} {r3 + r5 + r1}",
              out + err[-1500:])
         case("reset_peak_memory_stats resets the peaks", o.get("RESET") == f"{r3 + r1} True", out + err[-1500:])

@@ -304,6 +304,29 @@ def _patch_memory_api(torch):
         new.__doc__ = (orig.__doc__ or "") + "\n\n(memshim tensor mode: answered from memshim's counters.)"
         _replace([mem, cuda], new.__name__, orig, new)
 
+    # torch.accelerator's memory functions (newer PyTorch) go to the device's allocator stats
+    # directly, which a pluggable allocator does not serve: answer them from the same counters.
+    # Its memory_allocated, max_memory_* and memory_reserved read memory_stats through the module.
+    amem = getattr(getattr(torch, "accelerator", None), "memory", None)
+    if amem is not None:
+        def acc_memory_stats(device_index=None, /):
+            return cuda.memory_stats(device_index)
+
+        def acc_reset_peak_memory_stats(device_index=None, /):
+            reset_peak_memory_stats(device_index)
+
+        def acc_reset_accumulated_memory_stats(device_index=None, /):
+            reset_accumulated_memory_stats(device_index)
+
+        for name, new in (("memory_stats", acc_memory_stats), ("reset_peak_memory_stats", acc_reset_peak_memory_stats),
+                          ("reset_accumulated_memory_stats", acc_reset_accumulated_memory_stats)):
+            orig = getattr(amem, name, None)
+            if orig is None:
+                continue
+            functools.update_wrapper(new, orig)
+            new.__doc__ = (orig.__doc__ or "") + "\n\n(memshim tensor mode: answered from memshim's counters.)"
+            _replace([amem, torch.accelerator], name, orig, new)
+
 
 # ---- segment mode: PyTorch's own figures for the reports -------------------------------------
 def hand_epoch_stats():
