@@ -72,5 +72,24 @@ with tempfile.TemporaryDirectory() as tmp:
                      rc == 0 and d["ooms"] == 0 and d["steady_ooms"] == 0, f"rc={rc} {err.strip()[-300:]}")
             except (ValueError, IndexError, KeyError) as e:
                 case(f"{name}: --check at {where} output parses", False, f"rc={rc} {e}: {err[-300:]!r}")
+        if path == a:
+            # the learned step's counters (docs/replay.md): at C+1% the default trace maps nothing
+            # in pass 3, so the plan places every allocation there
+            cap = -(-cmin * 101 // 100 // 2**21) * 2**21
+            rc, out, err = replay("--json", "--passes", "3", "--capacity", str(cap), path)
+            try:
+                d = json.loads(out.splitlines()[0])
+                keys = [p + k for p in ("", "steady_", "last_pass_") for k in ("plans_built", "plan_placed", "plan_dropped")]
+                got = {k: d[k] for k in keys}
+                per_pass = d["allocs"] + d["prefix_blocks"]  # the prefix is allocated again each pass
+                case(f"{name}: --json prints the learned step's counters, consistent with the churn at C+1%",
+                     rc == 0 and d["last_pass_map_ops"] + d["last_pass_unmap_ops"] == 0
+                     and d["plans_built"] >= 1 and 0 < d["plan_placed"] <= d["allocs"]
+                     and d["plan_dropped"] <= d["plans_built"]
+                     and d["last_pass_plan_placed"] == per_pass and d["last_pass_plan_dropped"] == 0
+                     and d["last_pass_plan_placed"] <= d["steady_plan_placed"] <= 2 * per_pass
+                     and d["steady_plan_dropped"] <= d["steady_plans_built"] + 1, got)
+            except (ValueError, IndexError, KeyError) as e:
+                case(f"{name}: learned-step counters parse", False, f"rc={rc} {e}: {out[:300]!r} {err[-300:]!r}")
 
 finish()
