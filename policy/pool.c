@@ -2220,6 +2220,11 @@ struct step {
     uint64_t plan_h;       /* live-set hash at the step's start */
     size_t cursor;         /* next plan entry (nplan: the step is complete) */
     bool active;
+    /* The plan was dropped at its own boundary (it had placed its whole step, and what came next
+     * was not its step again: a pass of the replay ended, an evaluation step ran...): it is
+     * resumed when its boundary comes back (the live set it starts from and its first size). */
+    bool resumable;
+    uint64_t plan_pages;   /* its footprint, checked against the limit on resuming */
     bool want;             /* the allocation being served has a planned address */
     uint64_t want_addr;
     int want_area;
@@ -2327,6 +2332,7 @@ static void step_drop(struct msh_pool *pool)
     struct step *s = pool->step;
     if (s->active) pool->st.plan_dropped++;
     if (s->active) msh_debug("pool: learned step dropped at event %llu (allocation %zu of %zu)", (unsigned long long)s->n, s->cursor, s->nplan);
+    s->resumable = s->active && s->cursor == s->nplan;
     s->active = false;
     s->want = false;
 }
@@ -2993,6 +2999,7 @@ static void plan_install(struct msh_pool *pool, uint64_t rsize)
         return;
     }
     if (s->capplan < in->nalloc) {
+        s->resumable = false; /* the plan it would resume is freed here */
         raw_free(s->plan, s->capplan * sizeof *s->plan);
         s->capplan = in->nalloc;
         s->plan = raw_alloc(s->capplan * sizeof *s->plan);
@@ -3011,6 +3018,8 @@ static void plan_install(struct msh_pool *pool, uint64_t rsize)
     s->plan_h = s->res_h0;
     s->cursor = 0;
     s->active = true;
+    s->resumable = false;
+    s->plan_pages = s->res_pages;
     pool->st.plans_built++;
     msh_debug("pool: learned step of %zu allocations in use from event %llu", s->nplan, (unsigned long long)s->n);
     plan_mark(pool, in, s->res_pages);
@@ -3029,6 +3038,16 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
         else step_drop(pool);
     }
     if (s->job == PJ_DONE) plan_install(pool, rsize);
+    if (!s->active && s->resumable && s->job == PJ_IDLE && s->hstate == s->plan_h && s->plan[0].size == rsize) {
+        size_t capn = cap_pages(pool);
+        s->resumable = false;
+        if (capn == SIZE_MAX || s->plan_pages <= capn) { /* the limit did not go down meanwhile */
+            s->cursor = 0;
+            s->active = true;
+            pool->st.plans_built++; /* a plan switched to again: plan_dropped stays at most plans_built */
+            msh_debug("pool: learned step of %zu allocations resumed at event %llu", s->nplan, (unsigned long long)s->n);
+        }
+    }
     if (s->job == PJ_DONE && s->n > s->res_until) { /* its boundary did not come back: the step changed */
         pin_free(s->res);
         s->res = NULL;
