@@ -2570,9 +2570,9 @@ static size_t pack_movable(const struct pinput *in, int g, uint32_t *order)
  * region g is packed again, keeping the best, until the whole step fits, SEARCH_PATIENCE tries in
  * a row win nothing, or SEARCH_TRIES / SEARCH_WORK run out. Only steps of at most
  * SEARCH_MAX_ALLOCS allocations are searched: each try is a full packing (quadratic in the
- * blocks), and on the real traces' steps of 1500 to 8000 allocations the tries found no fit
- * where none was found before but one (ftcourse at C, where the switch to the plan cost more in
- * pass 2 than best fit did). *pages (region g's best) and *total (every region) are updated. */
+ * blocks), and on the real traces' steps of 1500 to 8000 allocations the tries found a fit on
+ * two only (at C), where the switch to the plan then cost more in pass 2 than best fit did
+ * (docs/pool.md). *pages (region g's best) and *total (every region) are updated. */
 static void pack_search(struct pinput *in, int g, uint32_t *order, uint32_t *placed, uint64_t (*tmp)[2],
                         uint64_t *best, int32_t *best_reg, uint64_t *pkey, uint64_t *pages, uint64_t *total)
 {
