@@ -685,6 +685,9 @@ static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_t
                (unsigned long long)t->recorded_peak_reserved, (unsigned long long)main_run.ooms,
                (unsigned long long)s->map_ops, (unsigned long long)s->unmap_ops,
                (unsigned long long)s->reclaimed_pages, main_run.wall, evps, evps1, plan_s, evps_np);
+        /* the learned step (docs/pool.md): plans switched to, allocations placed by one, plans dropped */
+        printf(",\"plans_built\":%llu,\"plan_placed\":%llu,\"plan_dropped\":%llu", (unsigned long long)s->plans_built,
+               (unsigned long long)s->plan_placed, (unsigned long long)s->plan_dropped);
         json_drv("", main_run.st_pass1.drv_calls, main_run.st_pass1.drv_bytes, &o->cost);
         printf(",\"unlimited_driver_seconds\":%.6f",
                msh_drvcost_seconds(&o->cost, unl.st_pass1.drv_calls, unl.st_pass1.drv_bytes));
@@ -697,6 +700,14 @@ static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_t
                    (unsigned long long)steady.ooms,
                    (unsigned long long)(steady.st.map_ops - steady.st_before_last.map_ops),
                    (unsigned long long)(steady.st.unmap_ops - steady.st_before_last.unmap_ops));
+            printf(",\"steady_plans_built\":%llu,\"steady_plan_placed\":%llu,\"steady_plan_dropped\":%llu,"
+                   "\"last_pass_plans_built\":%llu,\"last_pass_plan_placed\":%llu,\"last_pass_plan_dropped\":%llu",
+                   (unsigned long long)(steady.st.plans_built - steady.st_pass1.plans_built),
+                   (unsigned long long)(steady.st.plan_placed - steady.st_pass1.plan_placed),
+                   (unsigned long long)(steady.st.plan_dropped - steady.st_pass1.plan_dropped),
+                   (unsigned long long)(steady.st.plans_built - steady.st_before_last.plans_built),
+                   (unsigned long long)(steady.st.plan_placed - steady.st_before_last.plan_placed),
+                   (unsigned long long)(steady.st.plan_dropped - steady.st_before_last.plan_dropped));
             uint64_t lc[MSH_DRV_NKINDS], lb[MSH_DRV_NKINDS];
             drv_sub(steady.st.drv_calls, steady.st_before_last.drv_calls, lc);
             drv_sub(steady.st.drv_bytes, steady.st_before_last.drv_bytes, lb);

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The SYNTHETIC offload/reload trace generator (scripts/gen_offload_trace.py) keeps writing a trace
 that memshim-replay reads without repairs, and the pool keeps its invariants replaying it
-(`--check`) with no limit and at its minimum capacity over 3 passes, where it reclaims and remaps
-(the churning seed 2 included). A few seconds. Prints one line per case and the closing line."""
+(`--check`) with no limit and at its minimum capacity over 3 passes, where it reclaims and remaps;
+and at C+1% the learned step takes over by pass 3 (no map or unmap) on seeds 2, 7 and 8, where it
+once failed. About ten seconds. Prints one line per case and the closing line."""
 import json
 import os
 import subprocess
@@ -72,5 +73,47 @@ with tempfile.TemporaryDirectory() as tmp:
                      rc == 0 and d["ooms"] == 0 and d["steady_ooms"] == 0, f"rc={rc} {err.strip()[-300:]}")
             except (ValueError, IndexError, KeyError) as e:
                 case(f"{name}: --check at {where} output parses", False, f"rc={rc} {e}: {err[-300:]!r}")
+        if path == a:
+            # the learned step's counters (docs/replay.md): at C+1% the default trace maps nothing
+            # in pass 3, so the plan places every allocation there
+            cap = -(-cmin * 101 // 100 // 2**21) * 2**21
+            rc, out, err = replay("--json", "--passes", "3", "--capacity", str(cap), path)
+            try:
+                d = json.loads(out.splitlines()[0])
+                keys = [p + k for p in ("", "steady_", "last_pass_") for k in ("plans_built", "plan_placed", "plan_dropped")]
+                got = {k: d[k] for k in keys}
+                per_pass = d["allocs"] + d["prefix_blocks"]  # the prefix is allocated again each pass
+                case(f"{name}: --json prints the learned step's counters, consistent with the churn at C+1%",
+                     rc == 0 and d["last_pass_map_ops"] + d["last_pass_unmap_ops"] == 0
+                     and d["plans_built"] >= 1 and 0 < d["plan_placed"] <= d["allocs"]
+                     and d["plan_dropped"] <= d["plans_built"]
+                     and d["last_pass_plan_placed"] == per_pass and d["last_pass_plan_dropped"] == 0
+                     and d["last_pass_plan_placed"] <= d["steady_plan_placed"] <= 2 * per_pass
+                     and d["steady_plan_dropped"] <= d["steady_plans_built"] + 1, got)
+            except (ValueError, IndexError, KeyError) as e:
+                case(f"{name}: learned-step counters parse", False, f"rc={rc} {e}: {out[:300]!r} {err[-300:]!r}")
+
+    # The learned step at C+1% on the seeds where it used to fail (docs/benchmarks.md, "Offload and
+    # reload"): on seeds 2 and 8 no fixed packing order fit the limit (no plan: every pass remapped,
+    # 3341 and 1012 map+unmap in pass 3), fixed by the perturbed orders of pack_search; on seed 7
+    # the plan was dropped at each pass boundary and never came back (1340), fixed by resuming it.
+    for seed in ("2", "7", "8"):
+        name = f"seed {seed} at C+1%"
+        step(f"{name}: the learned step", timeout=60)
+        path = os.path.join(tmp, f"c{seed}.txt")
+        gen(path, "--seed", seed)
+        rc, out, err = replay("--json", "--capacity", "auto", path)
+        try:
+            cmin = json.loads(out.splitlines()[0])["min_capacity_bytes"]
+            cap = -(-cmin * 101 // 100 // 2**21) * 2**21
+            rc, out, err = replay("--check", "--json", "--passes", "3", "--capacity", str(cap), path)
+            d = json.loads(out.splitlines()[0])
+            case(f"{name}: pass 3 maps and unmaps nothing, every allocation of its step placed by the plan",
+                 rc == 0 and d["steady_ooms"] == 0 and d["last_pass_map_ops"] + d["last_pass_unmap_ops"] == 0
+                 and d["last_pass_plan_placed"] >= d["allocs"] and d["last_pass_plan_dropped"] <= 1,
+                 f"rc={rc} pass 3: {d.get('last_pass_map_ops')} maps, {d.get('last_pass_unmap_ops')} unmaps; "
+                 + str({k: v for k, v in d.items() if "plan" in k and "second" not in k}) + err.strip()[-300:])
+        except (ValueError, IndexError, KeyError) as e:
+            case(f"{name}: replay output parses", False, f"rc={rc} {e}: {out[:200]!r} {err[-300:]!r}")
 
 finish()
