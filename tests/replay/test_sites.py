@@ -246,7 +246,9 @@ def small(n):
     return [lib.memshim_malloc(16384, 0, None) for _ in range(n)]  # SITE-SMALL
 def big(n):
     return [lib.memshim_malloc(2 * MiB, 0, None) for _ in range(n)]  # SITE-BIG
-a, b = small(40000), big(10)
+def mid(n):
+    return [lib.memshim_malloc(768 * 1024, 0, None) for _ in range(n)]  # SITE-MID
+a, b, c = small(40000), big(10), mid(4000)
 lib.memshim_epoch()
 """
     p = run(SAMPLED, tmp, "sampled", env_extra={"MEMSHIM_SITES_SAMPLE": "1M", "CUDBL_CAPACITY": "16G"}, timeout=300)
@@ -260,6 +262,12 @@ lib.memshim_epoch()
     case("MEMSHIM_SITES_SAMPLE=1M: 40000 x 16 KiB estimated within 20% (about 625 samples), note says so",
          sm and abs(sm["bytes"] - true_small) < 0.2 * true_small and abs(sm["count"] - 40000) < 8000
          and "sampled" in (e["sites_note"] or ""), (sm, e["sites_note"]))
+    # near the threshold the weight must be 1 / (1 - exp(-size/T)): 768 KiB blocks are sampled with
+    # a chance of 0.53 (about 2100 samples, 1.5% error); a linear chance (0.75) would read 30% low
+    md = next((s for s in e["sites"] if s["line"] == line_of(SAMPLED, "SITE-MID")), None)
+    true_mid = 4000 * 768 * 1024
+    case("MEMSHIM_SITES_SAMPLE=1M: 4000 x 768 KiB (sampled with chance 0.53) estimated within 10%",
+         md and abs(md["bytes"] - true_mid) < 0.1 * true_mid and abs(md["count"] - 4000) < 400, md)
 
     # contention: another thread holds the GIL (200 ms at a time) while a C loop under a Python frame
     # allocates with the GIL released; memshim must not wait for it at every allocation
