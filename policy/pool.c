@@ -68,8 +68,8 @@ struct blk {
     uint64_t req;        /* requested bytes while live */
     struct blk *prev, *next;
     struct region *reg;
-    struct blk *tl, *tr; /* free treap by (size, addr) */
-    struct blk *al, *ar; /* free treap by addr (the learned step places at given addresses) */
+    struct blk *kid[2][2]; /* the free treaps' children ([tree][0] left, [1] right): tree TS by
+                            * (size, addr), TA by addr (the learned step places at given addresses) */
     struct blk *hnext;   /* live hash chain, or the spare list */
     struct sref s[MAX_STREAMS]; /* live: [0] alloc stream + recorded; free: last-use streams */
     uint64_t free_gen;   /* pool->free_gen when freed on a stream (work may still be queued) */
@@ -316,46 +316,55 @@ static inline bool key_less(const struct blk *a, const struct blk *b)
     return a->size < b->size || (a->size == b->size && a->addr < b->addr);
 }
 
-static void treap_split(struct blk *t, const struct blk *key, struct blk **l, struct blk **r)
+/* Two treaps over the same free blocks share one implementation: `tt` names the tree (its
+ * children kid[tt]) and its order. */
+enum { TS = 0, TA = 1 };
+
+static inline bool tkey_less(int tt, const struct blk *a, const struct blk *b)
+{
+    return tt == TS ? key_less(a, b) : a->addr < b->addr;
+}
+
+static void treap_split(int tt, struct blk *t, const struct blk *key, struct blk **l, struct blk **r)
 {
     if (!t) {
         *l = *r = NULL;
-    } else if (key_less(t, key)) {
-        treap_split(t->tr, key, &t->tr, r);
+    } else if (tkey_less(tt, t, key)) {
+        treap_split(tt, t->kid[tt][1], key, &t->kid[tt][1], r);
         *l = t;
     } else {
-        treap_split(t->tl, key, l, &t->tl);
+        treap_split(tt, t->kid[tt][0], key, l, &t->kid[tt][0]);
         *r = t;
     }
 }
 
-static struct blk *treap_merge(struct blk *a, struct blk *b)
+static struct blk *treap_merge(int tt, struct blk *a, struct blk *b)
 {
     if (!a) return b;
     if (!b) return a;
     if (a->prio > b->prio) {
-        a->tr = treap_merge(a->tr, b);
+        a->kid[tt][1] = treap_merge(tt, a->kid[tt][1], b);
         return a;
     }
-    b->tl = treap_merge(a, b->tl);
+    b->kid[tt][0] = treap_merge(tt, a, b->kid[tt][0]);
     return b;
 }
 
-static void treap_insert(struct blk **root, struct blk *n)
+static void treap_insert(int tt, struct blk **root, struct blk *n)
 {
-    n->tl = n->tr = NULL;
+    n->kid[tt][0] = n->kid[tt][1] = NULL;
     struct blk **t = root;
-    while (*t && (*t)->prio >= n->prio) t = key_less(n, *t) ? &(*t)->tl : &(*t)->tr;
-    treap_split(*t, n, &n->tl, &n->tr);
+    while (*t && (*t)->prio >= n->prio) t = &(*t)->kid[tt][!tkey_less(tt, n, *t)];
+    treap_split(tt, *t, n, &n->kid[tt][0], &n->kid[tt][1]);
     *t = n;
 }
 
-static void treap_remove(struct blk **root, struct blk *n)
+static void treap_remove(int tt, struct blk **root, struct blk *n)
 {
     struct blk **t = root;
-    while (*t && *t != n) t = key_less(n, *t) ? &(*t)->tl : &(*t)->tr;
-    if (*t) *t = treap_merge(n->tl, n->tr);
-    n->tl = n->tr = NULL;
+    while (*t && *t != n) t = &(*t)->kid[tt][!tkey_less(tt, n, *t)];
+    if (*t) *t = treap_merge(tt, n->kid[tt][0], n->kid[tt][1]);
+    n->kid[tt][0] = n->kid[tt][1] = NULL;
 }
 
 static struct blk *treap_lower_bound(struct blk *t, uint64_t size)
@@ -364,54 +373,12 @@ static struct blk *treap_lower_bound(struct blk *t, uint64_t size)
     while (t) {
         if (t->size >= size) {
             best = t;
-            t = t->tl;
+            t = t->kid[TS][0];
         } else {
-            t = t->tr;
+            t = t->kid[TS][1];
         }
     }
     return best;
-}
-
-static void atreap_split(struct blk *t, uint64_t addr, struct blk **l, struct blk **r)
-{
-    if (!t) {
-        *l = *r = NULL;
-    } else if (t->addr < addr) {
-        atreap_split(t->ar, addr, &t->ar, r);
-        *l = t;
-    } else {
-        atreap_split(t->al, addr, l, &t->al);
-        *r = t;
-    }
-}
-
-static struct blk *atreap_merge(struct blk *a, struct blk *b)
-{
-    if (!a) return b;
-    if (!b) return a;
-    if (a->prio > b->prio) {
-        a->ar = atreap_merge(a->ar, b);
-        return a;
-    }
-    b->al = atreap_merge(a, b->al);
-    return b;
-}
-
-static void atreap_insert(struct blk **root, struct blk *n)
-{
-    n->al = n->ar = NULL;
-    struct blk **t = root;
-    while (*t && (*t)->prio >= n->prio) t = n->addr < (*t)->addr ? &(*t)->al : &(*t)->ar;
-    atreap_split(*t, n->addr, &n->al, &n->ar);
-    *t = n;
-}
-
-static void atreap_remove(struct blk **root, struct blk *n)
-{
-    struct blk **t = root;
-    while (*t && *t != n) t = n->addr < (*t)->addr ? &(*t)->al : &(*t)->ar;
-    if (*t) *t = atreap_merge(n->al, n->ar);
-    n->al = n->ar = NULL;
 }
 
 /* The free block with the highest address <= addr, or NULL. */
@@ -421,9 +388,9 @@ static struct blk *atreap_floor(struct blk *t, uint64_t addr)
     while (t) {
         if (t->addr <= addr) {
             best = t;
-            t = t->ar;
+            t = t->kid[TA][1];
         } else {
-            t = t->al;
+            t = t->kid[TA][0];
         }
     }
     return best;
@@ -431,14 +398,14 @@ static struct blk *atreap_floor(struct blk *t, uint64_t addr)
 
 static void free_insert(struct msh_pool *pool, struct blk *b)
 {
-    treap_insert(&pool->tree[b->reg->area], b);
-    atreap_insert(&pool->atree[b->reg->area], b);
+    treap_insert(TS, &pool->tree[b->reg->area], b);
+    treap_insert(TA, &pool->atree[b->reg->area], b);
 }
 
 static void free_remove(struct msh_pool *pool, struct blk *b)
 {
-    treap_remove(&pool->tree[b->reg->area], b);
-    atreap_remove(&pool->atree[b->reg->area], b);
+    treap_remove(TS, &pool->tree[b->reg->area], b);
+    treap_remove(TA, &pool->atree[b->reg->area], b);
 }
 
 /* ---- live-block hash (address -> block) ------------------------------------------------------ */
@@ -3321,40 +3288,33 @@ int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream,
         goto out;                                                                                  \
     } while (0)
 
-/* Walk the size treap: in-order keys strictly increase, children's priorities never exceed their
- * parent's, every node is a free block of `area`. Counts nodes into *n. Recursion depth is the
- * treap's height (expected O(log n)); a corrupt tree deeper than 4096 is reported, not followed. */
-static const char *treap_walk(const struct blk *t, int area, const struct blk **prev, size_t *n, int depth)
-{
-    if (!t) return NULL;
-    if (depth > 4096) return "treap deeper than 4096 (a cycle?)";
-    if (t->tl && t->tl->prio > t->prio) return "treap heap order broken (left child)";
-    if (t->tr && t->tr->prio > t->prio) return "treap heap order broken (right child)";
-    const char *e = treap_walk(t->tl, area, prev, n, depth + 1);
-    if (e) return e;
-    if (t->state != B_FREE) return "a block that is not free is in the free treap";
-    if (!t->reg || t->reg->area != area) return "a free treap holds a block of another area";
-    if (*prev && !key_less(*prev, t)) return "treap keys out of (size, addr) order";
-    *prev = t;
-    (*n)++;
-    return treap_walk(t->tr, area, prev, n, depth + 1);
-}
+/* What treap_walk finds wrong, per tree. */
+static const char *const treap_err[2][5] = {
+    {"treap deeper than 4096 (a cycle?)", "treap heap order broken", "a block that is not free is in the free treap",
+     "a free treap holds a block of another area", "treap keys out of (size, addr) order"},
+    {"address treap deeper than 4096 (a cycle?)", "address treap heap order broken",
+     "a block that is not free is in the address treap", "an address treap holds a block of another area",
+     "address treap keys out of order"},
+};
 
-/* The same for the address treap. */
-static const char *atreap_walk(const struct blk *t, int area, const struct blk **prev, size_t *n, int depth)
+/* Walk a free treap (tt: TS by (size, addr), TA by addr): in-order keys strictly increase,
+ * children's priorities never exceed their parent's, every node is a free block of `area`.
+ * Counts nodes into *n. Recursion depth is the treap's height (expected O(log n)); a corrupt
+ * tree deeper than 4096 is reported, not followed. */
+static const char *treap_walk(int tt, const struct blk *t, int area, const struct blk **prev, size_t *n, int depth)
 {
     if (!t) return NULL;
-    if (depth > 4096) return "address treap deeper than 4096 (a cycle?)";
-    if (t->al && t->al->prio > t->prio) return "address treap heap order broken (left child)";
-    if (t->ar && t->ar->prio > t->prio) return "address treap heap order broken (right child)";
-    const char *e = atreap_walk(t->al, area, prev, n, depth + 1);
+    if (depth > 4096) return treap_err[tt][0];
+    for (int side = 0; side < 2; side++)
+        if (t->kid[tt][side] && t->kid[tt][side]->prio > t->prio) return treap_err[tt][1];
+    const char *e = treap_walk(tt, t->kid[tt][0], area, prev, n, depth + 1);
     if (e) return e;
-    if (t->state != B_FREE) return "a block that is not free is in the address treap";
-    if (!t->reg || t->reg->area != area) return "an address treap holds a block of another area";
-    if (*prev && (*prev)->addr >= t->addr) return "address treap keys out of order";
+    if (t->state != B_FREE) return treap_err[tt][2];
+    if (!t->reg || t->reg->area != area) return treap_err[tt][3];
+    if (*prev && !tkey_less(tt, *prev, t)) return treap_err[tt][4];
     *prev = t;
     (*n)++;
-    return atreap_walk(t->ar, area, prev, n, depth + 1);
+    return treap_walk(tt, t->kid[tt][1], area, prev, n, depth + 1);
 }
 
 int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
@@ -3541,12 +3501,12 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
     for (int a = 0; a < NAREAS; a++) {
         const struct blk *prev = NULL;
         size_t n = 0;
-        const char *e = treap_walk(pool->tree[a], a, &prev, &n, 0);
+        const char *e = treap_walk(TS, pool->tree[a], a, &prev, &n, 0);
         if (e) CHECK_FAIL("area %d: %s", a, e);
         if (n != nfree[a]) CHECK_FAIL("area %d: %zu free blocks in the regions, %zu in the treap", a, nfree[a], n);
         prev = NULL;
         n = 0;
-        e = atreap_walk(pool->atree[a], a, &prev, &n, 0);
+        e = treap_walk(TA, pool->atree[a], a, &prev, &n, 0);
         if (e) CHECK_FAIL("area %d: %s", a, e);
         if (n != nfree[a]) CHECK_FAIL("area %d: %zu free blocks in the regions, %zu in the address treap", a, nfree[a], n);
     }
