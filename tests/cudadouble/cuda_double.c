@@ -327,6 +327,7 @@ struct dalloc {
 struct config { int devices; size_t capacity, granularity; };
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static long g_grants[MAX_DEVICES]; /* cuMemSetAccess: mappings granted to each device, cumulative */
 static pthread_cond_t g_cond = PTHREAD_COND_INITIALIZER;  /* work queued or completed */
 static atomic_int g_inited;
 static int g_configured_by_api;
@@ -881,6 +882,30 @@ static CUresult capture_unsafe_locked(void)
         }
     }
     return prohibited ? CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED : CUDA_SUCCESS;
+}
+
+/* Unmapping [va, va + size) while captures are in progress: cuMemUnmap is potentially unsafe (the
+ * calling thread's capture mode decides, as for cuMemFree), and memory that captured work touches
+ * cannot be unmapped under a capture in any mode: the graph would replay into nothing. Both
+ * invalidate the captures concerned (docs/test-double.md). */
+static CUresult capture_unmap_conflict_locked(CUdeviceptr va, size_t size)
+{
+    CUresult rc = capture_unsafe_locked();
+    for (struct capture *c = g_captures; c; c = c->next) {
+        if (!c->active) continue;
+        for (struct item *it = c->head; it; it = it->next) {
+            int touches = 0;
+            if (it->kind == IT_KERNEL || ((it->kind == IT_SET || it->kind == IT_COPY) && it->chk_dst))
+                touches = it->dst < va + size && va < it->dst + it->n;
+            if (it->kind == IT_COPY && it->chk_src) touches |= it->src < va + size && va < it->src + it->n;
+            if (touches) {
+                c->invalidated = 1;
+                rc = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+                break;
+            }
+        }
+    }
+    return rc;
 }
 
 /* Synchronizing or querying s: impossible while it captures, and for the legacy stream while a
@@ -2348,6 +2373,7 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)
     int partial = 0;
     CUresult rc = CUDA_SUCCESS;
     if (!r || covered_locked(ptr, size, &partial) != size || partial) rc = CUDA_ERROR_INVALID_VALUE;
+    if (rc == CUDA_SUCCESS) rc = capture_unmap_conflict_locked(ptr, size);
     for (CUdeviceptr a = ptr; rc == CUDA_SUCCESS && a < ptr + size;) {
         struct vmap *m = next_map_locked(&a, ptr + size);
         if (!m) break;
@@ -2404,7 +2430,11 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
         if (!m) break;
         unsigned char access[MAX_DEVICES];
         memcpy(access, m->access, sizeof access);
-        for (size_t i = 0; i < count; i++) access[desc[i].location.id] = (unsigned char)desc[i].flags;
+        for (size_t i = 0; i < count; i++) {
+            int d = desc[i].location.id;
+            if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE) g_grants[d]++; /* (mapping, device) grants */
+            access[d] = (unsigned char)desc[i].flags;
+        }
         unsigned any = 0;
         for (int d = 0; d < MAX_DEVICES; d++) any |= access[d];
         /* READWRITE (3) includes READ (1): bit 2 means some device may write */
@@ -3611,4 +3641,27 @@ static void fork_child(void)
     g_gpu_started = 0;
     pthread_mutex_unlock(&g_lock);
     pthread_mutex_unlock(&g_fault_lock);
+}
+
+long cudbl_access_grants(int device)
+{
+    if (device < 0 || device >= MAX_DEVICES) return -1;
+    pthread_mutex_lock(&g_lock);
+    long n = g_grants[device];
+    pthread_mutex_unlock(&g_lock);
+    return n;
+}
+
+long cudbl_mappings_accessible(int device)
+{
+    if (device < 0 || device >= MAX_DEVICES) return -1;
+    long n = 0;
+    pthread_mutex_lock(&g_lock);
+    for (size_t i = 0; i < g_page_tab.cap; i++) {
+        if (g_page_tab.keys[i] == HT_EMPTY || g_page_tab.keys[i] == HT_TOMB) continue;
+        struct vmap *m = g_page_tab.vals[i];
+        if (m && m->va == (CUdeviceptr)(g_page_tab.keys[i]) && m->access[device] != CU_MEM_ACCESS_FLAGS_PROT_NONE) n++;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return n;
 }

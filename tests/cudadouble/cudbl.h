@@ -67,6 +67,11 @@ int cudbl_launch(CUstream s, CUdeviceptr p, size_t n, int write, void (*fn)(void
  * peer access enabled): CUDA_SUCCESS or CUDA_ERROR_ILLEGAL_ADDRESS, by the rules in
  * docs/test-double.md; counts nothing. */
 int cudbl_check_access(int device, CUdeviceptr p, size_t n, int write);
+/* Access grants (issue 15): how many times cuMemSetAccess gave `device` read or write access to a
+ * mapping, since the process started (one per mapping and device named); and how many mappings
+ * `device` may access now. -1 for an invalid device. */
+long cudbl_access_grants(int device);
+long cudbl_mappings_accessible(int device);
 /* Peer capability between devices a and b (both ways), as cuDeviceCanAccessPeer reports it;
  * overrides CUDBL_PEER. */
 int cudbl_set_peer(int a, int b, int can);
