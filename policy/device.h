@@ -46,6 +46,17 @@ struct msh_device_ops {
     int (*stream_wait)(struct msh_device *d, uint64_t stream, uint64_t event);
     /* block until all work on the device has completed */
     int (*synchronize)(struct msh_device *d);
+    /* Optional (NULL: everything belongs to the device's own context, as in the simulation).
+     * stream_home: the context `stream` belongs to, 0 for the device's own (an event recorded on
+     * a stream must come from that stream's context); may call the driver, never under a lock.
+     * event_create_on: an event of context `home` (a stream_home value other than 0).
+     * stream_sync: block until the work queued on `stream` so far has completed.
+     * add_access: from now on grant `peer_device` access too (set_access includes it): 0 when
+     * added, EEXIST when it already was, another errno when the peer cannot reach this device. */
+    int (*stream_home)(struct msh_device *d, uint64_t stream, uint64_t *home);
+    int (*event_create_on)(struct msh_device *d, uint64_t home, uint64_t *event);
+    int (*stream_sync)(struct msh_device *d, uint64_t stream);
+    int (*add_access)(struct msh_device *d, int peer_device);
 };
 
 struct msh_device {

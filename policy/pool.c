@@ -48,13 +48,24 @@
 
 struct region;
 
-enum { B_FREE = 1, B_LIVE, B_PENDING, B_FREEING };
+/* B_PARKED: freed during a CUDA-graph capture while its free needs events (recorded once the
+ * capture ends, docs/pool.md "Captures"); in no structure, its pages still touched. */
+enum { B_FREE = 1, B_LIVE, B_PENDING, B_FREEING, B_PARKED };
+
+/* claim_pages: the request needs a synchronize, an unmap or a release, which a capture in
+ * progress on the device forbids; the caller places it where none is needed, or fails. */
+#define ECAPTURE ECANCELED
 enum { PG_MAPPED = 0, PG_MAPPING, PG_UNMAPPING };
 
-/* A stream whose queued work may touch an extent, and the event recorded on it when the work
- * was last queued (NO_EV: none; the pool had seen one stream only). */
+/* A stream whose queued work may touch an extent: the pool's sequence number when that work was
+ * last queued (the free), and the event recorded on the stream then (NO_EV: none; a reuse on the
+ * same stream needs none, and a reuse elsewhere waits until some later event of that stream is
+ * known complete). */
 struct sref {
     uint64_t stream;
+    uint64_t seq;
+    uint64_t lo, hi; /* free extents: the bytes the tag is about (a merged extent holds clean
+                      * bytes too, and the tags of each part) */
     uint32_t ev;
     uint32_t pad;
 };
@@ -74,6 +85,8 @@ struct blk {
     struct sref s[MAX_STREAMS]; /* live: [0] alloc stream + recorded; free: last-use streams */
     uint64_t free_gen;   /* pool->free_gen when freed on a stream (work may still be queued) */
     uint64_t serial;     /* live: the allocation's number in the step log */
+    uint64_t fstream;    /* parked: the stream of its free */
+    uint64_t slo, shi;   /* free, sync_needed: the bytes that need the synchronize */
     uint32_t prio;
     uint8_t state, ns, sync_needed;
     uint8_t claimed;     /* pending: counted on its pages (a pending block waiting for another
@@ -117,9 +130,37 @@ struct region {
 struct pev {
     uint64_t h;       /* device event; 0 until created */
     uint64_t stream;  /* where it was last recorded */
-    uint64_t seq;     /* pool-wide record order: on one stream, a later record covers an earlier */
-    uint32_t refs;    /* extents (and in-flight waits) holding it */
+    uint64_t seq;     /* pool->evseq at that record: it covers the work queued there before it */
+    uint64_t home;    /* the context it was created in (0: the device's own; a stream of another
+                       * device needs an event of its own context, device.h stream_home) */
+    uint32_t refs;    /* extents, known streams (their latest event) and in-flight waits holding it */
     uint32_t next;    /* free list */
+    uint8_t state;    /* EV_IDLE, EV_RECORDED, EV_DONE (seen complete by a query) */
+};
+enum { EV_IDLE = 0, EV_RECORDED, EV_DONE };
+
+/* A stream the pool has seen, what it knows of its completed work, and whether another stream
+ * wants its memory: then, for a while (the stream's next `window` frees, counted again at each
+ * such want; the window doubles when the wants come back soon after it ran out, as they do for
+ * two streams that trade memory every step, and at DEMAND_MAX it no longer runs out: a gap of
+ * frees without events is memory the other stream cannot have, which makes the pool grow), each
+ * of its frees records an
+ * event, so that the other stream can take that memory after a wait on exactly the work queued
+ * before the free (or none, once a query finds it complete). A stream nobody else wants memory of
+ * records nothing, as in PyTorch's allocator. */
+#define DEMAND_FREES 256
+#define DEMAND_MAX 4096
+#define MAX_KSTREAMS 32
+struct kstream {
+    uint64_t stream;
+    uint64_t done;        /* all work queued on it before pool->evseq reached `done` has completed */
+    uint64_t home;        /* its context (stream_home), once known */
+    uint32_t demand;      /* frees left that record their own event (another stream wants them) */
+    uint32_t window;      /* what a want sets demand to (DEMAND_FREES .. DEMAND_MAX) */
+    uint64_t frees, ran_out; /* its frees so far; their count when demand last reached 0 */
+    uint32_t latest;      /* the latest event recorded on it (a reference), or NO_EV: a tag of it
+                           * without an event, numbered before, may wait on this one */
+    uint8_t used, home_known;
 };
 
 struct step;
@@ -148,9 +189,18 @@ struct msh_pool {
     uint64_t free_gen, synced_gen; /* frees with queued work; all of those up to synced_gen are done */
     bool driver_oom;      /* the driver itself refused a create since the last empty-cache */
     uint64_t pressure_reclaims; /* cached handles taken back because the pool was at its cap */
-    bool multi_stream;    /* seen two streams: frees record events */
-    uint64_t first_stream;
-    bool have_stream;
+    struct kstream ks[MAX_KSTREAMS];
+    uint32_t ks_last;     /* the last slot found (most calls name the same stream) */
+    uint32_t poll_tick;   /* allocations since recorded events were last polled */
+    struct blk *parked;   /* frees a capture deferred (hnext chain) */
+    uint32_t nrecorded;   /* event slots recorded and not yet seen complete */
+    uint32_t poll_cursor; /* where the next poll of recorded events starts */
+    bool poll_soon;       /* an event was recorded for a waiting stream: poll at the next allocation */
+    bool empty_deferred;  /* an empty-cache a capture deferred */
+    /* The regions' address ranges, readable without the lock (msh_pool_covers_fast): written
+     * once each, before nvr is raised with a release store. */
+    struct { uint64_t base, end; } vr[16];
+    int nvr;
     struct { uint64_t h; uint32_t pages; } orphans[64]; /* unmapped handles whose release failed */
     int norphans;
     struct pev *evs;
@@ -367,20 +417,6 @@ static void treap_remove(int tt, struct blk **root, struct blk *n)
     n->kid[tt][0] = n->kid[tt][1] = NULL;
 }
 
-static struct blk *treap_lower_bound(struct blk *t, uint64_t size)
-{
-    struct blk *best = NULL;
-    while (t) {
-        if (t->size >= size) {
-            best = t;
-            t = t->kid[TS][0];
-        } else {
-            t = t->kid[TS][1];
-        }
-    }
-    return best;
-}
-
 /* The free block with the highest address <= addr, or NULL. */
 static struct blk *atreap_floor(struct blk *t, uint64_t addr)
 {
@@ -552,23 +588,30 @@ static inline uint64_t page_va(const struct msh_pool *pool, const struct region 
 
 /* ---- pooled events ------------------------------------------------------------------------------ */
 
-/* A slot with one reference, or NO_EV when the table cannot grow. Its event may not exist yet
- * (h == 0): whoever records it creates it first, without the lock. */
-static uint32_t ev_get(struct msh_pool *pool)
+/* A slot with one reference for an event of context `home`, or NO_EV when the table cannot grow.
+ * Its event may not exist yet (h == 0): whoever records it creates it first, without the lock.
+ * Slots keep their event when released, for the next record in the same context. */
+static uint32_t ev_get(struct msh_pool *pool, uint64_t home)
 {
-    if (pool->evfree == NO_EV) {
+    uint32_t *pp = &pool->evfree;
+    for (int scan = 0; *pp != NO_EV && scan < 8; scan++, pp = &pool->evs[*pp].next)
+        if (pool->evs[*pp].home == home || !pool->evs[*pp].h) break;
+    if (*pp == NO_EV || (pool->evs[*pp].home != home && pool->evs[*pp].h)) {
         if (pool->nevs == pool->capevs) {
             void *v = pool->evs;
             if (!arr_grow(&v, &pool->capevs, sizeof *pool->evs, NULL)) return NO_EV;
             pool->evs = v;
         }
-        pool->evs[pool->nevs] = (struct pev){.next = NO_EV};
+        pool->evs[pool->nevs] = (struct pev){.next = pool->evfree, .home = home};
         pool->evfree = pool->nevs++;
+        pp = &pool->evfree;
     }
-    uint32_t i = pool->evfree;
-    pool->evfree = pool->evs[i].next;
+    uint32_t i = *pp;
+    *pp = pool->evs[i].next;
     pool->evs[i].refs = 1;
     pool->evs[i].next = NO_EV;
+    pool->evs[i].home = home; /* a slot without an event takes the context it is asked for */
+    pool->evs[i].state = EV_IDLE;
     return i;
 }
 
@@ -576,6 +619,8 @@ static void ev_put(struct msh_pool *pool, uint32_t i)
 {
     if (i == NO_EV) return;
     if (--pool->evs[i].refs) return;
+    if (pool->evs[i].state == EV_RECORDED) pool->nrecorded--;
+    pool->evs[i].state = EV_IDLE;
     pool->evs[i].next = pool->evfree;
     pool->evfree = i;
 }
@@ -592,12 +637,120 @@ static void ev_destroy(struct msh_pool *pool, uint64_t h)
     if (pool->dev->ops->event_release(pool->dev, h)) pool->dev->ops->event_release(pool->dev, h);
 }
 
+static int dev_event_create(struct msh_pool *pool, uint64_t home, uint64_t *h)
+{
+    if (home && pool->dev->ops->event_create_on) return pool->dev->ops->event_create_on(pool->dev, home, h);
+    return pool->dev->ops->event_create(pool->dev, h);
+}
+
+/* 0: complete; EBUSY: not yet; other: cannot tell. */
+static int dev_event_query(struct msh_pool *pool, uint64_t h)
+{
+    __atomic_fetch_add(&pool->st.event_queries, 1, __ATOMIC_RELAXED);
+    return pool->dev->ops->event_query(pool->dev, h);
+}
+
+/* ---- known streams ------------------------------------------------------------------------------ */
+
+static inline bool capturing(const struct msh_pool *pool)
+{
+    return pool->prm.capturing && __atomic_load_n(pool->prm.capturing, __ATOMIC_ACQUIRE) > 0;
+}
+
+static struct kstream *ks_find(struct msh_pool *pool, uint64_t stream)
+{
+    if (stream == MSH_STREAM_COMPLETED) return NULL;
+    struct kstream *k = &pool->ks[pool->ks_last];
+    if (k->used && k->stream == stream) return k;
+    for (uint32_t i = 0; i < MAX_KSTREAMS; i++)
+        if (pool->ks[i].used && pool->ks[i].stream == stream) {
+            pool->ks_last = i;
+            return &pool->ks[i];
+        }
+    return NULL;
+}
+
+/* The stream's entry, made when first seen. NULL when the table is full: tags naming such a
+ * stream are never known complete before a synchronize (correct, only slower). */
+static struct kstream *ks_get(struct msh_pool *pool, uint64_t stream)
+{
+    struct kstream *k = ks_find(pool, stream);
+    if (k || stream == MSH_STREAM_COMPLETED) return k;
+    for (uint32_t i = 0; i < MAX_KSTREAMS; i++)
+        if (!pool->ks[i].used) {
+            pool->ks[i] = (struct kstream){.stream = stream, .latest = NO_EV, .used = 1};
+            pool->ks_last = i;
+            return &pool->ks[i];
+        }
+    return NULL;
+}
+
+/* An event seen complete: the work queued on its stream before it is done, which covers every
+ * tag of that stream numbered before the record. */
+static void ev_done(struct msh_pool *pool, uint32_t e)
+{
+    struct pev *ev = &pool->evs[e];
+    if (ev->state != EV_RECORDED) return;
+    ev->state = EV_DONE;
+    pool->nrecorded--;
+    struct kstream *k = ks_find(pool, ev->stream);
+    if (k && ev->seq > k->done) k->done = ev->seq;
+}
+
+/* The contexts of streams not yet known, resolved without the lock (device.h stream_home; most
+ * backends have none: everything is the device's own). Called with the lock held; may drop it. */
+static void ks_resolve_homes(struct msh_pool *pool, const uint64_t *streams, int n)
+{
+    if (!pool->dev->ops->stream_home) return;
+    uint64_t want[MAX_STREAMS + 1], home[MAX_STREAMS + 1];
+    int nw = 0;
+    for (int i = 0; i < n; i++) {
+        struct kstream *k = ks_get(pool, streams[i]);
+        if (k && !k->home_known) want[nw++] = streams[i];
+    }
+    if (!nw) return;
+    pool->jobs++; /* a check sees this thread's pending work as in flight */
+    pthread_mutex_unlock(&pool->lock);
+    for (int i = 0; i < nw; i++)
+        if (pool->dev->ops->stream_home(pool->dev, want[i], &home[i])) home[i] = 0;
+    pthread_mutex_lock(&pool->lock);
+    pool->jobs--;
+    for (int i = 0; i < nw; i++) {
+        struct kstream *k = ks_find(pool, want[i]);
+        if (k && !k->home_known) {
+            k->home = home[i];
+            k->home_known = 1;
+        }
+    }
+}
+
+static uint64_t ks_home(struct msh_pool *pool, uint64_t stream)
+{
+    struct kstream *k = ks_find(pool, stream);
+    return k ? k->home : 0;
+}
+
 /* ---- stream tags of extents ------------------------------------------------------------------- */
 
-/* No queued work can touch the extent: none was recorded, or a synchronize covered its free. */
-static bool blk_clean(const struct msh_pool *pool, const struct blk *b)
+/* The work a tag names is known complete: its event was seen complete, or a later event of its
+ * stream was. */
+static bool tag_done(struct msh_pool *pool, const struct sref *t)
 {
-    return (!b->ns && !b->sync_needed) || (b->free_gen && b->free_gen <= pool->synced_gen);
+    if (t->ev != NO_EV && pool->evs[t->ev].state == EV_DONE && pool->evs[t->ev].seq > t->seq) return true;
+    const struct kstream *k = ks_find(pool, t->stream);
+    return k && t->seq < k->done;
+}
+
+/* No queued work can touch the extent: none was recorded, a synchronize covered its free, or
+ * every tag is known complete. */
+static bool blk_clean(struct msh_pool *pool, const struct blk *b)
+{
+    if (!b->ns && !b->sync_needed) return true;
+    if (b->free_gen && b->free_gen <= pool->synced_gen) return true;
+    if (b->sync_needed) return false;
+    for (int i = 0; i < b->ns; i++)
+        if (!tag_done(pool, &b->s[i])) return false;
+    return true;
 }
 
 static void sref_clear(struct msh_pool *pool, struct blk *b)
@@ -606,52 +759,92 @@ static void sref_clear(struct msh_pool *pool, struct blk *b)
     b->ns = 0;
     b->sync_needed = 0;
     b->free_gen = 0;
+    b->slo = b->shi = 0;
 }
 
-/* Add (stream, ev) to b's tags, taking over the reference on ev. On one stream a later record
- * covers an earlier one; no event at all (NO_EV: record at reuse time) covers both. */
-static void sref_add(struct msh_pool *pool, struct blk *b, uint64_t stream, uint32_t ev)
+static inline bool blk_tagged(const struct blk *b)
+{
+    return b->ns || b->sync_needed;
+}
+
+static inline bool range_meets(uint64_t alo, uint64_t ahi, uint64_t blo, uint64_t bhi)
+{
+    return alo < bhi && blo < ahi;
+}
+
+/* Drop the tags known complete (their event references too). */
+static void sref_prune(struct msh_pool *pool, struct blk *b)
+{
+    if (!blk_tagged(b)) return;
+    if (b->free_gen && b->free_gen <= pool->synced_gen) {
+        sref_clear(pool, b);
+        return;
+    }
+    int k = 0;
+    for (int i = 0; i < b->ns; i++) {
+        if (tag_done(pool, &b->s[i])) ev_put(pool, b->s[i].ev);
+        else b->s[k++] = b->s[i];
+    }
+    b->ns = (uint8_t)k;
+    if (!blk_tagged(b)) b->free_gen = 0;
+}
+
+/* Add a tag to b, taking over the reference on its event. One tag per stream: the bytes of both,
+ * the later free's number, and an event only if it was recorded after both (an earlier event does
+ * not cover the later work). A fifth stream makes the extent need a synchronize before reuse
+ * elsewhere (over the tag's bytes). */
+static void sref_add(struct msh_pool *pool, struct blk *b, const struct sref *n)
 {
     for (int i = 0; i < b->ns; i++) {
-        if (b->s[i].stream != stream) continue;
-        uint32_t old = b->s[i].ev;
-        bool keep_old = old == NO_EV || (ev != NO_EV && pool->evs[old].seq >= pool->evs[ev].seq);
-        if (keep_old) {
-            ev_put(pool, ev);
-        } else {
-            ev_put(pool, old);
-            b->s[i].ev = ev;
-        }
+        struct sref *t = &b->s[i];
+        if (t->stream != n->stream) continue;
+        uint64_t top = n->seq > t->seq ? n->seq : t->seq;
+        uint32_t keep = NO_EV;
+        uint32_t cand[2] = {t->ev, n->ev};
+        for (int c = 0; c < 2; c++) /* the earliest event that covers both: the least waiting */
+            if (cand[c] != NO_EV && pool->evs[cand[c]].seq > top &&
+                (keep == NO_EV || pool->evs[cand[c]].seq < pool->evs[keep].seq))
+                keep = cand[c];
+        for (int c = 0; c < 2; c++)
+            if (cand[c] != keep) ev_put(pool, cand[c]);
+        if (keep != NO_EV && keep == t->ev && keep == n->ev) ev_put(pool, n->ev); /* the same slot twice */
+        t->ev = keep;
+        t->seq = top;
+        if (n->lo < t->lo) t->lo = n->lo;
+        if (n->hi > t->hi) t->hi = n->hi;
         return;
     }
     if (b->ns < MAX_STREAMS) {
-        b->s[b->ns++] = (struct sref){.stream = stream, .ev = ev};
-    } else {
-        ev_put(pool, ev);
-        b->sync_needed = 1; /* too many streams to track: synchronize before reuse elsewhere */
+        b->s[b->ns++] = *n;
+        return;
     }
+    ev_put(pool, n->ev);
+    if (!b->sync_needed) {
+        b->slo = n->lo;
+        b->shi = n->hi;
+    }
+    if (n->lo < b->slo) b->slo = n->lo;
+    if (n->hi > b->shi) b->shi = n->hi;
+    b->sync_needed = 1; /* too many streams to track: synchronize before reuse elsewhere */
 }
 
-/* Free neighbours merge (or a pending piece returns): the merged extent waits for the work of both. */
+/* Free neighbours always merge (the pool's capacity depends on it), and their tags stay exact:
+ * each tag keeps the bytes it is about, so a piece carved from the merged extent carries only the
+ * tags of its own bytes. (Two frees of one stream with other bytes between them are one tag over
+ * both: the bytes between wait for that stream too, the only imprecision.) */
 static void streams_merge(struct msh_pool *pool, struct blk *into, struct blk *from)
 {
-    if (blk_clean(pool, from)) {
-        sref_clear(pool, from);
-        return;
-    }
-    if (blk_clean(pool, into)) {
-        sref_clear(pool, into);
-        memcpy(into->s, from->s, sizeof into->s);
-        into->ns = from->ns;
-        into->sync_needed = from->sync_needed;
-        into->free_gen = from->free_gen;
-        from->ns = 0;
-        return;
-    }
-    into->sync_needed |= from->sync_needed;
-    for (int i = 0; i < from->ns; i++) sref_add(pool, into, from->s[i].stream, from->s[i].ev);
+    sref_prune(pool, into);
+    sref_prune(pool, from);
+    for (int i = 0; i < from->ns; i++) sref_add(pool, into, &from->s[i]);
     from->ns = 0;
+    if (from->sync_needed) {
+        if (!into->sync_needed || from->slo < into->slo) into->slo = from->slo;
+        if (!into->sync_needed || from->shi > into->shi) into->shi = from->shi;
+        into->sync_needed = 1;
+    }
     if (from->free_gen > into->free_gen) into->free_gen = from->free_gen;
+    if (!blk_tagged(into)) into->free_gen = 0;
 }
 
 /* Copy of b's tags onto a piece split from it (one more reference on each event). */
@@ -660,19 +853,107 @@ static void streams_copy(struct msh_pool *pool, struct blk *to, const struct blk
     memcpy(to->s, from->s, sizeof to->s);
     to->ns = from->ns;
     to->sync_needed = from->sync_needed;
+    to->slo = from->slo;
+    to->shi = from->shi;
     to->free_gen = from->free_gen;
     for (int i = 0; i < to->ns; i++) ev_ref(pool, to->s[i].ev);
 }
 
-static void stream_seen(struct msh_pool *pool, uint64_t stream)
+/* b's extent changed (a piece of a carved one): it keeps only the tags about its own bytes. */
+static void streams_clip(struct msh_pool *pool, struct blk *b)
 {
-    if (stream == MSH_STREAM_COMPLETED || pool->multi_stream) return;
-    if (!pool->have_stream) {
-        pool->have_stream = true;
-        pool->first_stream = stream;
-    } else if (stream != pool->first_stream) {
-        pool->multi_stream = true;
+    if (!blk_tagged(b)) return;
+    uint64_t lo = b->addr, hi = b->addr + b->size;
+    int k = 0;
+    for (int i = 0; i < b->ns; i++) {
+        struct sref *t = &b->s[i];
+        if (!range_meets(t->lo, t->hi, lo, hi)) {
+            ev_put(pool, t->ev);
+            continue;
+        }
+        if (t->lo < lo) t->lo = lo;
+        if (t->hi > hi) t->hi = hi;
+        b->s[k++] = *t;
     }
+    b->ns = (uint8_t)k;
+    if (b->sync_needed && !range_meets(b->slo, b->shi, lo, hi)) b->sync_needed = 0;
+    if (b->sync_needed) {
+        if (b->slo < lo) b->slo = lo;
+        if (b->shi > hi) b->shi = hi;
+    }
+    if (!blk_tagged(b)) b->free_gen = 0;
+}
+
+/* The event a reuse elsewhere waits on for tag t: its own, or else the latest event recorded on
+ * its stream after it (an event of another block's free): that one also covers
+ * some work queued after the free, but never more than up to its own record. NO_EV: none. */
+static uint32_t tag_event(struct msh_pool *pool, const struct sref *t)
+{
+    if (t->ev != NO_EV) return t->ev;
+    const struct kstream *k = ks_find(pool, t->stream);
+    if (k && k->latest != NO_EV && pool->evs[k->latest].seq > t->seq) return k->latest;
+    return NO_EV;
+}
+
+/* How a free extent can serve an allocation on `stream`: at once (clean, or its work is all on
+ * that stream), after stream waits on recorded events (no host blocking), or only after a
+ * synchronize (a tag without an event that is not known complete, too many streams, or a
+ * host-synchronous caller). *blocked: a stream whose missing event made it FIT_SYNC. */
+enum { FIT_READY = 0, FIT_WAIT, FIT_SYNC };
+static int fit_kind(struct msh_pool *pool, const struct blk *b, uint64_t lo, uint64_t hi, uint64_t stream,
+                    uint64_t *blocked)
+{
+    if (!blk_tagged(b) || (b->free_gen && b->free_gen <= pool->synced_gen)) return FIT_READY;
+    if (b->sync_needed && range_meets(b->slo, b->shi, lo, hi)) return FIT_SYNC;
+    int k = FIT_READY;
+    for (int i = 0; i < b->ns; i++) {
+        const struct sref *t = &b->s[i];
+        if (!range_meets(t->lo, t->hi, lo, hi) || tag_done(pool, t)) continue;
+        if (stream == MSH_STREAM_COMPLETED) return FIT_SYNC; /* a host user: all of it must be done */
+        if (t->stream == stream) continue;
+        if (tag_event(pool, t) == NO_EV) {
+            if (blocked) *blocked = t->stream;
+            return FIT_SYNC;
+        }
+        k = FIT_WAIT;
+    }
+    return k;
+}
+
+/* The bytes of b that keep `stream` waiting (tags of other streams not known complete, and what
+ * needs a synchronize): false when there are none. */
+static bool blocking_span(struct msh_pool *pool, const struct blk *b, uint64_t stream, uint64_t *lo, uint64_t *hi)
+{
+    bool any = false;
+    if (b->free_gen && b->free_gen <= pool->synced_gen) return false;
+    if (b->sync_needed) {
+        *lo = b->slo;
+        *hi = b->shi;
+        any = true;
+    }
+    for (int i = 0; i < b->ns; i++) {
+        const struct sref *t = &b->s[i];
+        if ((t->stream == stream && stream != MSH_STREAM_COMPLETED) || tag_done(pool, t)) continue;
+        if (!any || t->lo < *lo) *lo = t->lo;
+        if (!any || t->hi > *hi) *hi = t->hi;
+        any = true;
+    }
+    return any;
+}
+
+/* Another stream wanted memory last used on `stream` and could not have it without a synchronize
+ * (its free recorded no event): from now on, for DEMAND_FREES of its frees, each records an event.
+ * The first of them also covers the earlier frees of that stream (tag_event). Events are only
+ * ever recorded at frees, never at reuse time. */
+static bool want_events(struct msh_pool *pool, uint64_t stream)
+{
+    struct kstream *k = ks_find(pool, stream);
+    if (!k) return false;
+    bool first = !k->window;
+    if (!k->window) k->window = DEMAND_FREES;
+    if (!k->demand && k->ran_out && k->frees - k->ran_out < k->window && k->window < DEMAND_MAX) k->window *= 2;
+    k->demand = k->window;
+    return first;
 }
 
 /* ---- driver work outside the lock: claim, run, publish ----------------------------------------
@@ -703,10 +984,9 @@ enum { V_RECLAIM = 0, V_SPLIT, V_RELEASE };
 
 struct ewait {
     uint64_t stream; /* the old stream */
-    uint64_t h;      /* its event, copied under the lock (0: create one) */
+    uint64_t h;      /* its event (recorded at the free), copied under the lock */
     uint32_t ev;     /* pooled slot (one reference held by the job) */
-    uint8_t record;  /* no event was recorded at the free: record one on the old stream now */
-    uint8_t created;
+    uint8_t done;    /* a query found it complete: no wait was needed */
 };
 
 #define JOB_INL 8
@@ -726,7 +1006,7 @@ struct job {
     int nwaits;
     /* what the driver work did, counted into the stats when the job is published: a plan that
      * fails (or falls back to a synchronize) must not count waits that never happened */
-    int waits_done, records_done;
+    int waits_done;
     bool foreign;               /* the extent was last used on another stream */
     struct { uint64_t h; uint32_t pages; int rc; } orph[64]; /* orphans to retry */
     int norph;
@@ -746,7 +1026,7 @@ static void job_fini(struct msh_pool *pool, struct job *j)
 {
     for (int i = 0; i < j->nwaits; i++) ev_put(pool, j->waits[i].ev);
     j->nwaits = 0;
-    j->waits_done = j->records_done = 0;
+    j->waits_done = 0;
     j->foreign = false;
     if (j->runs != j->runs_inl) raw_free(j->runs, (size_t)j->capruns * sizeof *j->runs);
     if (j->vic != j->vic_inl) raw_free(j->vic, (size_t)j->capvic * sizeof *j->vic);
@@ -895,6 +1175,9 @@ static bool step_want(const struct step *s, uint64_t addr);
 static int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap)
 {
     struct region *r = b->reg;
+    int err = ENOMEM;
+    /* during a capture nothing may be unmapped (split or reclaimed): ECAPTURE instead */
+    bool cap_now = capturing(pool);
     uint32_t p0, p1;
     page_range(pool, b, &p0, &p1);
     for (uint32_t p = p0; p <= p1; p++) {
@@ -925,6 +1208,10 @@ static int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size
         uint32_t next = h + hp->npages;
         if (hp->npages > 1 && !((int64_t)h >= q0 && (int64_t)next - 1 <= q1) && !hp->nlive &&
             !(planned && handle_planned(r, h))) {
+            if (cap_now) {
+                err = ECAPTURE;
+                goto fail;
+            }
             if (!take_victim(pool, j, r, h, V_SPLIT)) goto fail;
             held_sub(pool, hp->npages);
         }
@@ -972,6 +1259,10 @@ static int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size
     size_t avail = cap == SIZE_MAX ? SIZE_MAX : (cap > pool->held ? cap - pool->held : 0);
     if (avail < need) {
         if (!pool->prm.defrag || avail + pool->cached < need) goto fail_touched;
+        if (cap_now) {
+            err = ECAPTURE;
+            goto fail_touched;
+        }
         while (avail < need) {
             uint32_t h;
             struct region *vr = oldest_cached(pool, &h);
@@ -1050,7 +1341,7 @@ fail:
     }
     j->nruns = 0;
     j->sync = false;
-    return ENOMEM;
+    return err;
 }
 
 /* Cached handles to give back: oldest first, until at most max_keep pages stay cached; with
@@ -1164,32 +1455,23 @@ static void job_run(struct msh_pool *pool, struct job *j)
     }
     if (!ok || !j->nwaits) return;
     /* The new stream waits for the work queued on each old stream before the free (the event
-     * recorded then), never for what was queued after it. */
+     * recorded then), never for what was queued after it; an event already complete (PyTorch's
+     * process_events queries them the same way) costs a query and no wait. */
     for (int i = 0; i < j->nwaits && !j->wait_rc; i++) {
         struct ewait *w = &j->waits[i];
-        int rc = 0;
-        if (!w->h) {
-            rc = pool->dev->ops->event_create(pool->dev, &w->h);
-            if (rc) w->h = 0;
-            else w->created = 1;
+        if (dev_event_query(pool, w->h) == 0) {
+            w->done = 1;
+            continue;
         }
-        if (!rc && w->record) {
-            rc = dev_event_record(pool, w->h, w->stream);
-            if (!rc) j->records_done++;
-        }
+        int rc = dev_stream_wait(pool, j->stream, w->h);
         if (!rc) {
-            rc = dev_stream_wait(pool, j->stream, w->h);
-            if (!rc) j->waits_done++;
+            j->waits_done++;
+            continue;
         }
-        if (w->created && w->ev == NO_EV) { /* no slot to keep it in: the wait holds what it needs */
-            ev_destroy(pool, w->h);
-            w->created = 0;
-        }
-        if (rc) { /* cannot order the streams: wait for everything instead */
-            j->wait_rc = dev_synchronize(pool);
-            j->sync = !j->wait_rc; /* sync_gen was set with the waits, under the lock */
-            break;
-        }
+        /* cannot order the streams: wait for everything instead */
+        j->wait_rc = dev_synchronize(pool);
+        j->sync = !j->wait_rc; /* sync_gen was set with the waits, under the lock */
+        break;
     }
 }
 
@@ -1293,17 +1575,16 @@ static int job_publish(struct msh_pool *pool, struct job *j)
         }
     }
     pool->st.cross_stream_waits += (uint64_t)j->waits_done;
-    pool->st.reuse_event_records += (uint64_t)j->records_done;
     if (j->foreign && !rc && !j->sync_rc) pool->st.cross_stream_reuses++;
-    j->waits_done = j->records_done = 0;
+    j->waits_done = 0;
     j->foreign = false;
-    if (j->sync && !j->sync_rc && !j->wait_rc && j->sync_gen > pool->synced_gen) pool->synced_gen = j->sync_gen;
+    if (j->sync && !j->sync_rc && !j->wait_rc && j->sync_gen > pool->synced_gen) {
+        pool->synced_gen = j->sync_gen;
+    }
     if (j->sync_rc && !rc) rc = j->sync_rc;
     if (j->wait_rc && !rc) rc = j->wait_rc;
-    for (int i = 0; i < j->nwaits; i++) {
-        struct ewait *w = &j->waits[i];
-        if (w->created) pool->evs[w->ev].h = w->h;
-    }
+    for (int i = 0; i < j->nwaits; i++)
+        if (j->waits[i].done) ev_done(pool, j->waits[i].ev);
     if (pool->waiters) pthread_cond_broadcast(&pool->cv);
     return rc;
 }
@@ -1324,6 +1605,10 @@ static int job_do(struct msh_pool *pool, struct job *j)
  * bytes; with quiet_ms only those not reused for that long). Returns the bytes released. */
 static size_t release_cached(struct msh_pool *pool, size_t max_keep, uint32_t quiet_ms)
 {
+    if (capturing(pool)) { /* an unmap (and its synchronize) would invalidate the capture */
+        if (pool->cached) pool->st.capture_deferrals++;
+        return 0;
+    }
     struct job j;
     job_init(&j);
     size_t before = pool->st.released_pages;
@@ -1382,6 +1667,11 @@ static bool region_add(struct msh_pool *pool, int area, uint64_t min_bytes)
     r->next = pool->areas[area];
     pool->areas[area] = r;
     pool->st.va_bytes += size;
+    if (pool->nvr < (int)(sizeof pool->vr / sizeof pool->vr[0])) {
+        pool->vr[pool->nvr].base = va;
+        pool->vr[pool->nvr].end = va + size;
+        __atomic_store_n(&pool->nvr, pool->nvr + 1, __ATOMIC_RELEASE);
+    }
     b->addr = va;
     b->size = size;
     b->reg = r;
@@ -1397,10 +1687,10 @@ static int area_of(const struct msh_pool *pool, uint64_t rsize)
     return rsize <= pool->prm.small_max ? 0 : 1;
 }
 
-/* Return a block to its area's free treaps, merging free neighbours. */
-static void blk_make_free(struct msh_pool *pool, struct blk *b)
+/* Merge the free block b (in no treap) with its free neighbours; returns the block that holds
+ * b's extent now. Their tags stay exact (streams_merge). */
+static struct blk *coalesce(struct msh_pool *pool, struct blk *b)
 {
-    b->state = B_FREE;
     struct blk *n = b->next;
     if (n && n->state == B_FREE) {
         free_remove(pool, n);
@@ -1420,7 +1710,14 @@ static void blk_make_free(struct msh_pool *pool, struct blk *b)
         blk_put(pool, b);
         b = p;
     }
-    free_insert(pool, b);
+    return b;
+}
+
+/* Return a block to its area's free treaps, merging free neighbours. */
+static void blk_make_free(struct msh_pool *pool, struct blk *b)
+{
+    b->state = B_FREE;
+    free_insert(pool, coalesce(pool, b));
 }
 
 /* Make [at, at + rsize) of the free block b a pending block (returned); the rest stays free and
@@ -1435,6 +1732,7 @@ static struct blk *carve_at(struct msh_pool *pool, struct blk *b, uint64_t at, u
         return NULL;
     }
     free_remove(pool, b);
+    b->state = B_PENDING; /* before the pieces may merge with their outer neighbours */
     if (lo) {
         lo->addr = b->addr;
         lo->size = at - b->addr;
@@ -1446,6 +1744,7 @@ static struct blk *carve_at(struct msh_pool *pool, struct blk *b, uint64_t at, u
         else b->reg->first = lo;
         b->prev = lo;
         streams_copy(pool, lo, b);
+        streams_clip(pool, lo);
         free_insert(pool, lo);
     }
     if (hi) {
@@ -1458,11 +1757,13 @@ static struct blk *carve_at(struct msh_pool *pool, struct blk *b, uint64_t at, u
         if (b->next) b->next->prev = hi;
         b->next = hi;
         streams_copy(pool, hi, b);
+        streams_clip(pool, hi);
         free_insert(pool, hi);
     }
     b->addr = at;
     b->size = rsize;
     b->state = B_PENDING;
+    streams_clip(pool, b);
     return b;
 }
 
@@ -1488,18 +1789,151 @@ static bool place_high(const struct msh_pool *pool, const struct blk *b, uint64_
 
 static struct blk *plan_place(struct msh_pool *pool, uint64_t rsize);
 
-/* Best fit by (size, address), or where the learned step says. NULL with *rc = ENOSPC when the
- * area needs another region, ENOMEM when the pool's own memory ran out. */
-static struct blk *place(struct msh_pool *pool, int area, uint64_t rsize, int *rc)
+/* The best-fit search, in (size, address) order from the smallest extent that fits, looks at up
+ * to FIT_LOOK candidates for one that serves the stream at once (PyTorch reuses a block on its
+ * own stream only; memshim also reuses memory whose other streams are known done), remembering
+ * the first that needs stream waits and the first that needs a synchronize. */
+#define FIT_LOOK 32
+/* A candidate and where it would be carved. */
+struct fit_pick {
+    struct blk *b;
+    uint64_t at;
+};
+
+/* The best-fit search keeps, in (size, address) order, the first candidate of each kind: one that
+ * serves the stream at once on pages mapped already (it ends the search), at once but on pages
+ * that must be mapped above the top of the line (the pool grows), after stream waits on mapped
+ * pages, after stream waits on new pages, and after a synchronize. */
+enum { PICK_READY, PICK_WAIT, PICK_READY_GROW, PICK_WAIT_GROW, PICK_SYNC, PICK_N };
+struct fit_search {
+    uint64_t rsize, stream;
+    struct fit_pick pick[PICK_N];
+    bool room;           /* new pages fit without reclaim (fresh_fits): the clean part of a partly
+                          * tagged extent may be used, though it may need pages mapped */
+    int seen;
+    uint64_t blocked[4]; /* streams whose missing events made candidates need a synchronize, */
+    uint64_t blocked_size[4]; /* and those candidates' sizes */
+    int nblocked;
+};
+
+static void fit_note(struct fit_search *fs, int kind, struct blk *b, uint64_t at)
+{
+    if (!fs->pick[kind].b) fs->pick[kind] = (struct fit_pick){b, at};
+}
+
+static bool fit_visit(struct msh_pool *pool, struct blk *t, struct fit_search *fs)
+{
+    while (t) {
+        if (t->size < fs->rsize) {
+            t = t->kid[TS][1];
+            continue;
+        }
+        if (fit_visit(pool, t->kid[TS][0], fs)) return true;
+        uint64_t blocked = MSH_STREAM_COMPLETED;
+        uint64_t at = place_high(pool, t, fs->rsize) ? t->addr + t->size - fs->rsize : t->addr;
+        uint64_t end = t->addr + t->size, top = page_va(pool, t->reg, t->reg->hi_page);
+        int k = fit_kind(pool, t, at, at + fs->rsize, fs->stream, &blocked);
+        if (k == FIT_READY) fit_note(fs, at + fs->rsize > top ? PICK_READY_GROW : PICK_READY, t, at);
+        else if (k == FIT_WAIT) fit_note(fs, at + fs->rsize > top ? PICK_WAIT_GROW : PICK_WAIT, t, at);
+        else fit_note(fs, PICK_SYNC, t, at);
+        /* an extent partly tagged: the bytes outside the tags in the way serve at once, if the
+         * request fits there */
+        uint64_t blo = 0, bhi = 0;
+        if (k != FIT_READY && blocking_span(pool, t, fs->stream, &blo, &bhi)) {
+            uint64_t alt = end - bhi >= fs->rsize ? bhi : blo - t->addr >= fs->rsize ? blo - fs->rsize : at;
+            if (alt != at && fit_kind(pool, t, alt, alt + fs->rsize, fs->stream, NULL) == FIT_READY)
+                fit_note(fs, alt + fs->rsize > top ? PICK_READY_GROW : PICK_READY, t, alt);
+        }
+        if (fs->pick[PICK_READY].b) return true;
+        if (blocked != MSH_STREAM_COMPLETED && fs->nblocked < 4) {
+            fs->blocked_size[fs->nblocked] = t->size;
+            fs->blocked[fs->nblocked++] = blocked;
+        }
+        if (++fs->seen >= FIT_LOOK) return true;
+        t = t->kid[TS][1];
+    }
+    return false;
+}
+
+/* Pages a block of rsize bytes placed on fresh memory maps, and whether that stays under the
+ * limit (and far from the device's capacity) without reclaiming anything. */
+static bool fresh_fits(const struct msh_pool *pool, uint64_t rsize)
+{
+    size_t need = (size_t)((rsize + pool->gran - 1) / pool->gran) + 1;
+    size_t cap = cap_pages(pool);
+    if (pool->driver_oom) return false;
+    if (cap != SIZE_MAX) return pool->held + need <= cap;
+    return !pool->device_total || (pool->held + need) * pool->gran < pool->device_total / 4 * 3;
+}
+
+/* Memory no stream has used: the open end of a region's VA line, above every page ever mapped
+ * (no tags, no handle to split). NULL with *rc = ENOSPC when no region of the area has room. */
+static struct blk *place_fresh(struct msh_pool *pool, int area, uint64_t rsize, int *rc)
+{
+    for (struct region *r = pool->areas[area]; r; r = r->next) {
+        uint64_t end = r->base + r->size;
+        struct blk *b = atreap_floor(pool->atree[area], end - 1);
+        if (!b || b->reg != r || b->addr + b->size != end) continue;
+        uint64_t at = page_va(pool, r, r->hi_page);
+        if (at < b->addr) at = b->addr;
+        if (at + rsize > end) continue;
+        struct blk *c = carve_at(pool, b, at, rsize);
+        if (!c) *rc = ENOMEM;
+        return c;
+    }
+    *rc = ENOSPC;
+    return NULL;
+}
+
+/* Best fit by (size, address) among the extents that serve `stream` without a synchronize, or
+ * where the learned step says. When every fitting extent would need one (memory freed on another
+ * stream without an event, not yet known complete), fresh memory is mapped instead if that fits
+ * without reclaim, and the streams in the way are asked for events at their frees (want_events); otherwise the
+ * best fit is used after a synchronize (host-synchronous callers, and tight limits). During a
+ * capture a synchronize is never an option. NULL with *rc = ENOSPC when the area needs another
+ * region, ENOMEM when the pool's own memory ran out. */
+static struct blk *place(struct msh_pool *pool, int area, uint64_t rsize, uint64_t stream, int *rc)
 {
     struct blk *b = pool->step ? plan_place(pool, rsize) : NULL;
     if (b) return b;
-    b = treap_lower_bound(pool->tree[area], rsize);
+    struct fit_search fs = {.rsize = rsize, .stream = stream, .room = fresh_fits(pool, rsize)};
+    fit_visit(pool, pool->tree[area], &fs);
+    /* At once on mapped pages if possible; else a stream wait (no host blocking) on mapped pages
+     * rather than growing the pool; then the same on new pages, while they fit without reclaim
+     * (else a synchronize and the mapped extent cost less than a reclaim: below). */
+    uint64_t at = 0;
+    static const int order[] = {PICK_READY, PICK_WAIT, PICK_READY_GROW, PICK_WAIT_GROW};
+    int picked = -1;
+    for (int i = 0; i < 4 && !b; i++)
+        if (fs.pick[order[i]].b && (i < 2 || fs.room || !fs.pick[PICK_SYNC].b)) {
+            b = fs.pick[order[i]].b;
+            at = fs.pick[order[i]].at;
+            picked = order[i];
+        }
+    /* Streams whose missing events kept a better fit from this request: events at their frees
+     * from now on, so that the next requests can have that memory (a hand-off between streams,
+     * not same-stream traffic). The first time two streams meet so, nothing covers the memory yet:
+     * one synchronize then costs less than growing the pool for good. */
+    bool first = false;
+    for (int i = 0; i < fs.nblocked; i++)
+        if (!b || fs.blocked_size[i] < b->size) first |= want_events(pool, fs.blocked[i]);
+    if (first && (picked == PICK_READY_GROW || picked == PICK_WAIT_GROW) && fs.pick[PICK_SYNC].b && !capturing(pool)) {
+        b = fs.pick[PICK_SYNC].b;
+        at = fs.pick[PICK_SYNC].at;
+    }
+    if (!b && fs.pick[PICK_SYNC].b) {
+        bool host = stream == MSH_STREAM_COMPLETED; /* it waits for the device anyway */
+        if (capturing(pool) || (!host && fs.room)) {
+            pool->st.fresh_placements++;
+            return place_fresh(pool, area, rsize, rc);
+        }
+        b = fs.pick[PICK_SYNC].b;
+        at = fs.pick[PICK_SYNC].at;
+    }
     if (!b) {
         *rc = ENOSPC;
         return NULL;
     }
-    uint64_t at = place_high(pool, b, rsize) ? b->addr + b->size - rsize : b->addr;
     b = carve_at(pool, b, at, rsize);
     if (!b) *rc = ENOMEM;
     return b;
@@ -1509,34 +1943,30 @@ static struct blk *place(struct msh_pool *pool, int area, uint64_t rsize, int *r
 
 /* Before a free extent is handed out on `stream`: work of other streams that last used it must
  * come first. The new stream waits on the event recorded when the extent was freed on each of
- * them (no host blocking, no waiting for their later work); memory freed before the pool saw a
- * second stream has no event: one is recorded on the old stream now. Host-synchronous users
- * (MSH_STREAM_COMPLETED) get a device synchronize instead. Nothing is dropped from b: if the
- * allocation fails, the extent goes back with its tags. */
+ * them (no host blocking, no waiting for their later work), unless a query finds it complete;
+ * tags known complete cost nothing. No event is ever recorded here: an old stream's later work
+ * must not hold up the new one. An extent with a tag that has no event (and is not known
+ * complete), and every dirty extent handed to a host-synchronous user (MSH_STREAM_COMPLETED), get
+ * a device synchronize. Nothing is dropped from b: if the allocation fails, the extent goes back
+ * with its tags. */
 static void streams_plan(struct msh_pool *pool, struct blk *b, uint64_t stream, bool fresh, struct job *j)
 {
-    if (blk_clean(pool, b) || fresh) return;
+    if (fresh || blk_clean(pool, b)) return;
     j->stream = stream;
     j->sync_gen = pool->free_gen;
-    if (b->sync_needed || stream == MSH_STREAM_COMPLETED) {
+    if (fit_kind(pool, b, b->addr, b->addr + b->size, stream, NULL) == FIT_SYNC) {
         j->sync = j->host_sync = true;
         return;
     }
     bool foreign = false;
     for (int i = 0; i < b->ns; i++) {
-        if (b->s[i].stream == stream) continue;
+        const struct sref *t = &b->s[i];
+        if (t->stream == stream || tag_done(pool, t)) continue;
         foreign = true;
+        uint32_t e = tag_event(pool, t);
         struct ewait *w = &j->waits[j->nwaits++];
-        memset(w, 0, sizeof *w);
-        w->stream = b->s[i].stream;
-        if (b->s[i].ev != NO_EV) {
-            w->ev = b->s[i].ev;
-            ev_ref(pool, w->ev);
-        } else {
-            w->ev = ev_get(pool);
-            w->record = 1;
-        }
-        w->h = w->ev != NO_EV ? pool->evs[w->ev].h : 0;
+        *w = (struct ewait){.stream = t->stream, .ev = e, .h = pool->evs[e].h};
+        ev_ref(pool, e);
     }
     j->foreign = foreign;
 }
@@ -1549,37 +1979,63 @@ static void step_destroy(struct msh_pool *pool);
 static void step_stop(struct msh_pool *pool);
 static void step_create(struct msh_pool *pool);
 static void step_before_alloc(struct msh_pool *pool, uint64_t rsize);
+static void step_drop(struct msh_pool *pool);
 
 /* One try at placing and backing a block. reclaim_only: the driver said it is full, so the pool
- * holds no more handles than it does now (it reclaims cached ones instead). */
+ * holds no more handles than it does now (it reclaims cached ones instead). While the device
+ * captures a CUDA graph, a placement that would need a synchronize, an unmap or a release
+ * (reclaim, a split handle) is given up for fresh memory, and failing that the request fails
+ * (*capture_blocked). */
 static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64_t stream, uint64_t *addr,
-                     bool reclaim_only, bool *reclaimed, bool *driver_enomem)
+                     bool reclaim_only, bool *reclaimed, bool *driver_enomem, bool *capture_blocked)
 {
     int area = area_of(pool, rsize);
+    bool fresh_only = false;
     struct blk *b;
-    int rc = 0;
-    while (!(b = place(pool, area, rsize, &rc))) {
-        if (rc != ENOSPC || !region_add(pool, area, rsize)) return ENOMEM;
-    }
-    bool fresh = b->addr >= page_va(pool, b->reg, b->reg->hi_page);
+    int rc;
     struct job j;
     job_init(&j);
     for (;;) {
-        size_t cap = cap_pages(pool);
-        if (reclaim_only && pool->held < cap) cap = pool->held;
-        rc = claim_pages(pool, b, &j, cap);
-        if (rc != EAGAIN) break;
-        /* another thread maps or unmaps one of our pages: wait for it to publish */
-        pool->st.lock_waits++;
-        pool->waiters++;
-        pthread_cond_wait(&pool->cv, &pool->lock);
-        pool->waiters--;
+        rc = 0;
+        while (!(b = fresh_only ? place_fresh(pool, area, rsize, &rc) : place(pool, area, rsize, stream, &rc))) {
+            if (rc != ENOSPC || !region_add(pool, area, rsize)) return ENOMEM;
+        }
+        bool fresh = b->addr >= page_va(pool, b->reg, b->reg->hi_page);
+        if (!fresh && capturing(pool) && fit_kind(pool, b, b->addr, b->addr + b->size, stream, NULL) == FIT_SYNC) {
+            rc = ECAPTURE; /* the learned step's address needs a synchronize */
+        } else {
+            for (;;) {
+                size_t cap = cap_pages(pool);
+                if (reclaim_only && pool->held < cap) cap = pool->held;
+                rc = claim_pages(pool, b, &j, cap);
+                if (rc != EAGAIN) break;
+                /* another thread maps or unmaps one of our pages: wait for it to publish */
+                pool->st.lock_waits++;
+                pool->waiters++;
+                pthread_cond_wait(&pool->cv, &pool->lock);
+                pool->waiters--;
+            }
+        }
+        if (rc == ECAPTURE) {
+            job_fini(pool, &j);
+            if (pool->step && step_want(pool->step, b->addr)) step_drop(pool);
+            blk_make_free(pool, b);
+            pool->st.capture_deferrals++;
+            if (!fresh_only && !fresh) {
+                fresh_only = true;
+                continue;
+            }
+            *capture_blocked = true;
+            return ENOMEM;
+        }
+        break;
     }
     if (rc) {
         job_fini(pool, &j);
         blk_make_free(pool, b);
         return rc;
     }
+    bool fresh = b->addr >= page_va(pool, b->reg, b->reg->hi_page);
     streams_plan(pool, b, stream, fresh, &j);
     rc = job_do(pool, &j);
     if (j.nvic && !rc) *reclaimed = true;
@@ -1606,12 +2062,12 @@ static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64
 
 /* The driver ran out (no limit set, or other allocators hold the device): reclaim instead. */
 static int try_alloc_all(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64_t stream, uint64_t *addr,
-                         bool *reclaimed)
+                         bool *reclaimed, bool *capture_blocked)
 {
     bool denomem = false;
-    int rc = try_alloc(pool, rsize, req, stream, addr, false, reclaimed, &denomem);
-    if (rc == ENOMEM && denomem && pool->prm.defrag && pool->cached)
-        rc = try_alloc(pool, rsize, req, stream, addr, true, reclaimed, &denomem);
+    int rc = try_alloc(pool, rsize, req, stream, addr, false, reclaimed, &denomem, capture_blocked);
+    if (rc == ENOMEM && denomem && pool->prm.defrag && pool->cached && !capturing(pool))
+        rc = try_alloc(pool, rsize, req, stream, addr, true, reclaimed, &denomem, capture_blocked);
     return rc;
 }
 
@@ -1745,6 +2201,45 @@ static void note_alloc(struct msh_pool *pool, uint64_t req, bool reclaimed)
     st->hist[bucket]++;
 }
 
+static void settle_locked(struct msh_pool *pool);
+
+/* Query up to 8 recorded events not yet seen complete (each stream's latest first, then round robin over the
+ * table), as PyTorch's process_events does at each allocation: a complete one covers its stream's
+ * earlier tags, so memory freed there serves other streams without a wait. Called with the lock
+ * held; drops it for the queries. Only while some event is outstanding, every 16 allocations or
+ * right after an event was recorded for a stream another one waits on. */
+static void events_poll(struct msh_pool *pool)
+{
+    uint32_t slot[8];
+    uint64_t h[8];
+    int n = 0, rcs[8];
+    for (uint32_t i = 0; i < MAX_KSTREAMS && n < 8; i++) {
+        uint32_t e = pool->ks[i].latest;
+        if (pool->ks[i].used && e != NO_EV && pool->evs[e].state == EV_RECORDED && pool->evs[e].h) slot[n++] = e;
+    }
+    for (uint32_t scan = 0; scan < 64 && scan < pool->nevs && n < 8; scan++) {
+        uint32_t e = (pool->poll_cursor + scan) % pool->nevs;
+        bool dup = false;
+        for (int k = 0; k < n && !dup; k++) dup = slot[k] == e;
+        if (!dup && pool->evs[e].state == EV_RECORDED && pool->evs[e].refs && pool->evs[e].h) slot[n++] = e;
+    }
+    if (pool->nevs) pool->poll_cursor = (pool->poll_cursor + 64) % pool->nevs;
+    if (!n) return;
+    for (int k = 0; k < n; k++) {
+        ev_ref(pool, slot[k]); /* held across the unlocked queries */
+        h[k] = pool->evs[slot[k]].h;
+    }
+    pool->jobs++;
+    pthread_mutex_unlock(&pool->lock);
+    for (int k = 0; k < n; k++) rcs[k] = dev_event_query(pool, h[k]);
+    pthread_mutex_lock(&pool->lock);
+    pool->jobs--;
+    for (int k = 0; k < n; k++) {
+        if (rcs[k] == 0) ev_done(pool, slot[k]);
+        ev_put(pool, slot[k]);
+    }
+}
+
 int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t *addr)
 {
     if (size > MAX_SIZE) return EINVAL;
@@ -1752,27 +2247,34 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
     uint32_t lw = pool->timing ? msh_lat_sample() : 0;
     uint64_t t0 = lw ? now_ns() : 0;
     pthread_mutex_lock(&pool->lock);
-    stream_seen(pool, stream);
+    ks_get(pool, stream);
+    if (MSH_UNLIKELY(pool->parked || pool->empty_deferred) && !capturing(pool)) settle_locked(pool);
+    if (pool->nrecorded && (pool->poll_soon || ++pool->poll_tick >= 16)) {
+        pool->poll_tick = 0;
+        pool->poll_soon = false;
+        events_poll(pool);
+    }
     if (pool->step) step_before_alloc(pool, rsize);
     size_t held0 = pool->held; /* issue 8: a failed request gives back what it created */
-    bool reclaimed = false;
-    int rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed);
+    bool reclaimed = false, capture_blocked = false;
+    int rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed, &capture_blocked);
     if (rc == ENOMEM && pool->gc_fn) {
         msh_pool_gc_fn fn = pool->gc_fn;
         void *arg = pool->gc_arg;
         pthread_mutex_unlock(&pool->lock);
         fn(arg); /* may free blocks through msh_pool_free */
         pthread_mutex_lock(&pool->lock);
-        rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed);
+        rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed, &capture_blocked);
         if (rc == 0) pool->st.rescue_gc++;
     }
-    if (rc == ENOMEM && pool->cached && (pool->driver_oom || !pool->prm.defrag) && !pool->prm.no_release_on_oom) {
+    if (rc == ENOMEM && pool->cached && (pool->driver_oom || !pool->prm.defrag) && !pool->prm.no_release_on_oom &&
+        !capturing(pool)) {
         pool->driver_oom = false;
         /* Cached pages were already candidates for reclaim; giving them back helps when the
          * driver itself ran out (other allocators in the process hold the rest), and when reclaim
          * is off (MEMSHIM_DEFRAG=0: under a limit new pages can be created only after these go). */
         release_cached(pool, 0, 0);
-        rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed);
+        rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed, &capture_blocked);
         if (rc == 0) pool->st.rescue_empty_cache++;
     }
     if (rc == 0) {
@@ -1794,14 +2296,17 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
     if (pool->dev->ops->mem_info(pool->dev, &df, &dt)) df = dt = 0;
     pthread_mutex_lock(&pool->lock);
     fill_oom(pool, size, df, dt);
+    pool->oom.capture = capture_blocked || (capturing(pool) && pool->cached);
     struct msh_pool_oom o = pool->oom;
     pthread_mutex_unlock(&pool->lock);
     msh_warn("out of memory on device %d: requested %zu bytes; live %zu, reserved %zu, limit %zu, "
-             "device free %zu of %zu, largest usable free extent %zu: %s",
+             "device free %zu of %zu, largest usable free extent %zu: %s%s",
              pool->dev->ordinal, o.requested, o.live_bytes, o.mapped_bytes, o.limit_bytes,
              o.device_free, o.device_total, o.largest_free,
              o.fragmentation ? "fragmentation (enough bytes are free, but not in usable pages)"
-                             : "capacity (the live set does not fit)");
+                             : "capacity (the live set does not fit)",
+             o.capture ? "; a CUDA-graph capture was in progress, during which memshim cannot reclaim or "
+                         "release cached memory" : "");
     return rc == ENOMEM ? ENOMEM : rc;
 }
 
@@ -1820,6 +2325,110 @@ static size_t trim_cached(struct msh_pool *pool)
     return n;
 }
 
+/* The tags of a block freed on `stream`: the free's own stream needs no event (stream order
+ * covers a reuse there; a reuse elsewhere waits for a later event of that stream), while
+ * every other stream the block was used on (its allocation stream, record_stream's) gets an
+ * event recorded now, so that a reuse elsewhere waits for exactly the work queued before the
+ * free: PyTorch's allocator records such events too (record_stream), and none for a block used
+ * on its own stream only. While another stream wants this one's memory (want_events), the free's
+ * own stream gets an event too. The
+ * block is in no structure meanwhile (B_FREEING), and the lock is dropped while recording. An
+ * event the driver refused: that stream is synchronized instead (it may belong to another
+ * device's context, which a synchronize of this device would not cover), else the extent needs
+ * a synchronize before reuse elsewhere. `used`: the block's streams (from its live tags). */
+static void free_tags(struct msh_pool *pool, struct blk *b, uint64_t stream, const uint64_t *used, int nused, bool overflow)
+{
+    uint64_t rec[MAX_STREAMS + 1];
+    int n = 0;
+    for (int i = 0; i < nused; i++) {
+        bool dup = used[i] == stream || used[i] == MSH_STREAM_COMPLETED;
+        for (int k = 0; k < n && !dup; k++) dup = rec[k] == used[i];
+        if (!dup && n < MAX_STREAMS) rec[n++] = used[i];
+        else if (!dup) overflow = true;
+    }
+    struct kstream *kf = ks_get(pool, stream);
+    bool own_ev = kf && kf->demand; /* this free's own event, for the stream waiting (last) */
+    if (kf) kf->frees++;
+    if (own_ev) {
+        if (kf->window < DEMAND_MAX && --kf->demand == 0) kf->ran_out = kf->frees;
+        rec[n++] = stream;
+    }
+    uint64_t seq = ++pool->evseq; /* the free: every event recorded below comes after it */
+    b->ns = 0;
+    b->sync_needed = 0;
+    b->free_gen = 0;
+    if (n) {
+        ks_resolve_homes(pool, rec, n);
+        uint32_t slot[MAX_STREAMS + 1];
+        uint64_t h[MAX_STREAMS + 1], home[MAX_STREAMS + 1], evseq[MAX_STREAMS + 1];
+        int rcs[MAX_STREAMS + 1];
+        bool created[MAX_STREAMS + 1], synced[MAX_STREAMS + 1];
+        for (int k = 0; k < n; k++) {
+            home[k] = ks_home(pool, rec[k]);
+            slot[k] = ev_get(pool, home[k]);
+            h[k] = slot[k] != NO_EV ? pool->evs[slot[k]].h : 0;
+            created[k] = synced[k] = false;
+            /* numbered before the record is made, under the lock: a free numbered later may have
+             * queued its work after the record, so only tags numbered earlier are covered */
+            evseq[k] = ++pool->evseq;
+        }
+        b->state = B_FREEING;
+        pool->jobs++;
+        pthread_mutex_unlock(&pool->lock);
+        for (int k = 0; k < n; k++) {
+            rcs[k] = slot[k] == NO_EV ? ENOMEM : 0;
+            if (!rcs[k] && !h[k]) {
+                rcs[k] = dev_event_create(pool, home[k], &h[k]);
+                created[k] = !rcs[k];
+            }
+            if (!rcs[k]) rcs[k] = dev_event_record(pool, h[k], rec[k]);
+            if (rcs[k] && !(own_ev && k == n - 1) && pool->dev->ops->stream_sync)
+                synced[k] = pool->dev->ops->stream_sync(pool->dev, rec[k]) == 0;
+        }
+        pthread_mutex_lock(&pool->lock);
+        pool->jobs--;
+        for (int k = 0; k < n; k++) {
+            if (created[k]) pool->evs[slot[k]].h = h[k];
+            bool is_own = own_ev && k == n - 1;
+            if (rcs[k]) {
+                ev_put(pool, slot[k]);
+                if (!is_own && !synced[k]) b->sync_needed = 1;
+                continue;
+            }
+            struct pev *ev = &pool->evs[slot[k]];
+            ev->stream = rec[k];
+            ev->seq = evseq[k];
+            ev->state = EV_RECORDED;
+            pool->nrecorded++;
+            pool->st.free_event_records++;
+            struct kstream *kl = ks_find(pool, rec[k]);
+            if (kl && (kl->latest == NO_EV || pool->evs[kl->latest].seq < ev->seq)) {
+                ev_put(pool, kl->latest);
+                kl->latest = slot[k];
+                ev_ref(pool, slot[k]);
+            }
+            if (is_own) {
+                pool->poll_soon = 1;
+                pool->st.demand_records++;
+            }
+            sref_add(pool, b, &(struct sref){.stream = rec[k], .seq = seq, .ev = slot[k]});
+        }
+    }
+    bool own = false;
+    for (int i = 0; i < b->ns; i++) own |= b->s[i].stream == stream;
+    if (stream != MSH_STREAM_COMPLETED && !own) sref_add(pool, b, &(struct sref){.stream = stream, .seq = seq, .ev = NO_EV});
+    for (int i = 0; i < b->ns; i++) {
+        b->s[i].lo = b->addr;
+        b->s[i].hi = b->addr + b->size;
+    }
+    if (overflow) b->sync_needed = 1;
+    if (b->sync_needed) {
+        b->slo = b->addr;
+        b->shi = b->addr + b->size;
+    }
+    if (b->ns || b->sync_needed) b->free_gen = ++pool->free_gen;
+}
+
 int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream)
 {
     uint32_t lw = pool->timing ? msh_lat_sample() : 0;
@@ -1835,72 +2444,69 @@ int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream)
     pool->st.live_bytes -= b->req;
     pool->st.live_blocks--;
     if (pool->step) step_note_free(pool, b);
-    stream_seen(pool, stream);
-    /* The freed extent remembers which streams' queued work may still touch it: the free's stream
-     * plus every stream the block was used on (its allocation stream and record_stream's). */
-    uint64_t streams[MAX_STREAMS + 1];
-    int n = 0;
-    if (stream != MSH_STREAM_COMPLETED) {
-        streams[n++] = stream;
-        for (int i = 0; i < b->ns && n <= MAX_STREAMS; i++) {
-            bool seen = b->s[i].stream == MSH_STREAM_COMPLETED;
-            for (int k = 0; k < n; k++) seen |= streams[k] == b->s[i].stream;
-            if (!seen) streams[n++] = b->s[i].stream;
-        }
-    }
-    bool overflow = b->sync_needed;
-    b->ns = 0;
-    b->sync_needed = 0;
-    b->free_gen = 0;
-    if (n && pool->multi_stream) {
-        /* Record an event on each of them now, without the lock: a later reuse on another stream
-         * waits for exactly the work queued before this free. The extent is in no structure
-         * meanwhile (state FREEING), so nobody can reuse it before the events exist. */
-        uint32_t slot[MAX_STREAMS + 1];
-        uint64_t h[MAX_STREAMS + 1];
-        int rcs[MAX_STREAMS + 1];
-        bool created[MAX_STREAMS + 1];
-        for (int k = 0; k < n; k++) {
-            slot[k] = ev_get(pool);
-            h[k] = slot[k] != NO_EV ? pool->evs[slot[k]].h : 0;
-            created[k] = false;
-        }
-        b->state = B_FREEING;
-        pool->jobs++;
+    ks_get(pool, stream);
+    /* A free known complete (MSH_STREAM_COMPLETED: cudaFree synchronized) leaves no tag at all;
+     * otherwise the streams the block was used on, beside the free's own, need events. */
+    uint64_t used[MAX_STREAMS];
+    int nused = 0;
+    for (int i = 0; i < b->ns && stream != MSH_STREAM_COMPLETED; i++)
+        if (b->s[i].stream != stream && b->s[i].stream != MSH_STREAM_COMPLETED) used[nused++] = b->s[i].stream;
+    bool overflow = b->sync_needed && stream != MSH_STREAM_COMPLETED;
+    if (nused && capturing(pool)) {
+        /* Recording those events now would put them where a capture can see them (querying an
+         * event recorded in a capture invalidates it): PyTorch defers such frees until no
+         * capture is underway (needs_events_deferred_until_no_capture), and so does the pool. */
+        b->state = B_PARKED;
+        b->fstream = stream;
+        b->hnext = pool->parked;
+        pool->parked = b;
+        pool->st.parked_frees++;
+        pool->st.capture_deferrals++;
         pthread_mutex_unlock(&pool->lock);
-        for (int k = 0; k < n; k++) {
-            rcs[k] = slot[k] == NO_EV ? ENOMEM : 0;
-            if (!rcs[k] && !h[k]) {
-                rcs[k] = pool->dev->ops->event_create(pool->dev, &h[k]);
-                created[k] = !rcs[k];
-            }
-            if (!rcs[k]) rcs[k] = dev_event_record(pool, h[k], streams[k]);
-        }
-        pthread_mutex_lock(&pool->lock);
-        pool->jobs--;
-        for (int k = 0; k < n; k++) {
-            if (created[k]) pool->evs[slot[k]].h = h[k];
-            if (rcs[k]) { /* no event: synchronize before reuse elsewhere */
-                ev_put(pool, slot[k]);
-                b->sync_needed = 1;
-                continue;
-            }
-            pool->evs[slot[k]].stream = streams[k];
-            pool->evs[slot[k]].seq = ++pool->evseq;
-            pool->st.free_event_records++;
-            sref_add(pool, b, streams[k], slot[k]);
-        }
-    } else {
-        for (int k = 0; k < n; k++) sref_add(pool, b, streams[k], NO_EV);
+        return 0;
     }
-    if (overflow && n) b->sync_needed = 1;
-    if (n) b->free_gen = ++pool->free_gen;
+    b->ns = 0;
+    free_tags(pool, b, stream, used, nused, overflow);
     block_untouch(pool, b);
     blk_make_free(pool, b);
     trim_cached(pool);
     if (lw) lat_note(pool->st.free_lat, &pool->st.free_ns_total, &pool->st.free_ns_max, now_ns() - t0, lw);
     pthread_mutex_unlock(&pool->lock);
     return 0;
+}
+
+static void events_trim(struct msh_pool *pool, bool at_exit);
+
+/* After the device's last capture (or at the next call that finds none): the frees the capture
+ * parked record their events now, and a deferred empty-cache runs. Called with the lock held. */
+static void settle_locked(struct msh_pool *pool)
+{
+    while (pool->parked && !capturing(pool)) {
+        struct blk *b = pool->parked;
+        pool->parked = b->hnext;
+        b->hnext = NULL;
+        uint64_t used[MAX_STREAMS];
+        int nused = 0;
+        for (int i = 0; i < b->ns; i++)
+            if (b->s[i].stream != b->fstream && b->s[i].stream != MSH_STREAM_COMPLETED) used[nused++] = b->s[i].stream;
+        bool overflow = b->sync_needed;
+        b->ns = 0;
+        free_tags(pool, b, b->fstream, used, nused, overflow);
+        block_untouch(pool, b);
+        blk_make_free(pool, b);
+    }
+    if (pool->empty_deferred && !capturing(pool)) {
+        pool->empty_deferred = false;
+        release_cached(pool, 0, 0);
+        events_trim(pool, false);
+    }
+}
+
+void msh_pool_after_capture(struct msh_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    settle_locked(pool);
+    pthread_mutex_unlock(&pool->lock);
 }
 
 __thread struct msh_pool_tags msh_pool_tags;
@@ -1939,7 +2545,7 @@ int msh_pool_record_stream(struct msh_pool *pool, uint64_t addr, uint64_t stream
     int rc = EINVAL;
     if (b) {
         rc = 0;
-        stream_seen(pool, stream);
+        ks_get(pool, stream);
         bool seen = stream == MSH_STREAM_COMPLETED;
         for (int i = 0; i < b->ns; i++) seen |= b->s[i].stream == stream;
         if (!seen) {
@@ -1957,6 +2563,10 @@ int msh_pool_record_stream(struct msh_pool *pool, uint64_t addr, uint64_t stream
  * created again when needed). Called with the lock held; destroys without it. */
 static void events_trim(struct msh_pool *pool, bool at_exit)
 {
+    if (capturing(pool) && !at_exit) {
+        pool->empty_deferred = true; /* its synchronize would invalidate the capture */
+        return;
+    }
     if (pool->free_gen > pool->synced_gen) {
         struct job j;
         job_init(&j);
@@ -1969,6 +2579,11 @@ static void events_trim(struct msh_pool *pool, bool at_exit)
             for (struct blk *b = r->first; b; b = b->next)
                 if (b->state == B_FREE && (b->ns || b->sync_needed) && (blk_clean(pool, b) || at_exit))
                     sref_clear(pool, b); /* at exit nothing is reused: an event still pending may go too */
+    for (uint32_t i = 0; i < MAX_KSTREAMS; i++) /* complete after the synchronize */
+        if (pool->ks[i].used && (pool->free_gen <= pool->synced_gen || at_exit)) {
+            ev_put(pool, pool->ks[i].latest);
+            pool->ks[i].latest = NO_EV;
+        }
     uint64_t h[64];
     for (;;) {
         int n = 0;
@@ -3159,6 +3774,11 @@ static bool sref_drop(struct msh_pool *pool, struct blk *b, uint64_t stream)
         if (b->s[i].stream == stream) {
             found = true;
             ev_put(pool, b->s[i].ev);
+            if (b->state == B_FREE) { /* its bytes need the synchronize now */
+                if (!b->sync_needed || b->s[i].lo < b->slo) b->slo = b->s[i].lo;
+                if (!b->sync_needed || b->s[i].hi > b->shi) b->shi = b->s[i].hi;
+                b->sync_needed = 1;
+            }
         } else {
             b->s[k++] = b->s[i];
         }
@@ -3181,8 +3801,13 @@ int msh_pool_forget_stream(struct msh_pool *pool, uint64_t stream)
     for (int a = 0; a < NAREAS; a++)
         for (struct region *r = pool->areas[a]; r; r = r->next)
             for (struct blk *b = r->first; b; b = b->next)
-                if (b->state == B_FREE && !blk_clean(pool, b) && sref_drop(pool, b, stream)) b->sync_needed = 1;
-    if (pool->first_stream == stream && !pool->multi_stream) pool->have_stream = false;
+                if ((b->state == B_FREE && !blk_clean(pool, b)) || b->state == B_PARKED)
+                    if (sref_drop(pool, b, stream)) b->sync_needed = 1;
+    struct kstream *k = ks_find(pool, stream);
+    if (k) { /* its handle value may come back for a new stream: nothing of the old one stays */
+        ev_put(pool, k->latest);
+        memset(k, 0, sizeof *k);
+    }
     pthread_mutex_unlock(&pool->lock);
     return 0;
 }
@@ -3215,12 +3840,64 @@ int msh_pool_block_containing(struct msh_pool *pool, uint64_t addr, uint64_t *ba
     return b ? 0 : EINVAL;
 }
 
+bool msh_pool_covers_fast(struct msh_pool *pool, uint64_t addr)
+{
+    int n = __atomic_load_n(&pool->nvr, __ATOMIC_ACQUIRE);
+    for (int i = 0; i < n; i++)
+        if (addr >= pool->vr[i].base && addr < pool->vr[i].end) return true;
+    if (n < (int)(sizeof pool->vr / sizeof pool->vr[0])) return false;
+    return msh_pool_covers(pool, addr);
+}
+
 bool msh_pool_covers(struct msh_pool *pool, uint64_t addr)
 {
     pthread_mutex_lock(&pool->lock);
     bool in = region_of(pool, addr) != NULL;
     pthread_mutex_unlock(&pool->lock);
     return in;
+}
+
+/* A peer gained access (the backend's descriptors include it already, so mappings made from now
+ * on grant it): grant it on every handle mapped now. Requests doing driver work are waited for
+ * first, so that none of them granted access before the backend changed and publishes a mapping
+ * this walk does not see. One call per handle, without the lock: a handle unmapped meanwhile
+ * makes only its own call fail, and it gets the grant when it is mapped again. */
+int msh_pool_regrant_access(struct msh_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    while (pool->jobs) {
+        pool->waiters++;
+        pthread_cond_wait(&pool->cv, &pool->lock);
+        pool->waiters--;
+    }
+    size_t n = 0, cap = 0;
+    uint64_t (*runs)[2] = NULL;
+    for (int a = 0; a < NAREAS; a++)
+        for (struct region *r = pool->areas[a]; r; r = r->next)
+            for (uint32_t p = 0; p < r->hi_page; p++) {
+                const struct page *pg = &r->pages[p];
+                if (pg_head(pg) != p || pg->state != PG_MAPPED || !pg->handle) continue;
+                if (n == cap) {
+                    size_t ncap = cap ? cap * 2 : 256;
+                    uint64_t (*nr)[2] = raw_alloc(ncap * sizeof *nr);
+                    if (!nr) break;
+                    if (n) memcpy(nr, runs, n * sizeof *nr);
+                    raw_free(runs, cap * sizeof *runs);
+                    runs = nr;
+                    cap = ncap;
+                }
+                runs[n][0] = page_va(pool, r, p);
+                runs[n][1] = (uint64_t)pg->npages * pool->gran;
+                n++;
+            }
+    pthread_mutex_unlock(&pool->lock);
+    int first = 0;
+    for (size_t i = 0; i < n; i++) {
+        int rc = dev_set_access(pool, runs[i][0], runs[i][1]);
+        if (rc && !first) first = rc;
+    }
+    raw_free(runs, cap * sizeof *runs);
+    return first;
 }
 
 void msh_pool_counters(struct msh_pool *pool, struct msh_pool_counters *out)
@@ -3254,6 +3931,11 @@ int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream,
     if (rc) return rc;
     /* another thread may have placed a block on these pages meanwhile: those stay (live) */
     pthread_mutex_lock(&pool->lock);
+    if (capturing(pool)) { /* the release waits: the pages stay cached */
+        pool->st.capture_deferrals++;
+        pthread_mutex_unlock(&pool->lock);
+        return 0;
+    }
     struct job j;
     job_init(&j);
     size_t before = pool->st.released_pages;
@@ -3329,7 +4011,7 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
     /* Requests doing driver work hold claims (pending blocks, pages in progress) that the rest of
      * the pool accounts for only once they publish: the exact checks need a quiet pool. */
     bool quiet = pool->jobs == 0 && pool->waiters == 0; /* a waiter holds a pending block too */
-    size_t nfree[NAREAS] = {0}, nlive = 0, live_bytes = 0, mapped = 0, touched = 0, cached = 0, heads = 0;
+    size_t nfree[NAREAS] = {0}, nlive = 0, live_bytes = 0, mapped = 0, touched = 0, cached = 0, heads = 0, nparked = 0;
     size_t va = 0;
     if (pool->nevs) {
         evrefs_bytes = round_up((size_t)pool->nevs * sizeof *evrefs, 4096);
@@ -3376,6 +4058,13 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
                 if (b->state == B_FREE) {
                     if (prev && prev->state == B_FREE) CHECK_FAIL("free neighbours %#llx and %#llx were not merged",
                                                                   (unsigned long long)prev->addr, (unsigned long long)b->addr);
+                    for (int i = 0; i < b->ns; i++)
+                        if (!(b->s[i].lo >= b->addr && b->s[i].lo < b->s[i].hi && b->s[i].hi <= b->addr + b->size))
+                            CHECK_FAIL("free block %#llx: a tag is about [%#llx, %#llx), outside it", (unsigned long long)b->addr,
+                                       (unsigned long long)b->s[i].lo, (unsigned long long)b->s[i].hi);
+                    if (b->sync_needed && !(b->slo >= b->addr && b->slo < b->shi && b->shi <= b->addr + b->size))
+                        CHECK_FAIL("free block %#llx: its synchronize is about [%#llx, %#llx), outside it", (unsigned long long)b->addr,
+                                   (unsigned long long)b->slo, (unsigned long long)b->shi);
                     if ((b->ns || b->sync_needed) && !b->free_gen)
                         CHECK_FAIL("free block %#llx has stream tags but no free generation", (unsigned long long)b->addr);
                     for (int i = 0; i < b->ns; i++) {
@@ -3386,6 +4075,10 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
                                                         (unsigned long long)b->addr, e);
                         if (pool->evs[e].stream != b->s[i].stream)
                             CHECK_FAIL("free block %#llx: event slot %u was recorded on another stream", (unsigned long long)b->addr, e);
+                        if (pool->evs[e].state == EV_IDLE || pool->evs[e].seq <= b->s[i].seq)
+                            CHECK_FAIL("free block %#llx: event slot %u does not cover its tag (state %u, recorded at %llu, tag %llu)",
+                                       (unsigned long long)b->addr, e, pool->evs[e].state,
+                                       (unsigned long long)pool->evs[e].seq, (unsigned long long)b->s[i].seq);
                         evrefs[e]++;
                     }
                     nfree[a]++;
@@ -3399,6 +4092,10 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
                         if (b->s[i].ev != NO_EV) CHECK_FAIL("live block %#llx holds an event", (unsigned long long)b->addr);
                 } else if ((b->state == B_PENDING || b->state == B_FREEING) && !quiet) {
                     /* in flight: its pages are claimed */
+                } else if (b->state == B_PARKED) {
+                    nparked++;
+                    for (int i = 0; i < b->ns; i++)
+                        if (b->s[i].ev != NO_EV) CHECK_FAIL("parked block %#llx holds an event", (unsigned long long)b->addr);
                 } else {
                     CHECK_FAIL("block %#llx in state %u with no request in flight", (unsigned long long)b->addr, b->state);
                 }
@@ -3520,7 +4217,33 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
         }
     if (nhash != nlive || pool->hcount != nlive)
         CHECK_FAIL("%zu live blocks in the regions, %zu in the hash, hash count %zu", nlive, nhash, pool->hcount);
-    /* 6. pooled events: references are exactly the free extents' tags, the free list the rest */
+    /* the parked list holds exactly the parked blocks */
+    {
+        size_t np = 0;
+        for (const struct blk *b = pool->parked; b && np <= nparked; b = b->hnext, np++)
+            if (b->state != B_PARKED) CHECK_FAIL("block %#llx on the parked list is in state %u", (unsigned long long)b->addr, b->state);
+        if (np != nparked) CHECK_FAIL("%zu parked blocks in the regions, %zu on the parked list", nparked, np);
+    }
+    /* the known streams: one entry per stream, its latest event recorded on it */
+    for (uint32_t i = 0; i < MAX_KSTREAMS; i++) {
+        const struct kstream *k = &pool->ks[i];
+        if (!k->used) continue;
+        for (uint32_t q = i + 1; q < MAX_KSTREAMS; q++)
+            if (pool->ks[q].used && pool->ks[q].stream == k->stream)
+                CHECK_FAIL("stream %#llx is known twice", (unsigned long long)k->stream);
+        if (k->latest != NO_EV) {
+            if (k->latest >= pool->nevs || pool->evs[k->latest].stream != k->stream || pool->evs[k->latest].state == EV_IDLE)
+                CHECK_FAIL("stream %#llx: its latest event (slot %u) is not a recorded event of it", (unsigned long long)k->stream, k->latest);
+            if (evrefs) evrefs[k->latest]++;
+        }
+    }
+    {
+        uint32_t nrec = 0;
+        for (uint32_t e = 0; e < pool->nevs; e++) nrec += pool->evs[e].state == EV_RECORDED;
+        if (quiet && nrec != pool->nrecorded) CHECK_FAIL("%u events recorded and pending, count says %u", nrec, pool->nrecorded);
+    }
+    /* 6. pooled events: references are exactly the free extents' tags and the streams' latest events,
+     * the free list the rest */
     if (quiet) {
         size_t nfreelist = 0;
         for (uint32_t e = pool->evfree; e != NO_EV; e = pool->evs[e].next) {
@@ -3531,7 +4254,9 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
         size_t inuse = 0;
         for (uint32_t e = 0; e < pool->nevs; e++) {
             if (pool->evs[e].refs != evrefs[e])
-                CHECK_FAIL("event slot %u: %u references, %u free extents wait on it", e, pool->evs[e].refs, evrefs[e]);
+                CHECK_FAIL("event slot %u: %u references, %u free extents and streams hold it", e, pool->evs[e].refs, evrefs[e]);
+            if (!pool->evs[e].refs && pool->evs[e].state != EV_IDLE)
+                CHECK_FAIL("event slot %u: no reference but state %u", e, pool->evs[e].state);
             inuse += pool->evs[e].refs > 0;
         }
         if (inuse + nfreelist != pool->nevs) CHECK_FAIL("event slots: %zu in use + %zu free != %u", inuse, nfreelist, pool->nevs);

@@ -65,6 +65,13 @@ struct msh_pool_params {
      * shim/torch.c) under one limit: when set, limit_bytes is ignored and share->limit_bytes
      * (0 = none, changeable at any time) caps the handle bytes all sharing pools hold together. */
     struct msh_pool_share *share;
+    /* The device's count of CUDA-graph captures in progress (shim/capture.h; read atomically),
+     * or NULL. While it is above zero the pool never synchronizes the device, unmaps or releases
+     * (a synchronize invalidates the capture, and the capture may use the memory): reclaim, split
+     * handles, empty-cache and trims wait, frees that need events are parked, and an allocation
+     * that needs any of these fails over to fresh memory or fails (msh_pool_oom.capture). The
+     * deferred work runs at msh_pool_after_capture, or at the next call that finds none. */
+    const int *capturing;
 };
 /* Read and written with __atomic builtins by every pool that shares it. */
 struct msh_pool_share {
@@ -100,11 +107,17 @@ struct msh_pool_stats {
      * calls covered (create/release/map/unmap/set_access/reserve/unreserve). A handle may
      * cover several pages; set_access is counted once per block mapped, over its span. */
     uint64_t drv_calls[MSH_DRV_NKINDS], drv_bytes[MSH_DRV_NKINDS];
-    /* Streams: reuses of memory whose last use was on another stream, and the events they cost:
-     * recorded when the block was freed (the new stream waits for exactly the work queued before
-     * the free) or, for memory freed before the pool saw a second stream, recorded at reuse time
-     * on the old stream (waits for everything queued on it so far). */
+    /* Streams (docs/pool.md "Streams"): reuses of memory whose last use was on another stream;
+     * events recorded at frees (on the other streams a block was used on, and markers); records
+     * at reuse time, which the pool no longer makes (always 0, kept for readers of older
+     * reports); queries of recorded events (a complete one costs no wait); events recorded at
+     * frees because another stream wanted that stream's memory (part of free_event_records);
+     * placements on fresh memory because every fitting extent would have needed a synchronize. */
     uint64_t cross_stream_reuses, free_event_records, reuse_event_records;
+    uint64_t event_queries, demand_records, fresh_placements;
+    /* CUDA-graph captures: work deferred because a capture was in progress (reclaims, releases,
+     * empty-caches, frees needing events), and frees parked until the capture ended. */
+    uint64_t capture_deferrals, parked_frees;
     size_t handles;                              /* physical handles held now (a handle spans >= 1 page) */
     /* The learned step (docs/pool.md): steps learned, allocations placed where the plan said,
      * and plans dropped because the stream of requests left them. */
@@ -118,6 +131,8 @@ struct msh_pool_oom {
     size_t requested, device_total, device_free, live_bytes, mapped_bytes, limit_bytes;
     size_t largest_free;
     bool fragmentation;           /* true: enough free bytes existed, but not in usable pages */
+    bool capture;                 /* a CUDA-graph capture was in progress: nothing could be
+                                   * reclaimed or released (msh_pool_params.capturing) */
     struct { uint64_t addr; size_t size; } top[5]; /* largest live blocks */
     int ntop;
 };
@@ -188,6 +203,19 @@ int msh_pool_forget_stream(struct msh_pool *pool, uint64_t stream);
 int msh_pool_block_containing(struct msh_pool *pool, uint64_t addr, uint64_t *base, size_t *size);
 /* Whether addr lies in the pool's reserved virtual ranges (live block or not). */
 bool msh_pool_covers(struct msh_pool *pool, uint64_t addr);
+/* The same, without the lock (frees use it to tell the main pool's memory from a capture
+ * pool's): exact for the pool's first 16 regions; beyond them, the locked walk. */
+bool msh_pool_covers_fast(struct msh_pool *pool, uint64_t addr);
+
+/* The device's last CUDA-graph capture ended: run what the pool deferred (parked frees, an
+ * empty-cache). Harmless when nothing was deferred or a capture is still in progress. */
+void msh_pool_after_capture(struct msh_pool *pool);
+
+/* The backend grants one more device access to this device's memory (a peer the program enabled,
+ * device.h add_access): grant it on every page mapped now; pages mapped later get it from the
+ * backend. Waits for requests doing driver work to finish first. Returns 0, or the first error
+ * of a grant (the rest are still tried). */
+int msh_pool_regrant_access(struct msh_pool *pool);
 
 /* The pool's page counters, read under its lock in O(1) (cudaMemGetInfo under MEMSHIM_LIMIT). */
 struct msh_pool_counters {

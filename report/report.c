@@ -435,6 +435,11 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_u(ops, "cross_stream_reuses", st->cross_stream_reuses);
     set_u(ops, "free_event_records", st->free_event_records);
     set_u(ops, "reuse_event_records", st->reuse_event_records);
+    set_u(ops, "event_queries", st->event_queries);
+    set_u(ops, "demand_records", st->demand_records);
+    set_u(ops, "fresh_placements", st->fresh_placements);
+    set_u(ops, "capture_deferrals", st->capture_deferrals);
+    set_u(ops, "parked_frees", st->parked_frees);
     set_u(ops, "plans_built", st->plans_built);
     set_u(ops, "plan_placed", st->plan_placed);
     set_u(ops, "plan_dropped", st->plan_dropped);

@@ -20,7 +20,7 @@
 
 static const char *const calls[] = {"cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
                                     "cuStreamWaitEvent", "cuEventRecord", "cuCtxSynchronize", "cuMemAddressReserve",
-                                    "cuMemAddressFree", "cuMemAlloc", "cuMemFree"};
+                                    "cuMemAddressFree", "cuMemAlloc", "cuMemFree", "cuEventQuery"};
 
 struct mapbuf { char *s; size_t n, cap; };
 

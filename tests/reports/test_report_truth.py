@@ -719,13 +719,22 @@ FIELDS = {
     "operations.released_pages": (R, check_released_pages),
     "operations.cross_stream_waits": (T, lambda c, v, i: eq(v, c.s["calls_cuStreamWaitEvent"], "driver: cuStreamWaitEvent calls")),
     # the pool's streams, learned step and threads (issue 10)
+    # a reuse on another stream waits for 1 to 4 old streams, or for none when a query found
+    # their events complete (issue 15)
     "operations.cross_stream_reuses": (R, lambda c, v, i: need(
-        v <= ops(c, "cross_stream_waits") <= 4 * v, f"{v} reuses on another stream but {ops(c, 'cross_stream_waits')} "
-        "stream waits (each waits for 1 to 4 old streams)") or need(v <= ops(c, "allocs"), f"{v} > allocs")),
+        ops(c, "cross_stream_waits") <= 4 * v, f"{v} reuses on another stream but {ops(c, 'cross_stream_waits')} "
+        "stream waits (each waits for at most 4 old streams)") or need(v <= ops(c, "allocs"), f"{v} > allocs")),
     "operations.free_event_records": (T, lambda c, v, i: eq(v + ops(c, "reuse_event_records"), c.s["calls_cuEventRecord"],
                                                             "free + reuse event records vs driver: cuEventRecord calls")),
-    "operations.reuse_event_records": (R, lambda c, v, i: need(v <= ops(c, "cross_stream_waits"),
-                                                               f"{v} records at reuse > {ops(c, 'cross_stream_waits')} waits")),
+    # issue 15: nothing is recorded at reuse time any more
+    "operations.reuse_event_records": (R, lambda c, v, i: eq(v, 0, "events recorded at reuse time")),
+    "operations.event_queries": (T, lambda c, v, i: eq(v, c.s["calls_cuEventQuery"], "driver: cuEventQuery calls")),
+    "operations.demand_records": (R, lambda c, v, i: need(v <= ops(c, "free_event_records"),
+                                                          f"{v} > free_event_records {ops(c, 'free_event_records')}")),
+    "operations.fresh_placements": (R, lambda c, v, i: need(v <= ops(c, "allocs"), f"{v} > allocs")),
+    # no workload here captures a CUDA graph
+    "operations.capture_deferrals": (R, lambda c, v, i: eq(v, 0, "no capture in these runs")),
+    "operations.parked_frees": (R, lambda c, v, i: eq(v, 0, "no capture in these runs")),
     "operations.plans_built": (R, lambda c, v, i: need(16 * v <= ops(c, "allocs"), f"{v} plans of 16+ allocations each "
                                                        f"from {ops(c, 'allocs')} allocations")),
     "operations.plan_placed": (R, lambda c, v, i: need(v <= ops(c, "allocs"), f"{v} > allocs")

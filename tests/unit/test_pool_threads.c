@@ -528,6 +528,11 @@ static void k_on_b(void *arg)
     atomic_store(&b_ran, 1);
 }
 
+/* A hand-off as PyTorch makes it: a block allocated on B (a copy stream) is used on A (compute)
+ * and marked with record_stream(A); it is freed on B. The free records one event on A; B's next
+ * allocation reuses the block after waiting on that event, i.e. for exactly the work A queued
+ * before the free, never for what A queued after it. (At the limit, so that the pool cannot hand
+ * B fresh memory instead.) */
 TEST(reuse_on_another_stream_waits_only_for_work_queued_before_the_free)
 {
     if (!device_up()) SKIP("the driver double did not start (cuInit or VMM unavailable)");
@@ -536,6 +541,9 @@ TEST(reuse_on_another_stream_waits_only_for_work_queued_before_the_free)
     cuCtxSynchronize();
     struct msh_pool_params p;
     msh_pool_params_default(&p);
+    size_t gran = 0;
+    REQUIRE(g_dev.ops->granularity(&g_dev, &gran) == 0);
+    p.limit_bytes = 3 * gran;
     struct msh_pool *pool = NULL;
     REQUIRE(msh_pool_create(&g_dev, &p, &pool) == 0);
     CUstream A, B;
@@ -544,12 +552,13 @@ TEST(reuse_on_another_stream_waits_only_for_work_queued_before_the_free)
     uint64_t sa = (uint64_t)(uintptr_t)A, sb = (uint64_t)(uintptr_t)B;
     enum { LATE = 20 };
     uint64_t other = 0, x = 0, y = 0;
-    REQUIRE(msh_pool_alloc(pool, MiB, sb, &other) == 0); /* the job uses two streams */
-    REQUIRE(msh_pool_alloc(pool, 3 * MiB, sa, &x) == 0);
-    REQUIRE(cudbl_stream_enqueue(A, k_before, NULL) == CUDA_SUCCESS); /* the block's last use */
-    REQUIRE(msh_pool_free(pool, x, sa) == 0);
+    REQUIRE(msh_pool_alloc(pool, MiB, sb, &other) == 0);
+    REQUIRE(msh_pool_alloc(pool, gran + MiB, sb, &x) == 0);
+    REQUIRE(msh_pool_record_stream(pool, x, sa) == 0);
+    REQUIRE(cudbl_stream_enqueue(A, k_before, NULL) == CUDA_SUCCESS); /* the block's last use, on A */
+    REQUIRE(msh_pool_free(pool, x, sb) == 0);
     for (int i = 0; i < LATE; i++) REQUIRE(cudbl_stream_enqueue(A, k_after, NULL) == CUDA_SUCCESS);
-    REQUIRE(msh_pool_alloc(pool, 3 * MiB, sb, &y) == 0);
+    REQUIRE(msh_pool_alloc(pool, gran + MiB, sb, &y) == 0);
     CHECK(y == x); /* the test relies on the reuse */
     REQUIRE(cudbl_stream_enqueue(B, k_on_b, NULL) == CUDA_SUCCESS);
     /* the "GPU" runs every ready item, round robin over the streams */
@@ -563,7 +572,8 @@ TEST(reuse_on_another_stream_waits_only_for_work_queued_before_the_free)
     printf("    B ran after %d of the %d items A queued after the free; waits %llu, events recorded at frees %llu, "
            "at reuse %llu\n", after_when_b_ran, LATE, (unsigned long long)s.cross_stream_waits,
            (unsigned long long)s.free_event_records, (unsigned long long)s.reuse_event_records);
-    CHECK(s.cross_stream_reuses == 1 && s.cross_stream_waits == 1 && s.reuse_event_records == 0);
+    CHECK(s.cross_stream_reuses == 1 && s.cross_stream_waits == 1 && s.reuse_event_records == 0 &&
+          s.free_event_records == 1);
     cuStreamSynchronize(A);
     cuStreamSynchronize(B);
     CHECK(atomic_load(&after_free_done) == LATE);

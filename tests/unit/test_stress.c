@@ -451,10 +451,11 @@ static void stress(size_t limit, double share, bool want_reclaim)
     printf("    invariants: msh_pool_check ran %ld times during and after the run%s%s\n", r.pool_checks,
            r.pool_broken[0] ? "; BROKEN " : "", r.pool_broken);
     printf("    pool: peak live %.0f MiB, peak mapped %.0f MiB, maps %llu, unmaps %llu, reclaimed %llu, "
-           "cross-stream waits %llu, rescues reclaim %llu empty-cache %llu, OOM %llu\n",
+           "cross-stream reuses %llu waits %llu, rescues reclaim %llu empty-cache %llu, OOM %llu\n",
            r.st.peak_live_bytes / (double)MiB, r.st.peak_mapped_bytes / (double)MiB,
            (unsigned long long)r.st.map_ops, (unsigned long long)r.st.unmap_ops,
-           (unsigned long long)r.st.reclaimed_pages, (unsigned long long)r.st.cross_stream_waits,
+           (unsigned long long)r.st.reclaimed_pages, (unsigned long long)r.st.cross_stream_reuses,
+           (unsigned long long)r.st.cross_stream_waits,
            (unsigned long long)r.st.rescue_reclaim, (unsigned long long)r.st.rescue_empty_cache,
            (unsigned long long)r.st.oom_events);
     CHECK(r.errors == 0);
@@ -465,7 +466,10 @@ static void stress(size_t limit, double share, bool want_reclaim)
     CHECK(r.allocs > 100);
     CHECK(g_late_checks >= (unsigned long long)r.frees); /* one per free, more with hand-offs */
     CHECK(r.st.live_blocks == 0 && r.st.live_bytes == 0);
-    CHECK(r.st.cross_stream_waits > 0);
+    /* Under pressure, hand-offs reused memory last used on another stream (after a wait, or once
+     * its event was seen complete: then no wait at all). With room to spare the pool gives each
+     * stream memory no other stream is still using, as PyTorch's per-stream pools do. */
+    if (want_reclaim) CHECK(r.st.cross_stream_reuses > 0);
     if (want_reclaim) CHECK(r.st.reclaimed_pages > 0);
     /* the pool gave back every handle, mapping, reservation and event */
     CHECKF(c1.handles == c0.handles && c1.mappings == c0.mappings && c1.reservations == c0.reservations &&
@@ -488,7 +492,8 @@ static int pool_ok(struct msh_pool *pool, const char *after)
 
 static int reuse_sequence(bool lie, atomic_int *detected)
 {
-    struct msh_pool *pool = pool_new(0);
+    /* at the limit: the pool must reuse the block (with room, it would hand s2 other memory) */
+    struct msh_pool *pool = pool_new(2 * 2 * MiB);
     if (!pool) return -1;
     CUstream s1, s2;
     cuStreamCreate(&s1, CU_STREAM_NON_BLOCKING);
