@@ -101,11 +101,18 @@ double memshim_torch_get_memory_fraction(int device);
 void *memshim_torch_base_alloc(void *ptr, size_t *size);
 /* set_begin_allocate_to_pool / set_end_allocate_to_pool_fn / set_release_pool, MempoolId_t as
  * its two halves. `filter` is PyTorch's std::function<bool(cudaStream_t)> (x86-64: a pointer to
- * it); C cannot call it: the glue evaluates it and passes NULL here. */
+ * it); C cannot call it: the glue evaluates it and passes NULL here. As in PyTorch's own
+ * allocator, each begin (and each retain: createOrIncrefPool in newer PyTorch) adds one use of
+ * the pool, each release takes one away, and the pool's memory goes only when no use is left and
+ * its last block is freed; a begin with the id of a pool that still exists joins it. While any
+ * capture of the device is open (begin..end), nothing memshim does synchronizes the device or
+ * unmaps: that work waits for the last end. pool_uses: the use count now (0 for an unknown id). */
 void memshim_torch_begin_allocate_to_pool(int device, unsigned long long id0,
                                           unsigned long long id1, void *filter);
 void memshim_torch_end_allocate_to_pool(int device, unsigned long long id0, unsigned long long id1);
 void memshim_torch_release_pool(int device, unsigned long long id0, unsigned long long id1);
+void memshim_torch_retain_pool(int device, unsigned long long id0, unsigned long long id1);
+int memshim_torch_pool_uses(int device, unsigned long long id0, unsigned long long id1);
 /* PyTorch-named statistics of device (torch.cuda.memory_stats() keys, flat: "allocated_bytes.all.
  * current", ...): fills vals[0..n) in the order of memshim_torch_stat_name(i) and returns how
  * many exist (call with n = 0 to count). Peaks reset with memshim_torch_reset_peak, cumulative

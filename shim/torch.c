@@ -22,6 +22,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "capture.h"
 #include "core.h"
 #include "cuda_real.h"
 #include "device.h"
@@ -302,6 +303,7 @@ void msh_torch_pool_params(int device, size_t total, struct msh_pool_params *prm
     t->cfg_limit = prm->limit_bytes;
     __atomic_store_n(&shares[device].limit_bytes, limit_for(t), __ATOMIC_RELAXED);
     prm->share = &shares[device];
+    prm->capturing = msh_capture_counter(device); /* every pool of the device defers during a capture */
     tmpl[device] = *prm;
     t->params_done = true;
     pthread_mutex_unlock(&tlock);
@@ -348,47 +350,85 @@ MSH_EXPORT double memshim_torch_get_memory_fraction(int device)
 }
 
 /* ---- capture pools -----------------------------------------------------------------------------
- * A capture pool is one PyTorch MempoolId_t of a device: "active" between begin and end, and
- * after release_pool destroyed as soon as its last block is freed. Inside it, one msh_pool per
- * stream, all sharing the device's limit: a block freed on one stream is reused only by
- * allocations on that stream, as in PyTorch's own private pools. Reuse across streams would need
- * an event recorded outside the capture and waited on inside it, which the driver refuses while
- * capturing (and which would invalidate the graph). The backstop pool (ids all ones) takes
- * allocations on a capturing stream that no begun pool claimed; its memory is only ever reused
- * by such allocations. */
+ * A capture pool is one PyTorch MempoolId_t of a device. PyTorch counts its uses
+ * (CUDACachingAllocator.cpp, create_or_incref_pool / releasePool): every graph captured into it
+ * adds one at begin_allocate_to_pool (newer PyTorch also at createOrIncrefPool, when a graph
+ * retains another pool), every graph reset or destroyed subtracts one at release_pool, and only
+ * at zero may its memory go: "other graph(s) might share the same pool" (torch.cuda.graph(pool=
+ * other.pool()), graph_pool_handle(), make_graphed_callables). memshim keeps the same count per
+ * (device, id): a begin with a live id joins that pool, and a pool goes only when its count is
+ * zero and its last block is freed.
+ *
+ * Inside a group, one msh_pool per stream, all sharing the device's limit: a block freed on one
+ * stream is reused only by allocations on that stream, as in PyTorch's private pools. Reuse across
+ * streams would need an event recorded outside the capture and waited on inside it, which the
+ * driver refuses while capturing (and which would invalidate the graph). The backstop group (ids
+ * all ones) takes allocations on a capturing stream that no begun pool claimed; its memory is only
+ * ever reused by such allocations, and it is never destroyed.
+ *
+ * Destroying a pool synchronizes the device and unmaps: while any capture of the device is in
+ * progress (capture.h) that would invalidate it (a re-capture loop frees the old graph's last
+ * output inside the next capture), so the group is marked doomed and goes at the next safe point
+ * (msh_torch_capture_settle). caps_lock guards the tables only: no driver call, no pool creation
+ * and no allocation runs under it. A per-stream pool in use by a call outside the lock is pinned,
+ * so it is never destroyed under that call. Frees of main-pool memory never take caps_lock: the
+ * main pool's address ranges are checked first, without a lock (msh_pool_covers_fast). */
 #define CAPG_MAX 32
 #define CAP_MAX 64
 #define BACKSTOP_ID UINT64_MAX
 struct capgroup {
-    bool used, released;
-    int device, active;
+    bool used, doomed;     /* doomed: no use and no live block left; destroyed at a safe point */
+    int device;
+    int uses;              /* PyTorch's use_count: begins (and retains) minus releases */
+    int active;            /* begins not yet ended: allocations are routed here */
     uint64_t id0, id1, seq;
 };
 struct cap { /* one stream's pool inside a group */
-    bool used;
+    bool used, ready;      /* ready: the pool exists (it is created outside the lock) */
     int g, device;
+    int pins;              /* calls using the pool outside caps_lock */
     uint64_t stream;
     size_t live;
     struct msh_pool *pool;
 };
 static pthread_mutex_t caps_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t caps_cv = PTHREAD_COND_INITIALIZER; /* a pool became ready or unpinned */
 static struct capgroup groups[CAPG_MAX];
 static struct cap caps[CAP_MAX];
 static _Atomic int caps_alive; /* groups in use: frees look at capture pools only when > 0 */
 static uint64_t caps_seq;
+static uint64_t caps_destroyed, caps_deferred; /* groups destroyed; destroys deferred by a capture */
+static _Atomic uint64_t caps_takes; /* times caps_lock was taken (tests: frees outside captures never take it) */
+#define CAPS_LOCK() (atomic_fetch_add_explicit(&caps_takes, 1, memory_order_relaxed), pthread_mutex_lock(&caps_lock))
+
+uint64_t msh_torch_capture_lock_takes(void)
+{
+    return atomic_load(&caps_takes);
+}
+
+static bool is_backstop(const struct capgroup *g)
+{
+    return g->id0 == BACKSTOP_ID && g->id1 == BACKSTOP_ID;
+}
+
+/* The token under which a group's begin..end window is open in capture.c. */
+static uint64_t torch_token(int device, uint64_t id0, uint64_t id1)
+{
+    uint64_t x = id0 * 0x9E3779B97F4A7C15ull ^ (id1 + 0x632BE59BD9B4E019ull) * 0xC2B2AE3D27D4EB4Full;
+    return x ^ ((uint64_t)(unsigned)device << 56);
+}
 
 static struct capgroup *group_find_locked(int device, uint64_t id0, uint64_t id1)
 {
     for (int i = 0; i < CAPG_MAX; i++)
-        if (groups[i].used && !groups[i].released && groups[i].device == device && groups[i].id0 == id0 &&
-            groups[i].id1 == id1)
+        if (groups[i].used && groups[i].device == device && groups[i].id0 == id0 && groups[i].id1 == id1)
             return &groups[i];
     return NULL;
 }
 
 static struct capgroup *group_create_locked(int device, uint64_t id0, uint64_t id1)
 {
-    if (!msh_core_pool(device) || !msh_core_device(device)) return NULL; /* the main pool sets the limit up */
+    if (!msh_core_pool_get(device) || !msh_core_device(device)) return NULL; /* the main pool sets the limit up */
     for (int i = 0; i < CAPG_MAX; i++) {
         if (groups[i].used) continue;
         groups[i] = (struct capgroup){.used = true, .device = device, .id0 = id0, .id1 = id1};
@@ -399,89 +439,241 @@ static struct capgroup *group_create_locked(int device, uint64_t id0, uint64_t i
     return NULL;
 }
 
-/* The pool of group g for `stream`, created on first use. */
-static struct cap *cap_get_locked(struct capgroup *g, uint64_t stream)
+/* The group's pool for `stream`, pinned (the caller unpins it with cap_unpin), or NULL. Called
+ * with caps_lock held; drops it while it creates a pool. */
+static struct cap *cap_get_pinned_locked(struct capgroup *g, uint64_t stream)
 {
     int gi = (int)(g - groups);
-    for (int i = 0; i < CAP_MAX; i++)
-        if (caps[i].used && caps[i].g == gi && caps[i].stream == stream) return &caps[i];
-    for (int i = 0; i < CAP_MAX; i++) {
-        if (caps[i].used) continue;
+    for (;;) {
+        int found = -1, free_slot = -1;
+        for (int i = 0; i < CAP_MAX; i++) {
+            if (caps[i].used && caps[i].g == gi && caps[i].stream == stream) found = i;
+            else if (!caps[i].used && free_slot < 0) free_slot = i;
+        }
+        if (found >= 0) {
+            struct cap *c = &caps[found];
+            if (!c->ready) { /* another thread is creating it */
+                pthread_cond_wait(&caps_cv, &caps_lock);
+                continue;
+            }
+            c->pins++;
+            return c;
+        }
+        if (free_slot < 0) {
+            msh_warn("device %d: more than %d CUDA-graph capture pools (per stream) alive; this one is refused",
+                     g->device, CAP_MAX);
+            return NULL;
+        }
+        struct cap *c = &caps[free_slot];
+        *c = (struct cap){.used = true, .g = gi, .device = g->device, .stream = stream, .pins = 1};
         struct msh_pool_params prm = tmpl[g->device];
         /* A graph replays into every address its capture touched, freed blocks included: no page
          * of a capture pool may be unmapped, moved or given back before the pool is released. */
         prm.defrag = false;
         prm.no_release_on_oom = true;
         prm.release_threshold = 0;
+        int device = g->device;
+        pthread_mutex_unlock(&caps_lock);
         struct msh_pool *p = NULL;
-        int rc = msh_pool_create(msh_core_device(g->device), &prm, &p);
+        int rc = msh_pool_create(msh_core_device(device), &prm, &p);
+        if (rc == 0) msh_pool_set_timing(p, msh_report_init()); /* latency figures serve the reports only */
+        CAPS_LOCK();
         if (rc) {
-            msh_warn("device %d: cannot create a CUDA-graph capture pool (error %d)", g->device, rc);
+            msh_warn("device %d: cannot create a CUDA-graph capture pool (error %d)", device, rc);
+            memset(c, 0, sizeof *c);
+            pthread_cond_broadcast(&caps_cv);
             return NULL;
         }
-        msh_pool_set_timing(p, msh_report_init()); /* latency figures serve the reports only */
-        caps[i] = (struct cap){.used = true, .g = gi, .device = g->device, .stream = stream, .pool = p};
-        return &caps[i];
+        c->pool = p;
+        c->ready = true;
+        pthread_cond_broadcast(&caps_cv);
+        return c;
     }
-    msh_warn("device %d: more than %d CUDA-graph capture pools (per stream) alive; this one is refused",
-             g->device, CAP_MAX);
-    return NULL;
 }
 
-/* A released group whose blocks are all freed goes, with every page of every stream's pool. */
-static void group_maybe_destroy_locked(struct capgroup *g)
+/* Pools to destroy once caps_lock is dropped (a destroy synchronizes and unmaps). */
+struct doomed_list {
+    struct msh_pool *pools[CAP_MAX];
+    int n;
+};
+
+/* A group whose uses are all released and whose blocks are all freed goes, with every page of
+ * every stream's pool; while the device captures, it is only marked (see above). */
+static void group_maybe_destroy_locked(struct capgroup *g, struct doomed_list *out)
 {
-    if (!g->released) return;
+    if (!g->used || g->uses > 0 || g->active > 0 || is_backstop(g)) return;
     int gi = (int)(g - groups);
     for (int i = 0; i < CAP_MAX; i++)
-        if (caps[i].used && caps[i].g == gi && caps[i].live) return;
+        if (caps[i].used && caps[i].g == gi && (caps[i].live || caps[i].pins || !caps[i].ready)) return;
+    if (msh_capture_any()) {
+        if (!g->doomed) caps_deferred++;
+        g->doomed = true;
+        return;
+    }
     for (int i = 0; i < CAP_MAX; i++) {
         if (!caps[i].used || caps[i].g != gi) continue;
-        msh_pool_destroy(caps[i].pool);
+        out->pools[out->n++] = caps[i].pool;
         memset(&caps[i], 0, sizeof caps[i]);
     }
     memset(g, 0, sizeof *g);
+    caps_destroyed++;
     atomic_fetch_sub(&caps_alive, 1);
+}
+
+static void destroy_doomed(struct doomed_list *d)
+{
+    for (int i = 0; i < d->n; i++) msh_pool_destroy(d->pools[i]);
+    d->n = 0;
+}
+
+static void cap_unpin(struct cap *c, struct doomed_list *out)
+{
+    if (--c->pins == 0) {
+        pthread_cond_broadcast(&caps_cv);
+        group_maybe_destroy_locked(&groups[c->g], out);
+    }
+}
+
+void msh_torch_capture_settle(int device)
+{
+    struct doomed_list d = {.n = 0};
+    struct msh_pool *settle[CAP_MAX];
+    int ns = 0;
+    msh_in_hook++;
+    CAPS_LOCK();
+    for (int i = 0; i < CAPG_MAX; i++)
+        if (groups[i].used && groups[i].device == device) group_maybe_destroy_locked(&groups[i], &d);
+    for (int i = 0; i < CAP_MAX; i++)
+        if (caps[i].used && caps[i].ready && caps[i].device == device) {
+            caps[i].pins++;
+            settle[ns++] = caps[i].pool;
+        }
+    pthread_mutex_unlock(&caps_lock);
+    destroy_doomed(&d);
+    for (int i = 0; i < ns; i++) msh_pool_after_capture(settle[i]);
+    CAPS_LOCK();
+    for (int i = 0; i < CAP_MAX; i++) /* unpin what was pinned above (same pools, same slots) */
+        for (int k = 0; k < ns; k++)
+            if (caps[i].used && caps[i].pool == settle[k]) {
+                cap_unpin(&caps[i], &d);
+                settle[k] = NULL;
+                break;
+            }
+    pthread_mutex_unlock(&caps_lock);
+    destroy_doomed(&d);
+    msh_in_hook--;
+}
+
+void msh_torch_regrant_access(int device)
+{
+    struct msh_pool *pin[CAP_MAX];
+    int n = 0;
+    CAPS_LOCK();
+    for (int i = 0; i < CAP_MAX; i++)
+        if (caps[i].used && caps[i].ready && caps[i].device == device) {
+            caps[i].pins++;
+            pin[n++] = caps[i].pool;
+        }
+    pthread_mutex_unlock(&caps_lock);
+    for (int i = 0; i < n; i++) msh_pool_regrant_access(pin[i]);
+    struct doomed_list d = {.n = 0};
+    CAPS_LOCK();
+    for (int i = 0; i < CAP_MAX; i++)
+        for (int k = 0; k < n; k++)
+            if (pin[k] && caps[i].used && caps[i].pool == pin[k]) {
+                cap_unpin(&caps[i], &d);
+                pin[k] = NULL;
+                break;
+            }
+    pthread_mutex_unlock(&caps_lock);
+    destroy_doomed(&d);
+}
+
+void msh_torch_capture_counts(uint64_t *destroyed, uint64_t *deferred, int *alive)
+{
+    CAPS_LOCK();
+    if (destroyed) *destroyed = caps_destroyed;
+    if (deferred) *deferred = caps_deferred;
+    if (alive) *alive = atomic_load(&caps_alive);
+    pthread_mutex_unlock(&caps_lock);
+}
+
+/* A use of (device, id) begins: a graph is captured into it. */
+static void group_use(int device, unsigned long long id0, unsigned long long id1, bool begin)
+{
+    CAPS_LOCK();
+    struct capgroup *g = group_find_locked(device, id0, id1);
+    if (!g) g = group_create_locked(device, id0, id1);
+    if (g) {
+        g->doomed = false; /* a released pool that still exists is joined, not replaced */
+        g->uses++;
+        if (begin) {
+            g->active++;
+            g->seq = ++caps_seq;
+        }
+    }
+    pthread_mutex_unlock(&caps_lock);
+    if (g && begin) msh_capture_open(device, MSH_CAPTURE_TORCH, torch_token(device, id0, id1));
 }
 
 MSH_EXPORT void memshim_torch_begin_allocate_to_pool(int device, unsigned long long id0, unsigned long long id1,
                                                      void *filter)
 {
     (void)filter; /* a C++ std::function: the glue evaluates it */
-    if (!dev_ok(device) || !msh_core_init()) return;
+    if (!dev_ok(device) || !msh_core_init() || !msh_core_pool(device)) return;
     msh_in_hook++;
-    pthread_mutex_lock(&caps_lock);
-    struct capgroup *g = group_find_locked(device, id0, id1);
-    if (!g) g = group_create_locked(device, id0, id1);
-    if (g) {
-        g->active++;
-        g->seq = ++caps_seq;
-    }
-    pthread_mutex_unlock(&caps_lock);
+    group_use(device, id0, id1, true);
     msh_in_hook--;
     msh_debug("device %d: allocations go to capture pool (%llu, %llu)", device, id0, id1);
 }
 
+/* Newer PyTorch (createOrIncrefPool, CUDAGraph::retain_pool): one more use, no capture window. */
+MSH_EXPORT void memshim_torch_retain_pool(int device, unsigned long long id0, unsigned long long id1)
+{
+    if (!dev_ok(device) || !msh_core_init() || !msh_core_pool(device)) return;
+    msh_in_hook++;
+    group_use(device, id0, id1, false);
+    msh_in_hook--;
+}
+
 MSH_EXPORT void memshim_torch_end_allocate_to_pool(int device, unsigned long long id0, unsigned long long id1)
 {
-    pthread_mutex_lock(&caps_lock);
+    if (!dev_ok(device)) return;
+    bool open = false;
+    CAPS_LOCK();
     struct capgroup *g = group_find_locked(device, id0, id1);
-    if (g && g->active > 0) g->active--;
+    if (g && g->active > 0) {
+        g->active--;
+        open = true;
+    }
     pthread_mutex_unlock(&caps_lock);
+    /* the last capture of the device ending runs what was deferred (capture.c) */
+    if (open) msh_capture_close(MSH_CAPTURE_TORCH, torch_token(device, id0, id1));
 }
 
 MSH_EXPORT void memshim_torch_release_pool(int device, unsigned long long id0, unsigned long long id1)
 {
+    if (!dev_ok(device)) return;
+    struct doomed_list d = {.n = 0};
     msh_in_hook++;
-    pthread_mutex_lock(&caps_lock);
+    CAPS_LOCK();
     struct capgroup *g = group_find_locked(device, id0, id1);
-    if (g) {
-        g->active = 0;
-        g->released = true;
-        group_maybe_destroy_locked(g);
-    }
+    if (g && g->uses > 0 && --g->uses == 0) group_maybe_destroy_locked(g, &d);
     pthread_mutex_unlock(&caps_lock);
+    destroy_doomed(&d);
     msh_in_hook--;
+}
+
+/* PyTorch's use count of (device, id) as memshim keeps it: 0 once every use was released (or
+ * for an id memshim does not know). */
+MSH_EXPORT int memshim_torch_pool_uses(int device, unsigned long long id0, unsigned long long id1)
+{
+    if (!dev_ok(device)) return 0;
+    CAPS_LOCK();
+    struct capgroup *g = group_find_locked(device, id0, id1);
+    int n = g ? g->uses : 0;
+    pthread_mutex_unlock(&caps_lock);
+    return n;
 }
 
 /* Whether `stream` is capturing: the driver's cuStreamIsCapturing (resolved once), or a test's. */
@@ -540,14 +732,16 @@ static int stream_capturing(void *stream)
 static __thread struct msh_pool *last_oom_pool; /* the pool whose request failed last (this thread) */
 static __thread bool last_oom_capture;
 
-static void *cap_alloc_locked(struct cap *c, size_t size, void *stream)
+/* Allocate in a pinned capture pool (caps_lock not held). */
+static void *cap_alloc(struct cap *c, size_t size, void *stream)
 {
     uint64_t a = 0;
     int saved = relaxed_begin();
     int rc = msh_pool_alloc(c->pool, size, (uint64_t)(uintptr_t)stream, &a);
     if (rc == ENOMEM) {
-        /* The limit is shared: the main pool's cached pages may be what stands in the way. */
-        struct msh_pool *main_pool = msh_core_pool(c->device);
+        /* The limit is shared: the main pool's cached pages may be what stands in the way (while
+         * the device captures, the main pool defers the release and this still fails). */
+        struct msh_pool *main_pool = msh_core_pool_get(c->device);
         if (main_pool && msh_pool_empty_cache(main_pool))
             rc = msh_pool_alloc(c->pool, size, (uint64_t)(uintptr_t)stream, &a);
     }
@@ -557,7 +751,6 @@ static void *cap_alloc_locked(struct cap *c, size_t size, void *stream)
         last_oom_capture = true;
         return NULL;
     }
-    c->live++;
     msh_core_trace('a', c->device, (uint64_t)(uintptr_t)stream, a, size);
     return (void *)(uintptr_t)a;
 }
@@ -565,15 +758,15 @@ static void *cap_alloc_locked(struct cap *c, size_t size, void *stream)
 static void *alloc_in_cap(int device, size_t size, void *stream, uint64_t id0, uint64_t id1, bool backstop)
 {
     msh_in_hook++;
-    pthread_mutex_lock(&caps_lock);
+    struct doomed_list d = {.n = 0};
+    CAPS_LOCK();
     struct capgroup *g = NULL;
     if (!backstop) {
         g = group_find_locked(device, id0, id1);
         if (!g) g = group_create_locked(device, id0, id1); /* a pool used without begin */
     } else { /* the most recently begun active pool of the device, else the backstop pool */
         for (int i = 0; i < CAPG_MAX; i++)
-            if (groups[i].used && !groups[i].released && groups[i].device == device && groups[i].active &&
-                (!g || groups[i].seq > g->seq))
+            if (groups[i].used && groups[i].device == device && groups[i].active && (!g || groups[i].seq > g->seq))
                 g = &groups[i];
         if (!g) {
             g = group_find_locked(device, BACKSTOP_ID, BACKSTOP_ID);
@@ -586,9 +779,17 @@ static void *alloc_in_cap(int device, size_t size, void *stream, uint64_t id0, u
             }
         }
     }
-    struct cap *c = g ? cap_get_locked(g, (uint64_t)(uintptr_t)stream) : NULL;
-    void *p = c ? cap_alloc_locked(c, size, stream) : NULL;
+    if (g) g->doomed = false; /* allocated into again: it lives on */
+    struct cap *c = g ? cap_get_pinned_locked(g, (uint64_t)(uintptr_t)stream) : NULL;
     pthread_mutex_unlock(&caps_lock);
+    void *p = c ? cap_alloc(c, size, stream) : NULL;
+    if (c) {
+        CAPS_LOCK();
+        if (p) c->live++;
+        cap_unpin(c, &d);
+        pthread_mutex_unlock(&caps_lock);
+    }
+    destroy_doomed(&d);
     if (p) note_alloc(device, size);
     else tdevs[device].ooms++;
     msh_in_hook--;
@@ -598,14 +799,17 @@ static void *alloc_in_cap(int device, size_t size, void *stream, uint64_t id0, u
 MSH_EXPORT void *memshim_torch_alloc_in_pool(ssize_t size, int device, memshim_stream_t stream,
                                              unsigned long long id0, unsigned long long id1)
 {
-    if (size < 0 || !dev_ok(device) || !msh_core_init()) return NULL;
+    if (size < 0 || !dev_ok(device) || !msh_core_init() || !msh_core_pool(device)) return NULL;
     return alloc_in_cap(device, (size_t)size, stream, id0, id1, false);
 }
 
 MSH_EXPORT void *memshim_torch_alloc(ssize_t size, int device, memshim_stream_t stream)
 {
     if (size < 0 || !dev_ok(device)) return NULL;
-    if (stream && stream_capturing(stream) == 1) return alloc_in_cap(device, (size_t)size, stream, 0, 0, true);
+    if (stream && stream_capturing(stream) == 1) {
+        if (!msh_core_init() || !msh_core_pool(device)) return NULL;
+        return alloc_in_cap(device, (size_t)size, stream, 0, 0, true);
+    }
     int saved = relaxed_begin(); /* another thread may be capturing a graph */
     void *p = memshim_malloc(size, device, stream);
     relaxed_end(saved);
@@ -625,49 +829,81 @@ MSH_EXPORT void *memshim_torch_alloc(ssize_t size, int device, memshim_stream_t 
     return p;
 }
 
-/* A block in a capture pool: freed there (and the pool destroyed when released and empty). */
-static bool cap_free(void *ptr, void *stream)
+/* Whether ptr may be a capture pool's: memory of the device's main pool never is (its address
+ * ranges are read without a lock), so main-pool frees never touch caps_lock. */
+static bool maybe_capture_block(int device, void *ptr)
 {
     if (!atomic_load_explicit(&caps_alive, memory_order_relaxed)) return false;
-    bool done = false;
-    msh_in_hook++;
-    pthread_mutex_lock(&caps_lock);
-    for (int i = 0; i < CAP_MAX && !done; i++) {
+    struct msh_pool *m = dev_ok(device) ? msh_core_pool_get(device) : NULL;
+    return !m || !msh_pool_covers_fast(m, (uint64_t)(uintptr_t)ptr);
+}
+
+/* The pinned capture pool holding the live block ptr, or NULL. */
+static struct cap *cap_owning_pinned(void *ptr)
+{
+    CAPS_LOCK();
+    struct cap *found = NULL;
+    for (int i = 0; i < CAP_MAX && !found; i++) {
         struct cap *c = &caps[i];
-        if (!c->used || !msh_pool_owns(c->pool, (uint64_t)(uintptr_t)ptr)) continue;
-        if (msh_core_tracing())
-            msh_core_trace('f', c->device, (uint64_t)(uintptr_t)stream, (uint64_t)(uintptr_t)ptr,
-                           msh_pool_block_size(c->pool, (uint64_t)(uintptr_t)ptr));
-        if (msh_pool_free(c->pool, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream) == 0) {
-            c->live--;
-            group_maybe_destroy_locked(&groups[c->g]);
+        if (c->used && c->ready && msh_pool_owns(c->pool, (uint64_t)(uintptr_t)ptr)) {
+            c->pins++;
+            found = c;
         }
-        done = true;
     }
     pthread_mutex_unlock(&caps_lock);
+    return found;
+}
+
+/* A block in a capture pool: freed there (and the group destroyed when released and empty). */
+static bool cap_free(int device, void *ptr, void *stream)
+{
+    if (!maybe_capture_block(device, ptr)) return false;
+    msh_in_hook++;
+    struct cap *c = cap_owning_pinned(ptr);
+    if (!c) {
+        msh_in_hook--;
+        return false;
+    }
+    if (msh_core_tracing())
+        msh_core_trace('f', c->device, (uint64_t)(uintptr_t)stream, (uint64_t)(uintptr_t)ptr,
+                       msh_pool_block_size(c->pool, (uint64_t)(uintptr_t)ptr));
+    bool freed = msh_pool_free(c->pool, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream) == 0;
+    struct doomed_list d = {.n = 0};
+    CAPS_LOCK();
+    if (freed && c->live) c->live--;
+    cap_unpin(c, &d);
+    pthread_mutex_unlock(&caps_lock);
+    destroy_doomed(&d);
     msh_in_hook--;
-    return done;
+    return true;
 }
 
 MSH_EXPORT void memshim_torch_free(void *ptr, ssize_t size, int device, memshim_stream_t stream)
 {
     if (!ptr) return;
     if (dev_ok(device) && size >= 0) note_free(device, (size_t)size);
-    if (cap_free(ptr, stream)) return;
+    if (cap_free(device, ptr, stream)) return;
     memshim_free(ptr, size, device, stream);
 }
 
 MSH_EXPORT void memshim_torch_record_stream(void *ptr, memshim_stream_t stream)
 {
-    if (atomic_load_explicit(&caps_alive, memory_order_relaxed)) {
-        bool done = false;
-        pthread_mutex_lock(&caps_lock);
-        for (int i = 0; i < CAP_MAX && !done; i++)
-            if (caps[i].used && msh_pool_record_stream(caps[i].pool, (uint64_t)(uintptr_t)ptr,
-                                                       (uint64_t)(uintptr_t)stream) == 0)
-                done = true;
-        pthread_mutex_unlock(&caps_lock);
-        if (done) return;
+    int device = -1;
+    for (int d = 0; d < MSH_MAX_DEVICES && device < 0; d++) {
+        struct msh_pool *m = msh_core_pool_get(d);
+        if (m && msh_pool_covers_fast(m, (uint64_t)(uintptr_t)ptr)) device = d;
+    }
+    if (device < 0 && atomic_load_explicit(&caps_alive, memory_order_relaxed)) {
+        struct cap *c = cap_owning_pinned(ptr);
+        if (c) {
+            msh_pool_record_stream(c->pool, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream);
+            struct doomed_list d = {.n = 0};
+            CAPS_LOCK();
+            cap_unpin(c, &d);
+            pthread_mutex_unlock(&caps_lock);
+            destroy_doomed(&d);
+            return;
+        }
     }
     memshim_record_stream(ptr, stream);
 }
@@ -715,9 +951,9 @@ MSH_EXPORT void *memshim_torch_base_alloc(void *ptr, size_t *size)
         if (p) found = base_in(p, &f);
     }
     if (!found && atomic_load(&caps_alive)) {
-        pthread_mutex_lock(&caps_lock);
+        CAPS_LOCK();
         for (int i = 0; i < CAP_MAX && !found; i++)
-            if (caps[i].used) found = base_in(caps[i].pool, &f);
+            if (caps[i].used && caps[i].ready) found = base_in(caps[i].pool, &f);
         pthread_mutex_unlock(&caps_lock);
     }
     if (!found) return ptr;
@@ -750,9 +986,9 @@ static void sum_device(int device, struct pool_sum *s)
     memset(s, 0, sizeof *s);
     if (msh_core_started() && msh_core_device(device)) sum_pool(msh_core_pool(device), s);
     if (atomic_load(&caps_alive)) {
-        pthread_mutex_lock(&caps_lock);
+        CAPS_LOCK();
         for (int i = 0; i < CAP_MAX; i++)
-            if (caps[i].used && caps[i].device == device) sum_pool(caps[i].pool, s);
+            if (caps[i].used && caps[i].ready && caps[i].device == device) sum_pool(caps[i].pool, s);
         pthread_mutex_unlock(&caps_lock);
     }
 }
@@ -939,6 +1175,13 @@ MSH_EXPORT int memshim_torch_oom_message(int device, size_t size, char *buf, siz
     if (n < 0) {
         buf[0] = 0;
         return 0;
+    }
+    if ((o.capture || msh_capture_any()) && (size_t)n < len) {
+        int m = snprintf(buf + n, len - (size_t)n,
+                         " A CUDA-graph capture was in progress: memshim does not synchronize, unmap or release "
+                         "memory during a capture (that would invalidate it), so cached memory could not be "
+                         "reclaimed for this request; allocate what the capture needs before it begins.");
+        if (m > 0) n += m;
     }
     return (size_t)n < len ? n : (int)len - 1;
 }

@@ -33,4 +33,18 @@ const char *msh_torch_version(void);
  * capturing, 0 when not, -1 when it cannot tell. */
 void msh_torch_set_capture_query(int (*fn)(void *stream));
 
+/* The last capture of device ended (capture.c): destroy the capture pools whose uses were all
+ * released and whose blocks were freed meanwhile, and let every capture pool of the device run
+ * what it deferred. Never called with a pool lock held. */
+void msh_torch_capture_settle(int device);
+
+/* Tests and reports: capture-pool groups destroyed so far, destroys a capture deferred, groups
+ * alive now. */
+void msh_torch_capture_counts(uint64_t *destroyed, uint64_t *deferred, int *alive);
+/* A peer was granted access to device's memory: the capture pools re-grant their mapped pages. */
+void msh_torch_regrant_access(int device);
+
+/* Tests: how many times the capture pools' lock was taken so far. */
+uint64_t msh_torch_capture_lock_takes(void);
+
 #endif

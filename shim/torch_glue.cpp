@@ -37,6 +37,8 @@ struct CApi {
     void (*begin)(int, unsigned long long, unsigned long long, void *);
     void (*end)(int, unsigned long long, unsigned long long);
     void (*release)(int, unsigned long long, unsigned long long);
+    void (*retain)(int, unsigned long long, unsigned long long);
+    int (*uses)(int, unsigned long long, unsigned long long);
     int (*oom_message)(int, size_t, char *, size_t);
 };
 
@@ -68,6 +70,8 @@ void resolve()
     sym(h, "memshim_torch_begin_allocate_to_pool", c_api.begin);
     sym(h, "memshim_torch_end_allocate_to_pool", c_api.end);
     sym(h, "memshim_torch_release_pool", c_api.release);
+    sym(h, "memshim_torch_retain_pool", c_api.retain);
+    sym(h, "memshim_torch_pool_uses", c_api.uses);
     sym(h, "memshim_torch_oom_message", c_api.oom_message);
 }
 
@@ -97,7 +101,8 @@ GLUE_EXPORT const char *memshim_glue_torch_version(void)
 GLUE_EXPORT int memshim_glue_ready(void)
 {
     const CApi &a = api();
-    return a.alloc && a.alloc_in_pool && a.free && a.begin && a.end && a.release && a.oom_message;
+    return a.alloc && a.alloc_in_pool && a.free && a.begin && a.end && a.release && a.retain && a.uses &&
+           a.oom_message;
 }
 
 GLUE_EXPORT void *memshim_glue_malloc(ssize_t size, int device, cudaStream_t stream)
@@ -118,7 +123,7 @@ GLUE_EXPORT void *memshim_glue_malloc(ssize_t size, int device, cudaStream_t str
     }
     void *p = in_pool ? a.alloc_in_pool(size, device, stream, id.first, id.second) : a.alloc(size, device, stream);
     if (!p) {
-        char msg[1536];
+        char msg[2048];
         a.oom_message(device, size > 0 ? static_cast<size_t>(size) : 0, msg, sizeof msg);
         TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
     }
@@ -141,7 +146,11 @@ GLUE_EXPORT void memshim_glue_begin_allocate_to_pool(int device, MempoolId id, F
     nactive.store(static_cast<int>(active.size()), std::memory_order_release);
 }
 
-/* end: the newest begin of that pool is over; release: every one. */
+/* end: the newest begin of that pool is over (PyTorch's endAllocateToPool erases one entry of
+ * captures_underway). A release never ends a capture: another graph may be capturing into the same
+ * pool right now (shared pools), and its allocations must keep going there. Only when the pool's
+ * last use is gone can no capture route into it: entries left then are stale (a capture abandoned
+ * without end by an older PyTorch) and are dropped, so their filters are never called again. */
 static void drop_active(int device, MempoolId id, bool all)
 {
     std::lock_guard<std::mutex> g(active_lock);
@@ -163,7 +172,14 @@ GLUE_EXPORT void memshim_glue_end_allocate_to_pool(int device, MempoolId id)
 
 GLUE_EXPORT void memshim_glue_release_pool(int device, MempoolId id)
 {
-    drop_active(device, id, true);
     const CApi &a = api();
     if (a.release) a.release(device, id.first, id.second);
+    if (a.uses && a.uses(device, id.first, id.second) == 0) drop_active(device, id, true);
+}
+
+/* createOrIncrefPool (newer PyTorch, when a graph retains a pool): a use without a capture. */
+GLUE_EXPORT void memshim_glue_retain_pool(int device, MempoolId id)
+{
+    const CApi &a = api();
+    if (a.retain) a.retain(device, id.first, id.second);
 }

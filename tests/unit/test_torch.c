@@ -15,6 +15,7 @@
 #include "torch.h"
 
 #include "cudadouble/cudbl.h"
+#include <stdbool.h>
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -77,15 +78,23 @@ TEST(capture_pool_memory_stays_in_its_pool)
     for (int i = 0; i < 8; i++) memshim_torch_free(m[i], 4 * MiB, 0, S_OTHER);
     memshim_empty_cache();
     long before_release = handles();
-    memshim_torch_release_pool(0, 7, 0); /* b and a2 still live: the pool stays */
+    /* Two graphs were captured into pool 7 (two begins): PyTorch's use count is 2, and one release
+     * (one graph destroyed) leaves the other graph's memory where it replays. */
+    CHECK(memshim_torch_pool_uses(0, 7, 0) == 2);
+    memshim_torch_release_pool(0, 7, 0);
+    CHECK(memshim_torch_pool_uses(0, 7, 0) == 1);
     CHECK(handles() == before_release);
     void *m2 = memshim_torch_alloc(4 * MiB, 0, S_OTHER);
     CHECK(m2 && !overlaps((uintptr_t)m2, 4 * MiB, (uintptr_t)a2, 4 * MiB));
     memshim_torch_free(m2, 4 * MiB, 0, S_OTHER);
     memshim_torch_free(a2, 4 * MiB, 0, S_CAPTURING);
-    memshim_torch_free(b, 1000, 0, S_CAPTURING); /* the last block: the pool goes, pages and all */
+    memshim_torch_free(b, 1000, 0, S_CAPTURING); /* every block freed, one use left: the pool stays */
+    memshim_empty_cache();
+    CHECKF(handles() == before_release, "handles %ld, before the release %ld", handles(), before_release);
+    memshim_torch_release_pool(0, 7, 0); /* the last use: the pool goes, pages and all */
     memshim_empty_cache();
     CHECKF(handles() < before_release, "handles %ld, before the release %ld", handles(), before_release);
+    CHECK(memshim_torch_pool_uses(0, 7, 0) == 0);
 }
 
 /* Inside a capture pool a freed block is reused only on its own stream: reuse on another one
@@ -194,6 +203,198 @@ TEST(real_capture_goes_to_a_capture_pool)
     (void)destroy;
 }
 
+/* ---- issue 15: capture pools as PyTorch drives them, on the double's stream capture -------------- */
+
+struct capdrv {
+    CUresult (*begin)(CUstream, CUstreamCaptureMode);
+    CUresult (*end)(CUstream, CUgraph *);
+    CUresult (*instantiate)(CUgraphExec *, CUgraph, unsigned long long);
+    CUresult (*launch)(CUgraphExec, CUstream);
+    CUresult (*exec_destroy)(CUgraphExec);
+    CUresult (*graph_destroy)(CUgraph);
+    CUstream s, s2;
+    bool ok;
+};
+
+static void noop_kernel(void *arg) { (void)arg; }
+
+static bool capdrv_up(struct capdrv *c)
+{
+    memset(c, 0, sizeof *c);
+    *(void **)&c->begin = dlsym(RTLD_DEFAULT, "cuStreamBeginCapture_v2");
+    *(void **)&c->end = dlsym(RTLD_DEFAULT, "cuStreamEndCapture");
+    *(void **)&c->instantiate = dlsym(RTLD_DEFAULT, "cuGraphInstantiateWithFlags");
+    *(void **)&c->launch = dlsym(RTLD_DEFAULT, "cuGraphLaunch");
+    *(void **)&c->exec_destroy = dlsym(RTLD_DEFAULT, "cuGraphExecDestroy");
+    *(void **)&c->graph_destroy = dlsym(RTLD_DEFAULT, "cuGraphDestroy");
+    if (!c->begin || !c->end || !c->instantiate || !c->launch || !c->exec_destroy || !c->graph_destroy) return false;
+    msh_torch_set_capture_query(NULL);
+    CUdevice dev;
+    CUcontext ctx;
+    if (cuInit(0) != CUDA_SUCCESS || cuDeviceGet(&dev, 0) != CUDA_SUCCESS) return false;
+    if (cuDevicePrimaryCtxRetain(&ctx, dev) != CUDA_SUCCESS || cuCtxSetCurrent(ctx) != CUDA_SUCCESS) return false;
+    if (cuStreamCreate(&c->s, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) return false;
+    if (cuStreamCreate(&c->s2, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) return false;
+    c->ok = true;
+    return true;
+}
+
+/* One graph captured into pool (id0, 0) as torch.cuda.graph does it: begin_allocate_to_pool, then
+ * the stream capture; a block allocated on the capturing stream (routed to the pool) and a
+ * captured kernel that writes it; the end of the capture, then end_allocate_to_pool. */
+static CUgraph capture_one(struct capdrv *c, unsigned long long id0, size_t size, void **out)
+{
+    memshim_torch_begin_allocate_to_pool(0, id0, 0, NULL);
+    CUgraph g = NULL;
+    *out = NULL;
+    if (c->begin(c->s, CU_STREAM_CAPTURE_MODE_GLOBAL) == CUDA_SUCCESS) {
+        *out = memshim_torch_alloc((ssize_t)size, 0, c->s);
+        if (*out) cudbl_launch(c->s, (CUdeviceptr)(uintptr_t)*out, size, 1, noop_kernel, NULL);
+        if (c->end(c->s, &g) != CUDA_SUCCESS) g = NULL;
+    }
+    memshim_torch_end_allocate_to_pool(0, id0, 0);
+    return g;
+}
+
+static long misuse_now(void)
+{
+    struct cudbl_counts k;
+    cudbl_get_counts(&k);
+    return k.misuse;
+}
+
+/* Item 1: two graphs share pool 21 (torch.cuda.graph(g2, pool=g1.pool())); destroying the first
+ * (one release) must leave the second one's memory mapped, even once both outputs are freed:
+ * the second graph replays into it. */
+TEST(a_shared_capture_pool_outlives_its_first_release)
+{
+    struct capdrv c;
+    if (!capdrv_up(&c)) SKIP("the driver double has no stream capture");
+    cudbl_set_misuse_abort(0);
+    long mis0 = misuse_now();
+    void *a, *b;
+    CUgraph g1 = capture_one(&c, 21, 2 * MiB, &a);
+    CUgraph g2 = capture_one(&c, 21, 2 * MiB, &b);
+    REQUIRE(g1 && g2 && a && b);
+    CHECK(memshim_torch_pool_uses(0, 21, 0) == 2);
+    memshim_torch_free(a, 2 * MiB, 0, c.s); /* the outputs go out of scope ... */
+    memshim_torch_free(b, 2 * MiB, 0, c.s);
+    c.graph_destroy(g1);
+    memshim_torch_release_pool(0, 21, 0); /* ... and g1 is destroyed */
+    memshim_empty_cache();
+    CUgraphExec x = NULL;
+    REQUIRE(c.instantiate(&x, g2, 0) == CUDA_SUCCESS);
+    CHECK(c.launch(x, c.s2) == CUDA_SUCCESS);
+    cuStreamSynchronize(c.s2);
+    CHECKF(misuse_now() == mis0, "g2's replay touched memory that is gone (%ld faults)", misuse_now() - mis0);
+    CHECK(cudbl_check_access(0, (CUdeviceptr)(uintptr_t)b, 2 * MiB, 1) == CUDA_SUCCESS);
+    void *m = memshim_torch_alloc(2 * MiB, 0, c.s2); /* never on g2's memory */
+    CHECK(m && !overlaps((uintptr_t)m, 2 * MiB, (uintptr_t)b, 2 * MiB));
+    memshim_torch_free(m, 2 * MiB, 0, c.s2);
+    /* a later capture with the live id joins the pool: it reuses the freed memory */
+    void *b2;
+    CUgraph g3 = capture_one(&c, 21, 2 * MiB, &b2);
+    CHECK(g3 && b2 && (b2 == a || b2 == b));
+    CHECK(memshim_torch_pool_uses(0, 21, 0) == 2);
+    memshim_torch_free(b2, 2 * MiB, 0, c.s);
+    long h = handles();
+    c.exec_destroy(x);
+    c.graph_destroy(g2);
+    c.graph_destroy(g3);
+    memshim_torch_release_pool(0, 21, 0);
+    memshim_torch_release_pool(0, 21, 0); /* the last use: the pool goes */
+    CHECK(memshim_torch_pool_uses(0, 21, 0) == 0);
+    CHECKF(handles() < h, "handles %ld, before the last release %ld", handles(), h);
+    cudbl_set_misuse_abort(1);
+}
+
+/* Item 2: the re-capture loop (g = CUDAGraph(); with torch.cuda.graph(g): out = model(x)) drops the
+ * old graph's output inside the next capture. Freeing the last block of the released pool must not
+ * synchronize or unmap there (the driver invalidates the capture: cuStreamEndCapture 901); the
+ * pool goes once the capture has ended. */
+TEST(freeing_a_released_pool_inside_the_next_capture_keeps_it_valid)
+{
+    struct capdrv c;
+    if (!capdrv_up(&c)) SKIP("the driver double has no stream capture");
+    void *out1, *out2 = NULL;
+    CUgraph g1 = capture_one(&c, 31, 4 * MiB, &out1);
+    REQUIRE(g1 && out1);
+    c.graph_destroy(g1);
+    memshim_torch_release_pool(0, 31, 0); /* g rebound: the old graph is gone, out1 still held */
+    uint64_t destroyed0 = 0, deferred0 = 0;
+    msh_torch_capture_counts(&destroyed0, &deferred0, NULL);
+    long h0 = handles();
+    memshim_torch_begin_allocate_to_pool(0, 32, 0, NULL);
+    REQUIRE(c.begin(c.s, CU_STREAM_CAPTURE_MODE_GLOBAL) == CUDA_SUCCESS);
+    memshim_torch_free(out1, 4 * MiB, 0, c.s); /* `out = ...` drops the old output, mid-capture */
+    out2 = memshim_torch_alloc(4 * MiB, 0, c.s);
+    CHECK(out2 != NULL);
+    if (out2) cudbl_launch(c.s, (CUdeviceptr)(uintptr_t)out2, 4 * MiB, 1, noop_kernel, NULL);
+    CUgraph g2 = NULL;
+    CUresult er = c.end(c.s, &g2);
+    CHECKF(er == CUDA_SUCCESS && g2, "the capture was invalidated (%d)", (int)er);
+    uint64_t destroyed1 = 0, deferred1 = 0;
+    msh_torch_capture_counts(&destroyed1, &deferred1, NULL);
+    CHECK(destroyed1 == destroyed0 && deferred1 == deferred0 + 1);
+    CHECK(handles() >= h0); /* nothing of pool 31 was given back during the capture */
+    memshim_torch_end_allocate_to_pool(0, 32, 0); /* the capture is over: pool 31 goes now */
+    msh_torch_capture_counts(&destroyed1, &deferred1, NULL);
+    CHECK(destroyed1 == destroyed0 + 1);
+    memshim_torch_free(out2, 4 * MiB, 0, c.s);
+    if (g2) c.graph_destroy(g2);
+    memshim_torch_release_pool(0, 32, 0);
+}
+
+/* Item 2, the main pool: an empty_cache() (the reset hook) during a capture, and a free that needs
+ * events (a block used on a second stream), neither synchronize, unmap nor record during the
+ * capture; both happen after it. */
+TEST(the_main_pool_defers_its_driver_work_during_a_capture)
+{
+    struct capdrv c;
+    if (!capdrv_up(&c)) SKIP("the driver double has no stream capture");
+    void *m = memshim_torch_alloc(8 * MiB, 0, c.s2);
+    void *r = memshim_torch_alloc(2 * MiB, 0, c.s2);
+    REQUIRE(m && r);
+    memshim_torch_record_stream(r, c.s); /* used on the capture stream before the capture */
+    memshim_torch_free(m, 8 * MiB, 0, c.s2); /* cached */
+    cuCtxSynchronize();
+    long unmaps0 = cudbl_call_count("cuMemUnmap"), syncs0 = cudbl_call_count("cuCtxSynchronize");
+    long rec0 = cudbl_call_count("cuEventRecord");
+    memshim_torch_begin_allocate_to_pool(0, 41, 0, NULL);
+    REQUIRE(c.begin(c.s, CU_STREAM_CAPTURE_MODE_GLOBAL) == CUDA_SUCCESS);
+    memshim_empty_cache();
+    memshim_torch_free(r, 2 * MiB, 0, c.s2); /* its free needs an event on c.s: parked */
+    CHECK(cudbl_call_count("cuMemUnmap") == unmaps0 && cudbl_call_count("cuCtxSynchronize") == syncs0);
+    CHECK(cudbl_call_count("cuEventRecord") == rec0);
+    CUgraph g = NULL;
+    CUresult er = c.end(c.s, &g);
+    CHECKF(er == CUDA_SUCCESS && g, "the capture was invalidated (%d)", (int)er);
+    memshim_torch_end_allocate_to_pool(0, 41, 0);
+    CHECK(cudbl_call_count("cuMemUnmap") > unmaps0);     /* the deferred empty-cache ran */
+    CHECK(cudbl_call_count("cuEventRecord") == rec0 + 1); /* the parked free's event, now */
+    if (g) c.graph_destroy(g);
+    memshim_torch_release_pool(0, 41, 0);
+}
+
+/* Item 4: with capture pools alive, frees of main-pool memory never take the capture pools' lock. */
+TEST(main_pool_frees_do_not_contend_with_capture_pools)
+{
+    memshim_torch_begin_allocate_to_pool(0, 51, 0, NULL);
+    void *c = memshim_torch_alloc_in_pool(MiB, 0, S_CAPTURING, 51, 0);
+    memshim_torch_end_allocate_to_pool(0, 51, 0);
+    REQUIRE(c);
+    uint64_t takes0 = msh_torch_capture_lock_takes();
+    for (int i = 0; i < 1000; i++) {
+        void *m = memshim_torch_alloc(64 * 1024, 0, S_OTHER);
+        REQUIRE(m);
+        memshim_torch_free(m, 64 * 1024, 0, S_OTHER);
+    }
+    uint64_t takes = msh_torch_capture_lock_takes() - takes0;
+    CHECKF(takes == 0, "1000 main-pool frees took the capture pools' lock %llu times", (unsigned long long)takes);
+    memshim_torch_free(c, MiB, 0, S_CAPTURING);
+    memshim_torch_release_pool(0, 51, 0);
+}
+
 TEST(torch_named_stats_peaks_and_resets)
 {
     memshim_torch_reset_accumulated(0);
@@ -239,10 +440,22 @@ TEST(one_limit_for_the_main_and_capture_pools)
                strstr(msg, "limit 256.00 MiB"),
            "%s", msg);
     CHECK(stat_of(0, "num_ooms") >= 1);
-    memshim_torch_free(m, 160 * MiB, 0, NULL); /* now cached in the main pool: the capture pool gets it */
+    /* Freed, m's pages stay cached in the main pool. While the capture is open they cannot be
+     * released (an unmap, or the synchronize before it, would invalidate the capture): the
+     * request fails and says why. */
+    memshim_torch_free(m, 160 * MiB, 0, NULL);
+    c = memshim_torch_alloc_in_pool(160 * MiB, 0, S_CAPTURING, 11, 0);
+    CHECK(c == NULL);
+    memshim_torch_oom_message(0, 160 * MiB, msg, sizeof msg);
+    CHECKF(strstr(msg, "capture was in progress"), "%s", msg);
+    memshim_torch_end_allocate_to_pool(0, 11, 0);
+    /* The next capture into the pool gets them: the main pool's cache goes back outside captures */
+    memshim_empty_cache();
+    memshim_torch_begin_allocate_to_pool(0, 11, 0, NULL);
     c = memshim_torch_alloc_in_pool(160 * MiB, 0, S_CAPTURING, 11, 0);
     CHECK(c != NULL);
     memshim_torch_end_allocate_to_pool(0, 11, 0);
+    memshim_torch_release_pool(0, 11, 0); /* two begins, two uses */
     memshim_torch_free(c, 160 * MiB, 0, S_CAPTURING);
     memshim_torch_release_pool(0, 11, 0);
     memshim_torch_set_memory_fraction(1.0, 0);
