@@ -556,6 +556,110 @@ static CUresult hk_cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr)
     return r;
 }
 
+/* ---- captures and peers (issue 15; hooks.h) ------------------------------------------------- */
+
+#include "capture.h"
+#include "peers.h"
+
+void msh_hooks_capture_open(int device, uint64_t stream)
+{
+    msh_capture_open(device < 0 ? 0 : device, MSH_CAPTURE_STREAM, stream);
+}
+
+void msh_hooks_capture_close(uint64_t stream, bool force)
+{
+    if (!force && msh_cu.cuStreamIsCapturing) {
+        CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+        /* an end on a stream that is not the capture's origin leaves the capture going */
+        if (msh_cu.cuStreamIsCapturing((CUstream)(uintptr_t)stream, &st) == CUDA_SUCCESS &&
+            st == CU_STREAM_CAPTURE_STATUS_ACTIVE)
+            return;
+    }
+    msh_capture_close(MSH_CAPTURE_STREAM, stream);
+}
+
+void msh_hooks_peer_enabled(int accessor, int owner)
+{
+    msh_peers_enabled(accessor, owner);
+}
+
+static int drv_current_device(void)
+{
+    CUdevice d = -1;
+    if (!msh_cu.cuCtxGetDevice || msh_cu.cuCtxGetDevice(&d) != CUDA_SUCCESS) return -1;
+    return (int)d;
+}
+
+/* cuCtxEnablePeerAccess: the current context's device may reach peerContext's memory. */
+static CUresult hk_cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Flags)
+{
+    CUresult (*real)(CUcontext, unsigned int) = REAL_DRV(cuCtxEnablePeerAccess);
+    if (!real) MSH_DRV_MISSING("cuCtxEnablePeerAccess");
+    if (msh_in_hook || !msh_hooks_serving()) return real(peerContext, Flags);
+    msh_in_hook = 1;
+    CUresult r = real(peerContext, Flags);
+    if (r == CUDA_SUCCESS || r == CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) {
+        int accessor = drv_current_device(), owner = -1;
+        CUcontext prev = NULL;
+        if (msh_cu.cuCtxPushCurrent && msh_cu.cuCtxPushCurrent(peerContext) == CUDA_SUCCESS) {
+            owner = drv_current_device();
+            msh_cu.cuCtxPopCurrent(&prev);
+        }
+        if (accessor >= 0 && owner >= 0) msh_hooks_peer_enabled(accessor, owner);
+    }
+    msh_in_hook = 0;
+    return r;
+}
+
+static CUresult drv_begin_capture(CUresult (*real)(CUstream, CUstreamCaptureMode), CUstream s, CUstreamCaptureMode mode)
+{
+    if (msh_in_hook || !msh_hooks_serving()) return real(s, mode);
+    msh_in_hook = 1;
+    msh_hooks_capture_open(drv_current_device(), (uint64_t)(uintptr_t)s);
+    CUresult r = real(s, mode);
+    if (r != CUDA_SUCCESS) msh_hooks_capture_close((uint64_t)(uintptr_t)s, true);
+    msh_in_hook = 0;
+    return r;
+}
+
+static CUresult drv_end_capture(CUresult (*real)(CUstream, CUgraph *), CUstream s, CUgraph *g)
+{
+    if (msh_in_hook || !msh_hooks_serving()) return real(s, g);
+    msh_in_hook = 1;
+    CUresult r = real(s, g);
+    msh_hooks_capture_close((uint64_t)(uintptr_t)s, false);
+    msh_in_hook = 0;
+    return r;
+}
+
+static CUresult hk_cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode)
+{
+    CUresult (*real)(CUstream, CUstreamCaptureMode) = REAL_DRV(cuStreamBeginCapture);
+    if (!real) MSH_DRV_MISSING("cuStreamBeginCapture_v2");
+    return drv_begin_capture(real, s, mode);
+}
+
+static CUresult hk_cuStreamBeginCapture_v2_ptsz(CUstream s, CUstreamCaptureMode mode)
+{
+    CUresult (*real)(CUstream, CUstreamCaptureMode) = REAL_DRV(cuStreamBeginCapture_ptsz);
+    if (!real) MSH_DRV_MISSING("cuStreamBeginCapture_v2_ptsz");
+    return drv_begin_capture(real, s ? s : CU_STREAM_PER_THREAD, mode);
+}
+
+static CUresult hk_cuStreamEndCapture(CUstream s, CUgraph *g)
+{
+    CUresult (*real)(CUstream, CUgraph *) = REAL_DRV(cuStreamEndCapture);
+    if (!real) MSH_DRV_MISSING("cuStreamEndCapture");
+    return drv_end_capture(real, s, g);
+}
+
+static CUresult hk_cuStreamEndCapture_ptsz(CUstream s, CUgraph *g)
+{
+    CUresult (*real)(CUstream, CUgraph *) = REAL_DRV(cuStreamEndCapture_ptsz);
+    if (!real) MSH_DRV_MISSING("cuStreamEndCapture_ptsz");
+    return drv_end_capture(real, s ? s : CU_STREAM_PER_THREAD, g);
+}
+
 /* The exported names are aliases of the static functions above: memshim's own references (the
  * substitution table) bind to these bodies even if another object defines the same names. */
 #define EXPORT_ALIAS(name, ret, args) MSH_EXPORT ret name args __attribute__((alias("hk_" #name)));
@@ -577,6 +681,11 @@ EXPORT_ALIAS(cuMemGetAddressRange_v2, CUresult, (CUdeviceptr *, size_t *, CUdevi
 EXPORT_ALIAS(cuPointerGetAttribute, CUresult, (void *, CUpointer_attribute, CUdeviceptr))
 EXPORT_ALIAS(cuPointerGetAttributes, CUresult, (unsigned int, CUpointer_attribute *, void **, CUdeviceptr))
 EXPORT_ALIAS(cuIpcGetMemHandle, CUresult, (CUipcMemHandle *, CUdeviceptr))
+EXPORT_ALIAS(cuCtxEnablePeerAccess, CUresult, (CUcontext, unsigned int))
+EXPORT_ALIAS(cuStreamBeginCapture_v2, CUresult, (CUstream, CUstreamCaptureMode))
+EXPORT_ALIAS(cuStreamBeginCapture_v2_ptsz, CUresult, (CUstream, CUstreamCaptureMode))
+EXPORT_ALIAS(cuStreamEndCapture, CUresult, (CUstream, CUgraph *))
+EXPORT_ALIAS(cuStreamEndCapture_ptsz, CUresult, (CUstream, CUgraph *))
 /* The v1 cuStreamDestroy has the same signature (the 32-bit ABI change did not touch it). */
 #undef cuStreamDestroy
 MSH_EXPORT CUresult cuStreamDestroy(CUstream) __attribute__((alias("hk_cuStreamDestroy_v2")));
@@ -597,3 +706,8 @@ void *const msh_hk_cuMemGetAddressRange_v2 = (void *)hk_cuMemGetAddressRange_v2;
 void *const msh_hk_cuPointerGetAttribute = (void *)hk_cuPointerGetAttribute;
 void *const msh_hk_cuPointerGetAttributes = (void *)hk_cuPointerGetAttributes;
 void *const msh_hk_cuIpcGetMemHandle = (void *)hk_cuIpcGetMemHandle;
+void *const msh_hk_cuCtxEnablePeerAccess = (void *)hk_cuCtxEnablePeerAccess;
+void *const msh_hk_cuStreamBeginCapture_v2 = (void *)hk_cuStreamBeginCapture_v2;
+void *const msh_hk_cuStreamBeginCapture_v2_ptsz = (void *)hk_cuStreamBeginCapture_v2_ptsz;
+void *const msh_hk_cuStreamEndCapture = (void *)hk_cuStreamEndCapture;
+void *const msh_hk_cuStreamEndCapture_ptsz = (void *)hk_cuStreamEndCapture_ptsz;

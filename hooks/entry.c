@@ -87,6 +87,11 @@ static void build_subst(void)
     subst_add((void *)msh_cu.cuPointerGetAttribute, msh_hk_cuPointerGetAttribute);
     subst_add((void *)msh_cu.cuPointerGetAttributes, msh_hk_cuPointerGetAttributes);
     subst_add((void *)msh_cu.cuIpcGetMemHandle, msh_hk_cuIpcGetMemHandle);
+    subst_add((void *)msh_cu.cuCtxEnablePeerAccess, msh_hk_cuCtxEnablePeerAccess);
+    subst_add((void *)msh_cu.cuStreamBeginCapture, msh_hk_cuStreamBeginCapture_v2);
+    subst_add((void *)msh_cu.cuStreamBeginCapture_ptsz, msh_hk_cuStreamBeginCapture_v2_ptsz);
+    subst_add((void *)msh_cu.cuStreamEndCapture, msh_hk_cuStreamEndCapture);
+    subst_add((void *)msh_cu.cuStreamEndCapture_ptsz, msh_hk_cuStreamEndCapture_ptsz);
     subst_add((void *)msh_cu.cuGetProcAddress_v2, hk_v2);
     subst_add(dlsym(h, "cuGetProcAddress"), hk_v1);
 
@@ -112,6 +117,11 @@ static void build_subst(void)
         {"cuPointerGetAttribute", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 14},
         {"cuPointerGetAttributes", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 15},
         {"cuIpcGetMemHandle", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 16},
+        {"cuCtxEnablePeerAccess", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 17},
+        {"cuStreamBeginCapture", 10010, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 18},
+        {"cuStreamBeginCapture", 10010, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, 19},
+        {"cuStreamEndCapture", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 20},
+        {"cuStreamEndCapture", 0, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, 21},
     };
     void *const hooks[] = {
         msh_hk_cuMemAlloc_v2, msh_hk_cuMemFree_v2, msh_hk_cuMemGetInfo_v2,
@@ -119,6 +129,8 @@ static void build_subst(void)
         msh_hk_cuMemFreeAsync_ptsz, msh_hk_cuMemCreate, msh_hk_cuMemRelease, msh_hk_cuMemMap,
         msh_hk_cuMemUnmap, hk_v2, msh_hk_cuStreamDestroy_v2, msh_hk_cuMemGetAddressRange_v2,
         msh_hk_cuPointerGetAttribute, msh_hk_cuPointerGetAttributes, msh_hk_cuIpcGetMemHandle,
+        msh_hk_cuCtxEnablePeerAccess, msh_hk_cuStreamBeginCapture_v2, msh_hk_cuStreamBeginCapture_v2_ptsz,
+        msh_hk_cuStreamEndCapture, msh_hk_cuStreamEndCapture_ptsz,
     };
     for (size_t i = 0; i < sizeof q / sizeof q[0]; i++) {
         if (ver < q[i].min_ver) continue;

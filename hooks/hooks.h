@@ -61,6 +61,17 @@ MSH_HIDDEN void msh_hooks_forget_stream(uint64_t stream);
 struct msh_pool;
 MSH_HIDDEN int msh_hooks_pool_free_host(struct msh_pool *pool, uint64_t addr);
 
+/* ---- captures and peers (hooks/driver.c, issue 15) --------------------------------------------
+ * A stream capture is about to begin on `stream` of `device` (shim/capture.c counts it from
+ * before the real call, so that no pool synchronizes in between). close: the capture call on
+ * `stream` returned; with `force` (its begin failed) it is closed, else only once the driver says
+ * the stream no longer captures. */
+MSH_HIDDEN void msh_hooks_capture_open(int device, uint64_t stream);
+MSH_HIDDEN void msh_hooks_capture_close(uint64_t stream, bool force);
+/* The program let device `accessor` reach the memory of device `owner` (cudaDeviceEnablePeerAccess,
+ * cuCtxEnablePeerAccess): owner's pools grant it their pages (shim/peers.c). */
+MSH_HIDDEN void msh_hooks_peer_enabled(int accessor, int owner);
+
 /* ---- entry-point lookups (hooks/entry.c) ----------------------------------------------------
  * `*pfn` was just returned by a real lookup (cuGetProcAddress[_v2], cudaGetDriverEntryPoint*).
  * When it is the real address of a driver function memshim hooks, replace it by memshim's hook;
@@ -75,6 +86,7 @@ MSH_HIDDEN extern void *const msh_hk_cuMemAlloc_v2, *const msh_hk_cuMemFree_v2,
     *const msh_hk_cuMemCreate, *const msh_hk_cuMemRelease, *const msh_hk_cuMemMap,
     *const msh_hk_cuMemUnmap, *const msh_hk_cuStreamDestroy_v2, *const msh_hk_cuMemGetAddressRange_v2,
     *const msh_hk_cuPointerGetAttribute, *const msh_hk_cuPointerGetAttributes,
-    *const msh_hk_cuIpcGetMemHandle;
+    *const msh_hk_cuIpcGetMemHandle, *const msh_hk_cuCtxEnablePeerAccess, *const msh_hk_cuStreamBeginCapture_v2,
+    *const msh_hk_cuStreamBeginCapture_v2_ptsz, *const msh_hk_cuStreamEndCapture, *const msh_hk_cuStreamEndCapture_ptsz;
 
 #endif

@@ -30,6 +30,8 @@ cudaError_t CUDARTAPI cudaFreeAsync_ptsz(void *devPtr, cudaStream_t hStream);
 cudaError_t CUDARTAPI cudaGetDriverEntryPoint_ptsz(const char *symbol, void **funcPtr,
                                                    unsigned long long flags,
                                                    enum cudaDriverEntryPointQueryResult *driverStatus);
+cudaError_t CUDARTAPI cudaStreamBeginCapture_ptsz(cudaStream_t stream, enum cudaStreamCaptureMode mode);
+cudaError_t CUDARTAPI cudaStreamEndCapture_ptsz(cudaStream_t stream, cudaGraph_t *pGraph);
 cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion_ptsz(
     const char *symbol, void **funcPtr, unsigned int cudaVersion, unsigned long long flags,
     enum cudaDriverEntryPointQueryResult *driverStatus);
@@ -41,7 +43,8 @@ cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion_ptsz(
     X(cudaGetDriverEntryPoint_ptsz) X(cudaGetDriverEntryPointByVersion)                     \
     X(cudaGetDriverEntryPointByVersion_ptsz) X(cudaGetDevice) X(cudaSetDevice)              \
     X(cudaDeviceSynchronize) X(cudaStreamDestroy) X(cudaPointerGetAttributes)                \
-    X(cudaIpcGetMemHandle)
+    X(cudaIpcGetMemHandle) X(cudaDeviceEnablePeerAccess) X(cudaStreamBeginCapture)           \
+    X(cudaStreamBeginCapture_ptsz) X(cudaStreamEndCapture) X(cudaStreamEndCapture_ptsz)
 
 enum rt_fn {
 #define X(name) RT_##name,
@@ -467,4 +470,76 @@ MSH_EXPORT cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *handle, void *dev
     }
     msh_in_hook = 0;
     return r;
+}
+
+/* ---- captures and peers (issue 15) -----------------------------------------------------------
+ * While a stream captures a CUDA graph, memshim's pools must not synchronize or unmap (either
+ * invalidates the capture): the capture calls tell shim/capture.c when one is open, including
+ * captures PyTorch does not make. PyTorch enables peer access with the runtime call before its
+ * first copy between two devices: from then on the peer is granted the owner's pool pages
+ * (policy/dev_cuda.c "Peer access"). Each forwards to the real runtime first and never changes
+ * what it returns. */
+
+typedef cudaError_t (*peer_fn)(int, unsigned int);
+typedef cudaError_t (*cap_begin_fn)(cudaStream_t, enum cudaStreamCaptureMode);
+typedef cudaError_t (*cap_end_fn)(cudaStream_t, cudaGraph_t *);
+
+MSH_EXPORT cudaError_t cudaDeviceEnablePeerAccess(int peerDevice, unsigned int flags)
+{
+    REAL_RT(cudaDeviceEnablePeerAccess, peer_fn);
+    if (msh_in_hook || !msh_hooks_serving()) return real(peerDevice, flags);
+    msh_in_hook = 1;
+    cudaError_t r = real(peerDevice, flags);
+    if (r == cudaSuccess || r == cudaErrorPeerAccessAlreadyEnabled) {
+        int cur = rt_current_device();
+        if (cur >= 0) msh_hooks_peer_enabled(cur, peerDevice);
+    }
+    msh_in_hook = 0;
+    return r;
+}
+
+static cudaError_t rt_begin_capture(cap_begin_fn real, cudaStream_t stream, enum cudaStreamCaptureMode mode)
+{
+    if (msh_in_hook || !msh_hooks_serving()) return real(stream, mode);
+    msh_in_hook = 1;
+    /* open first: a synchronize must not slip in between the begin and the bookkeeping */
+    msh_hooks_capture_open(rt_current_device(), (uint64_t)(uintptr_t)stream);
+    cudaError_t r = real(stream, mode);
+    if (r != cudaSuccess) msh_hooks_capture_close((uint64_t)(uintptr_t)stream, true);
+    msh_in_hook = 0;
+    return r;
+}
+
+static cudaError_t rt_end_capture(cap_end_fn real, cudaStream_t stream, cudaGraph_t *g)
+{
+    if (msh_in_hook || !msh_hooks_serving()) return real(stream, g);
+    msh_in_hook = 1;
+    cudaError_t r = real(stream, g);
+    msh_hooks_capture_close((uint64_t)(uintptr_t)stream, false); /* closed if the stream stopped capturing */
+    msh_in_hook = 0;
+    return r;
+}
+
+MSH_EXPORT cudaError_t cudaStreamBeginCapture(cudaStream_t stream, enum cudaStreamCaptureMode mode)
+{
+    REAL_RT(cudaStreamBeginCapture, cap_begin_fn);
+    return rt_begin_capture(real, stream, mode);
+}
+
+MSH_EXPORT cudaError_t cudaStreamBeginCapture_ptsz(cudaStream_t stream, enum cudaStreamCaptureMode mode)
+{
+    REAL_RT(cudaStreamBeginCapture_ptsz, cap_begin_fn);
+    return rt_begin_capture(real, stream ? stream : cudaStreamPerThread, mode);
+}
+
+MSH_EXPORT cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *pGraph)
+{
+    REAL_RT(cudaStreamEndCapture, cap_end_fn);
+    return rt_end_capture(real, stream, pGraph);
+}
+
+MSH_EXPORT cudaError_t cudaStreamEndCapture_ptsz(cudaStream_t stream, cudaGraph_t *pGraph)
+{
+    REAL_RT(cudaStreamEndCapture_ptsz, cap_end_fn);
+    return rt_end_capture(real, stream ? stream : cudaStreamPerThread, pGraph);
 }

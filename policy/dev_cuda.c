@@ -7,6 +7,7 @@
  * must call the driver only through msh_cu (never a hook), and it translates CUresult to the
  * project's errno convention: CUDA_ERROR_OUT_OF_MEMORY becomes ENOMEM, the rest EIO (logged).
  */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,9 +20,12 @@ struct cuda_dev {
     CUcontext ctx;
     CUmemAllocationProp prop;
     size_t gran;
-    /* Who may touch this device's pages: itself and every peer-capable device (below). */
+    /* Who may touch this device's pages: itself, and each peer the program enabled (below).
+     * Appended only, each entry written before naccess is raised (release); readers load naccess
+     * (acquire) without a lock. */
     CUmemAccessDesc access[MSH_MAX_DEVICES];
     size_t naccess;
+    pthread_mutex_t access_lock; /* serializes writers */
 };
 
 static struct cuda_dev *C(struct msh_device *d) { return d->impl; }
@@ -86,37 +90,55 @@ static int cu_release(struct msh_device *d, uint64_t h, size_t size)
     return WITH_CTX(d, msh_cu.cuMemRelease((CUmemGenericAllocationHandle)h), "cuMemRelease");
 }
 
-/* Peer access (docs/pool.md): cudaDeviceEnablePeerAccess / cuCtxEnablePeerAccess do not cover
- * VMM mappings; each device that may touch a mapping needs its own descriptor. Every page the
- * pool maps is granted read/write to the owner and to every device that can reach the owner
- * (cuDeviceCanAccessPeer(peer, owner)), so single-process multi-GPU work (DataParallel,
- * pipeline stages, device-to-device copies, NCCL in one process) can touch pool memory without
- * memshim having to follow the job's peer-access calls. The list is fixed at start-up (peer
- * capability is a property of the machine) and shared by every access grant. */
+/* Peer access (docs/pool.md "Peers"): cudaDeviceEnablePeerAccess / cuCtxEnablePeerAccess do not
+ * cover VMM mappings; each device that may touch a mapping needs its own descriptor. A page is
+ * granted to its own device only, and to a peer once the program enables access to this device
+ * from that peer (hooks/: the runtime's and the driver's enable calls; PyTorch makes the runtime
+ * one before its first copy between two devices): then the peer joins the list, every mapping
+ * made from then on names it, and the pool grants it the pages already mapped
+ * (msh_pool_regrant_access). A rank that never touches a peer maps its pages into one page table
+ * only, so grants and unmaps do not grow with the number of devices on the node. */
 static void cu_access_init(struct cuda_dev *c)
 {
-    c->naccess = 0;
-    int n = 0;
-    if (!msh_cu.cuDeviceGetCount || msh_cu.cuDeviceGetCount(&n) != CUDA_SUCCESS) n = 0;
-    for (int peer = -1; peer < n && peer < MSH_MAX_DEVICES; peer++) {
-        int can = 0;
-        if (peer == (int)c->dev) continue;
-        if (peer >= 0 && (!msh_cu.cuDeviceCanAccessPeer ||
-                          msh_cu.cuDeviceCanAccessPeer(&can, peer, c->dev) != CUDA_SUCCESS || !can))
-            continue;
-        CUmemAccessDesc *a = &c->access[c->naccess++];
-        memset(a, 0, sizeof *a);
-        a->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-        a->location.id = peer < 0 ? c->dev : peer;  /* the owner first */
-        a->flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    }
+    memset(&c->access[0], 0, sizeof c->access[0]);
+    c->access[0].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    c->access[0].location.id = c->dev;
+    c->access[0].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    __atomic_store_n(&c->naccess, 1, __ATOMIC_RELEASE);
+    pthread_mutex_init(&c->access_lock, NULL);
 }
 
-/* The access descriptors every mapping of device d gets (the owner, then its peers). */
+static int cu_add_access(struct msh_device *d, int peer)
+{
+    struct cuda_dev *c = C(d);
+    if (peer < 0 || peer >= MSH_MAX_DEVICES) return EINVAL;
+    if (peer == (int)c->dev) return EEXIST;
+    int can = 0;
+    if (!msh_cu.cuDeviceCanAccessPeer || msh_cu.cuDeviceCanAccessPeer(&can, peer, c->dev) != CUDA_SUCCESS || !can)
+        return ENODEV;
+    pthread_mutex_lock(&c->access_lock);
+    size_t n = __atomic_load_n(&c->naccess, __ATOMIC_ACQUIRE);
+    int rc = 0;
+    for (size_t i = 0; i < n && !rc; i++)
+        if (c->access[i].location.id == peer) rc = EEXIST;
+    if (!rc && n == MSH_MAX_DEVICES) rc = ENOSPC;
+    if (!rc) {
+        CUmemAccessDesc *a = &c->access[n];
+        memset(a, 0, sizeof *a);
+        a->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        a->location.id = peer;
+        a->flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        __atomic_store_n(&c->naccess, n + 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&c->access_lock);
+    return rc;
+}
+
+/* The access descriptors every mapping of device d gets (the owner, then the enabled peers). */
 static size_t cu_access_descs(struct msh_device *d, const CUmemAccessDesc **out)
 {
     *out = C(d)->access;
-    return C(d)->naccess;
+    return __atomic_load_n(&C(d)->naccess, __ATOMIC_ACQUIRE);
 }
 
 static int cu_map(struct msh_device *d, uint64_t va, size_t size, uint64_t h)
@@ -137,6 +159,39 @@ static int cu_set_access(struct msh_device *d, uint64_t va, size_t size)
 static int cu_unmap(struct msh_device *d, uint64_t va, size_t size)
 {
     return WITH_CTX(d, msh_cu.cuMemUnmap((CUdeviceptr)va, size), "cuMemUnmap");
+}
+
+/* The context a stream belongs to (0: this device's own). The default streams (NULL, legacy,
+ * per-thread) mean the current context, which every call here makes this device's. */
+static int cu_stream_home(struct msh_device *d, uint64_t stream, uint64_t *home)
+{
+    *home = 0;
+    CUstream s = (CUstream)(uintptr_t)stream;
+    if (!s || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD || !msh_cu.cuStreamGetCtx) return 0;
+    CUcontext ctx = NULL;
+    int rc = WITH_CTX(d, msh_cu.cuStreamGetCtx(s, &ctx), "cuStreamGetCtx");
+    if (!rc && ctx && ctx != C(d)->ctx) *home = (uint64_t)(uintptr_t)ctx;
+    return rc;
+}
+
+/* An event of another context (a stream of another device, record_stream across devices): the
+ * driver refuses to record an event on a stream of another context. */
+static int cu_event_create_on(struct msh_device *d, uint64_t home, uint64_t *ev)
+{
+    (void)d;
+    CUevent e = NULL;
+    CUcontext prev = NULL;
+    if (msh_cu.cuCtxPushCurrent((CUcontext)(uintptr_t)home) != CUDA_SUCCESS) return EIO;
+    int rc = to_errno(msh_cu.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    msh_cu.cuCtxPopCurrent(&prev);
+    *ev = (uint64_t)(uintptr_t)e;
+    return rc;
+}
+
+static int cu_stream_sync(struct msh_device *d, uint64_t stream)
+{
+    if (!msh_cu.cuStreamSynchronize) return ENOSYS;
+    return WITH_CTX(d, msh_cu.cuStreamSynchronize((CUstream)(uintptr_t)stream), "cuStreamSynchronize");
 }
 
 static int cu_event_create(struct msh_device *d, uint64_t *ev)
@@ -199,6 +254,10 @@ static const struct msh_device_ops cuda_ops = {
     .event_release = cu_event_release,
     .stream_wait = cu_stream_wait,
     .synchronize = cu_synchronize,
+    .stream_home = cu_stream_home,
+    .event_create_on = cu_event_create_on,
+    .stream_sync = cu_stream_sync,
+    .add_access = cu_add_access,
 };
 
 int msh_dev_cuda_init(struct msh_device *d, int ordinal)
@@ -230,8 +289,6 @@ int msh_dev_cuda_init(struct msh_device *d, int ordinal)
     c->prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     c->prop.location.id = c->dev;
     cu_access_init(c);
-    if (c->naccess > 1)
-        msh_info("device %d: pool pages are also granted to %zu peer device(s)", ordinal, c->naccess - 1);
     d->ops = &cuda_ops;
     d->ordinal = ordinal;
     d->impl = c;

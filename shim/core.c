@@ -26,6 +26,7 @@
 #include "hotclock.h"
 #include "memshim.h"
 #include "msh.h"
+#include "peers.h"
 #include "report.h"
 #include "sites.h"
 #include "torch.h"
@@ -381,6 +382,7 @@ struct msh_pool *msh_core_pool(int device)
             msh_pool_set_timing(p, msh_report_init()); /* latency figures serve the reports only */
             atomic_store_explicit(&pools[device], p, memory_order_release);
             msh_info("device %d: pool ready", device);
+            msh_peers_apply(device); /* peers the program enabled before this device's first allocation */
         } else {
             pool_failed[device] = true;
             p = NULL;

@@ -73,6 +73,13 @@ static void load_driver(void)
     RESOLVE(cuPointerGetAttributes, "cuPointerGetAttributes");
     RESOLVE(cuIpcGetMemHandle, "cuIpcGetMemHandle");
     RESOLVE(cuStreamIsCapturing, "cuStreamIsCapturing");
+    RESOLVE(cuStreamGetCtx, "cuStreamGetCtx");
+    RESOLVE(cuStreamSynchronize, "cuStreamSynchronize");
+    RESOLVE(cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess");
+    RESOLVE(cuStreamBeginCapture, "cuStreamBeginCapture_v2");
+    RESOLVE(cuStreamBeginCapture_ptsz, "cuStreamBeginCapture_v2_ptsz");
+    RESOLVE(cuStreamEndCapture, "cuStreamEndCapture");
+    RESOLVE(cuStreamEndCapture_ptsz, "cuStreamEndCapture_ptsz");
 
     if (!msh_cu.cuInit || !msh_cu.cuCtxGetCurrent || !msh_cu.cuMemGetInfo) {
         msh_warn("libcuda.so.1 lacks cuInit/cuCtxGetCurrent/cuMemGetInfo_v2; passing through");

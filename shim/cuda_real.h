@@ -65,6 +65,13 @@ struct msh_cuda_driver {
     CUresult (*cuPointerGetAttributes)(unsigned int, CUpointer_attribute *, void **, CUdeviceptr);
     CUresult (*cuIpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
     CUresult (*cuStreamIsCapturing)(CUstream, CUstreamCaptureStatus *);
+    CUresult (*cuStreamGetCtx)(CUstream, CUcontext *);
+    CUresult (*cuStreamSynchronize)(CUstream);
+    CUresult (*cuCtxEnablePeerAccess)(CUcontext, unsigned int);
+    CUresult (*cuStreamBeginCapture)(CUstream, CUstreamCaptureMode);      /* _v2 */
+    CUresult (*cuStreamBeginCapture_ptsz)(CUstream, CUstreamCaptureMode); /* _v2_ptsz */
+    CUresult (*cuStreamEndCapture)(CUstream, CUgraph *);
+    CUresult (*cuStreamEndCapture_ptsz)(CUstream, CUgraph *);
 };
 
 extern struct msh_cuda_driver msh_cu;

@@ -1,10 +1,11 @@
 /*
- * peer_copy.c: single-process multi-GPU work on pool memory (issue 8, item 1). Peer access enabled
- * with cudaDeviceEnablePeerAccess does not cover VMM mappings: every device that touches a pool
- * page needs its own access grant, which memshim gives to every peer-capable device. Two devices
- * of the driver double copy into each other's blocks (synchronous and stream-ordered copies, an
- * emulated kernel) and must neither fault (misuse, counted here) nor lose data. Run under
- * LD_PRELOAD=libmemshim.so with CUDBL_DEVICES=2 (every pair peer-capable, as on NVLink).
+ * peer_copy.c: single-process multi-GPU work on pool memory (issue 8, item 1; issue 15 item 4).
+ * Peer access enabled with cudaDeviceEnablePeerAccess does not cover VMM mappings by itself: every
+ * device that touches a pool page needs its own access grant, which memshim gives to a peer once
+ * the program enables it (as PyTorch does before copying between devices). Two devices of the
+ * driver double, each enabled to reach the other, copy into each other's blocks (synchronous and
+ * stream-ordered copies, an emulated kernel) and must neither fault (misuse, counted here) nor
+ * lose data. Run under LD_PRELOAD=libmemshim.so with CUDBL_DEVICES=2 (peer-capable, as on NVLink).
  */
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -37,9 +38,12 @@ TEST(two_devices_copy_into_each_others_blocks)
     REQUIRE(cudaSetDevice(1) == cudaSuccess && cudaMalloc(&a1, N) == cudaSuccess);
     int can = 0;
     REQUIRE(cudaDeviceCanAccessPeer(&can, 0, 1) == cudaSuccess && can == 1);
-    /* what a job does first: enable peer access (it does not cover VMM memory) */
+    /* what a job does first: enable peer access, both ways (memshim follows it for VMM memory) */
     cudaSetDevice(0);
     CHECK(cudaDeviceEnablePeerAccess(1, 0) == cudaSuccess);
+    cudaSetDevice(1);
+    CHECK(cudaDeviceEnablePeerAccess(0, 0) == cudaSuccess);
+    cudaSetDevice(0);
     CHECK(cudaMemset(a0, 0x11, N) == cudaSuccess);
     /* device 0 writes device 1's block, device 1 writes device 0's block */
     cudaError_t c01 = cudaMemcpy(a1, a0, N, cudaMemcpyDeviceToDevice);

@@ -89,7 +89,10 @@ else
            cuMemAllocAsync_ptsz cuMemFreeAsync_ptsz cuMemCreate cuMemRelease cuMemMap cuMemUnmap
            cuGetProcAddress cuGetProcAddress_v2 cudaStreamDestroy cudaPointerGetAttributes
            cudaIpcGetMemHandle cuStreamDestroy cuStreamDestroy_v2 cuMemGetAddressRange_v2
-           cuPointerGetAttribute cuPointerGetAttributes cuIpcGetMemHandle"
+           cuPointerGetAttribute cuPointerGetAttributes cuIpcGetMemHandle
+           cudaDeviceEnablePeerAccess cudaStreamBeginCapture cudaStreamBeginCapture_ptsz
+           cudaStreamEndCapture cudaStreamEndCapture_ptsz cuCtxEnablePeerAccess
+           cuStreamBeginCapture_v2 cuStreamBeginCapture_v2_ptsz cuStreamEndCapture cuStreamEndCapture_ptsz"
     exported=$(nm -D --defined-only "$LIB" | awk '$2 != "A" {print $3}' | sed 's/@.*//' | sort -u)
     extra=""
     for s in $exported; do
@@ -141,6 +144,11 @@ run_prog driver_oom driver_oom
 # ---- issue 8: peers, streams that go away, address ranges, legacy IPC, cudaFree ---------------
 ENV_EXTRA=(CUDBL_DEVICES=2)
 run_prog peer_copy peer_copy
+ENV_EXTRA=(CUDBL_DEVICES=3 MEMSHIM_LIMIT=64M)
+run_prog peer_grants_owner_only peer_grants pages_are_granted_to_the_owner_only_until_a_peer_is_enabled
+run_prog peer_grants_driver peer_grants the_driver_call_and_its_entry_point_grant_too
+ENV_EXTRA=(CUDBL_DEVICES=3 MEMSHIM_LIMIT=8M)
+run_prog peer_record_stream peer_grants record_stream_with_a_stream_of_another_device
 ENV_EXTRA=()
 run_prog stream_destroy stream_destroy
 run_prog ranges ranges
