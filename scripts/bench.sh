@@ -11,7 +11,9 @@
 #  4. replay speed as a range over BENCH_RUNS runs (default 5), and the cached-path latency of the
 #     pool next to glibc malloc/free;
 #  then section 3's steady state on SYNTHETIC offload/reload traces (scripts/gen_offload_trace.py,
-#  written into $BUILD/bench/ at each run: no real trace of that workload exists).
+#  written into $BUILD/bench/ at each run: no real trace of that workload exists);
+#  7. streams: event records, waits, queries and synchronizes per 1000 alloc/free pairs for a
+#     DDP-like stream mix (tests/bench/bench_streams.c), beside PyTorch's allocator's rules.
 # Prints markdown (docs/benchmarks.md quotes it with the date and the machine). MEMSHIM_TRACES
 # points at another trace folder; BENCH_RUNS sets the number of speed runs.
 set -euo pipefail
@@ -198,5 +200,12 @@ echo
 echo "### 6. Cost of reports, allocation sites and the snapshot ring (tensor-mode path, CPython + driver double)"
 echo
 python3 tests/bench/bench_reports.py "$BUILD"
+echo
+echo "### 7. Streams: event records and waits per 1000 alloc/free pairs (pool on the CUDA driver double)"
+echo
+gcc -O2 -std=c11 -D_GNU_SOURCE -pthread -Ishim -Ipolicy -Itests/cudadouble tests/bench/bench_streams.c \
+    "$BUILD/libmemshim_core.a" -L"$BUILD/double" -Wl,-rpath,"$(cd "$BUILD/double" && pwd)" -lcuda -ldl -lm \
+    -o "$BUILD/bench_streams"
+"$BUILD/bench_streams"
 echo
 echo "(make bench took $(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.0f}')" "$started" "$(date +%s.%N)") s)"
