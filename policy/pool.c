@@ -945,15 +945,13 @@ static bool blocking_span(struct msh_pool *pool, const struct blk *b, uint64_t s
  * (its free recorded no event): from now on, for DEMAND_FREES of its frees, each records an event.
  * The first of them also covers the earlier frees of that stream (tag_event). Events are only
  * ever recorded at frees, never at reuse time. */
-static bool want_events(struct msh_pool *pool, uint64_t stream)
+static void want_events(struct msh_pool *pool, uint64_t stream)
 {
     struct kstream *k = ks_find(pool, stream);
-    if (!k) return false;
-    bool first = !k->window;
+    if (!k) return;
     if (!k->window) k->window = DEMAND_FREES;
     if (!k->demand && k->ran_out && k->frees - k->ran_out < k->window && k->window < DEMAND_MAX) k->window *= 2;
     k->demand = k->window;
-    return first;
 }
 
 /* ---- driver work outside the lock: claim, run, publish ----------------------------------------
@@ -1903,24 +1901,16 @@ static struct blk *place(struct msh_pool *pool, int area, uint64_t rsize, uint64
      * (else a synchronize and the mapped extent cost less than a reclaim: below). */
     uint64_t at = 0;
     static const int order[] = {PICK_READY, PICK_WAIT, PICK_READY_GROW, PICK_WAIT_GROW};
-    int picked = -1;
     for (int i = 0; i < 4 && !b; i++)
         if (fs.pick[order[i]].b && (i < 2 || fs.room || !fs.pick[PICK_SYNC].b)) {
             b = fs.pick[order[i]].b;
             at = fs.pick[order[i]].at;
-            picked = order[i];
         }
     /* Streams whose missing events kept a better fit from this request: events at their frees
      * from now on, so that the next requests can have that memory (a hand-off between streams,
-     * not same-stream traffic). The first time two streams meet so, nothing covers the memory yet:
-     * one synchronize then costs less than growing the pool for good. */
-    bool first = false;
+     * not same-stream traffic). */
     for (int i = 0; i < fs.nblocked; i++)
-        if (!b || fs.blocked_size[i] < b->size) first |= want_events(pool, fs.blocked[i]);
-    if (first && (picked == PICK_READY_GROW || picked == PICK_WAIT_GROW) && fs.pick[PICK_SYNC].b && !capturing(pool)) {
-        b = fs.pick[PICK_SYNC].b;
-        at = fs.pick[PICK_SYNC].at;
-    }
+        if (!b || fs.blocked_size[i] < b->size) want_events(pool, fs.blocked[i]);
     if (!b && fs.pick[PICK_SYNC].b) {
         bool host = stream == MSH_STREAM_COMPLETED; /* it waits for the device anyway */
         if (capturing(pool) || (!host && fs.room)) {
