@@ -1898,11 +1898,16 @@ static struct blk *place(struct msh_pool *pool, int area, uint64_t rsize, uint64
     fit_visit(pool, pool->tree[area], &fs);
     /* At once on mapped pages if possible; else a stream wait (no host blocking) on mapped pages
      * rather than growing the pool; then the same on new pages, while they fit without reclaim
-     * (else a synchronize and the mapped extent cost less than a reclaim: below). */
+     * (else a synchronize and the mapped extent cost less than a reclaim: below). A
+     * host-synchronous user (cudaMalloc) takes the synchronize over new pages: growing for each of
+     * them took a soak over the real traces to the pool's whole room (60 GiB for 7 GiB live),
+     * where streams ask for events and stop needing either. */
     uint64_t at = 0;
+    bool host = stream == MSH_STREAM_COMPLETED;
+    bool grow = (fs.room && !host) || capturing(pool);
     static const int order[] = {PICK_READY, PICK_WAIT, PICK_READY_GROW, PICK_WAIT_GROW};
     for (int i = 0; i < 4 && !b; i++)
-        if (fs.pick[order[i]].b && (i < 2 || fs.room || !fs.pick[PICK_SYNC].b)) {
+        if (fs.pick[order[i]].b && (i < 2 || grow || !fs.pick[PICK_SYNC].b)) {
             b = fs.pick[order[i]].b;
             at = fs.pick[order[i]].at;
         }
@@ -1912,8 +1917,7 @@ static struct blk *place(struct msh_pool *pool, int area, uint64_t rsize, uint64
     for (int i = 0; i < fs.nblocked; i++)
         if (!b || fs.blocked_size[i] < b->size) want_events(pool, fs.blocked[i]);
     if (!b && fs.pick[PICK_SYNC].b) {
-        bool host = stream == MSH_STREAM_COMPLETED; /* it waits for the device anyway */
-        if (capturing(pool) || (!host && fs.room)) {
+        if (grow) {
             pool->st.fresh_placements++;
             return place_fresh(pool, area, rsize, rc);
         }
