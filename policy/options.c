@@ -146,7 +146,7 @@ static const struct enum_val log_vals[] = {
 enum {
     O_MODE, O_LIMIT, O_EMPTY_CACHE, O_EMPTY_CACHE_THRESHOLD, O_EMPTY_CACHE_IDLE, O_GC,
     O_GC_THRESHOLD, O_DEFRAG, O_SMALL_MAX, O_EPOCH, O_EPOCH_STEPS, O_EPOCH_SECONDS,
-    O_EPOCH_SIGNAL, O_REPORT_DIR, O_REPORT_FORMAT, O_LATENCY_SAMPLE, O_TRACE_FILE, O_SITES,
+    O_EPOCH_SIGNAL, O_CATCH_SIGNALS, O_REPORT_DIR, O_REPORT_FORMAT, O_LATENCY_SAMPLE, O_TRACE_FILE, O_SITES,
     O_SITES_SAMPLE, O_SNAPSHOT, O_SNAPSHOT_EVENTS, O_LOG, O_LOG_FILE, O_STRICT, O_CONF, O_COUNT
 };
 
@@ -222,6 +222,16 @@ static const struct opt opts[O_COUNT] = {
                         "a signal name like SIGUSR2 or USR2, or a number 1..64 (not KILL, STOP or a fault signal such as SEGV)",
                         "-", "With `MEMSHIM_EPOCH=signal`: the signal that closes an epoch.",
                         F(epoch_signal), 0, 0, 0, NULL, NULL},
+    [O_CATCH_SIGNALS] = {"MEMSHIM_CATCH_SIGNALS", T_BOOL, "1", NULL, "1/0, true/false, yes/no, on/off",
+                         "-",
+                         "When SIGTERM (torchrun, Slurm, Kubernetes), SIGINT or SIGHUP ends the "
+                         "job, write the epoch in progress (reason `interrupted`), the summary and "
+                         "`MEMSHIM_SNAPSHOT` first, then end it with that signal as it would have "
+                         "ended. Only for signals the program left at their default action; a "
+                         "handler the program installed is run, never replaced. Python's end after "
+                         "an uncaught `KeyboardInterrupt` is covered too (docs/reports.md). `0`: "
+                         "memshim installs no signal handler (except `MEMSHIM_EPOCH=signal`'s).",
+                         F(catch_signals), 0, 0, 0, NULL, NULL},
     [O_REPORT_DIR] = {"MEMSHIM_REPORT_DIR", T_PATH, "", "no reports",
                       "a directory path (%p: pid, %h: host name)", "-",
                       "Directory for the JSON reports (one per epoch, an OOM report, a final "
@@ -1061,9 +1071,11 @@ static int load_locked(char *const *envp, bool real)
 
     /* Combinations that parse but cannot work as written. Warned, not counted as invalid. */
     if (msh_cfg.epoch_src == MSH_EPOCH_STEPS && msh_cfg.epoch_steps == 0)
-        msh_warn("MEMSHIM_EPOCH=steps but MEMSHIM_EPOCH_STEPS is not set");
+        msh_warn("MEMSHIM_EPOCH=steps but MEMSHIM_EPOCH_STEPS is not set: no epoch will close (only the "
+                 "summary at exit); set MEMSHIM_EPOCH_STEPS=N for an epoch every N optimizer steps");
     if (msh_cfg.epoch_src == MSH_EPOCH_SECONDS && msh_cfg.epoch_seconds <= 0)
-        msh_warn("MEMSHIM_EPOCH=seconds but MEMSHIM_EPOCH_SECONDS is not set");
+        msh_warn("MEMSHIM_EPOCH=seconds but MEMSHIM_EPOCH_SECONDS is not set: no epoch will close (only "
+                 "the summary at exit); set MEMSHIM_EPOCH_SECONDS=S for an epoch every S seconds");
 
     if (msh_cfg.strict && c.problems) {
         msh_error("MEMSHIM_STRICT=1 and %d MEMSHIM_* setting%s invalid or unknown (see the "

@@ -41,6 +41,13 @@ void msh_vlog(int level, const char *fmt, va_list ap);
 void msh_log_open(const char *path_template);
 /* Expand %p (pid), %h (host name) and %% in `tmpl` into `out`; returns 0 or ENAMETOOLONG. */
 int msh_expand_path(const char *tmpl, char *out, size_t outlen);
+/* (shim/paths.c) The directory the job started in: the first CPython process with a relative
+ * path setting exports its own as _MEMSHIM_START_DIR to the processes it launches; else this
+ * process's directory at start-up. NULL when unknown. */
+const char *msh_start_dir(void);
+/* msh_expand_path, then a relative result is made absolute against msh_start_dir(), so a job
+ * that changes directory keeps writing where it started. 0 or ENAMETOOLONG. */
+int msh_resolve_path(const char *tmpl, char *out, size_t outlen);
 #define MSH_LOG_LINE_MAX 1024 /* bytes per line, newline included; longer lines end in "..." */
 /* Test hooks: send lines to `fd` (-1: back to stderr; the caller keeps ownership), and restart
  * the warning cap's count. */
@@ -77,6 +84,7 @@ struct msh_config {
     uint64_t epoch_steps;
     double epoch_seconds;
     int epoch_signal;          /* signal number, e.g. SIGUSR2 */
+    bool catch_signals;        /* SIGTERM/SIGINT/SIGHUP at their default: reports first, then the signal */
     char report_dir[4096];     /* empty = no reports */
     int report_format;         /* enum msh_report_fmt */
     uint64_t latency_sample;   /* with reports: time one pool call in this many (1: all) */
