@@ -125,12 +125,21 @@ static const struct enum_val sites_vals[] = {
      "Read the Python stack only when the allocating thread already holds the GIL (Python code "
      "calling `memshim_malloc` directly). PyTorch's operators release the GIL before they "
      "allocate, so under PyTorch most allocations then count as `<python> unattributed`."},
+    {"frames", MSH_SITES_FRAMES,
+     "Also read the Python frames of a thread that released the GIL inside a PyTorch operator, "
+     "without taking the GIL: only that thread changes its own frames, and it is inside the "
+     "operator (the care a sampling profiler takes; docs/reports.md). CPython 3.11 only, checked "
+     "against the interpreter's own frame API when memshim's Python package starts; on other "
+     "versions, or before that check, as `held`. A thread whose stack holds no Python frame "
+     "(autograd's device threads) counts as the site `<backward>`. No allocation waits for the "
+     "GIL."},
     {"acquire", MSH_SITES_ACQUIRE,
-     "Also re-take the GIL on a Python thread that released it inside a PyTorch operator, as "
-     "PyTorch's own `_record_memory_history()` does (about 150 ns when the GIL is free). When "
-     "taking it waits more than 20 us (another thread runs Python), memshim stops re-taking it "
-     "for one second. Threads without Python state (autograd's backward workers) are never made "
-     "to take the GIL: their allocations count as the site `<backward>`."},
+     "Re-take the GIL on a Python thread that released it inside a PyTorch operator, as "
+     "PyTorch's own `_record_memory_history()` does (about 150 ns when the GIL is free, up to the "
+     "interpreter's switch interval, 5 ms, when another thread runs Python). When taking it waits "
+     "more than 20 us twice in a row, memshim stops re-taking it for one second. A thread found "
+     "with no Python frame (autograd's device threads hold a thread state for life) never takes "
+     "it again: its allocations count as the site `<backward>`."},
     {NULL, 0, NULL},
 };
 static const struct enum_val log_vals[] = {
@@ -253,7 +262,7 @@ static const struct opt opts[O_COUNT] = {
                       "Write every allocation and free to this file in memshim's trace format "
                       "(for `memshim-replay`). Empty: no trace.",
                       F(trace_file), 0, 0, 0, NULL, NULL},
-    [O_SITES] = {"MEMSHIM_SITES", T_ENUM, "acquire", NULL, NULL, "-",
+    [O_SITES] = {"MEMSHIM_SITES", T_ENUM, "frames", NULL, NULL, "-",
                  "How memshim reads the Python call site of each tensor allocation (reports' "
                  "`sites`, the snapshot's `frames`).",
                  F(sites), 0, 0, 0, sites_vals,

@@ -67,7 +67,7 @@ enum msh_empty_cache { MSH_EC_NEVER, MSH_EC_OOM, MSH_EC_EPOCH, MSH_EC_THRESHOLD,
 enum msh_gc { MSH_GC_NEVER, MSH_GC_OOM, MSH_GC_EPOCH, MSH_GC_THRESHOLD };
 enum msh_epoch_src { MSH_EPOCH_AUTO, MSH_EPOCH_STEPS, MSH_EPOCH_SECONDS, MSH_EPOCH_SIGNAL, MSH_EPOCH_MANUAL };
 enum msh_report_fmt { MSH_REPORT_JSON, MSH_REPORT_JSON_PRETTY };
-enum msh_sites_mode { MSH_SITES_OFF, MSH_SITES_HELD, MSH_SITES_ACQUIRE };
+enum msh_sites_mode { MSH_SITES_OFF, MSH_SITES_HELD, MSH_SITES_ACQUIRE, MSH_SITES_FRAMES };
 
 struct msh_config {
     int mode;                  /* enum msh_mode */

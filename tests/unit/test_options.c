@@ -213,7 +213,7 @@ TEST(defaults)
     CHECK(msh_cfg.report_format == MSH_REPORT_JSON);
     CHECK(msh_cfg.log_level == MSH_LOG_WARN && msh_log_level == MSH_LOG_WARN);
     CHECK(!msh_cfg.strict);
-    CHECK(msh_cfg.sites == MSH_SITES_ACQUIRE && msh_cfg.sites_sample == 0);
+    CHECK(msh_cfg.sites == MSH_SITES_FRAMES && msh_cfg.sites_sample == 0);
     CHECK(msh_cfg.catch_signals);
     CHECK(msh_cfg.snapshot[0] == '\0' && msh_cfg.snapshot_events == 100000);
     CHECK(msh_cfg.latency_sample == 64);
