@@ -155,7 +155,7 @@ static const struct enum_val log_vals[] = {
 enum {
     O_MODE, O_LIMIT, O_EMPTY_CACHE, O_EMPTY_CACHE_THRESHOLD, O_EMPTY_CACHE_IDLE, O_GC,
     O_GC_THRESHOLD, O_DEFRAG, O_SMALL_MAX, O_EPOCH, O_EPOCH_STEPS, O_EPOCH_SECONDS,
-    O_EPOCH_SIGNAL, O_CATCH_SIGNALS, O_REPORT_DIR, O_REPORT_FORMAT, O_LATENCY_SAMPLE, O_TRACE_FILE, O_SITES,
+    O_EPOCH_SIGNAL, O_EPOCH_INTERVAL, O_CATCH_SIGNALS, O_REPORT_DIR, O_REPORT_FORMAT, O_LATENCY_SAMPLE, O_TRACE_FILE, O_SITES,
     O_SITES_SAMPLE, O_SNAPSHOT, O_SNAPSHOT_EVENTS, O_LOG, O_LOG_FILE, O_STRICT, O_CONF, O_COUNT
 };
 
@@ -231,6 +231,16 @@ static const struct opt opts[O_COUNT] = {
                         "a signal name like SIGUSR2 or USR2, or a number 1..64 (not KILL, STOP or a fault signal such as SEGV)",
                         "-", "With `MEMSHIM_EPOCH=signal`: the signal that closes an epoch.",
                         F(epoch_signal), 0, 0, 0, NULL, NULL},
+    [O_EPOCH_INTERVAL] = {"MEMSHIM_EPOCH_INTERVAL", T_COUNT, "1000", NULL,
+                          "a whole number from 0 to 1000000000000", "optimizer steps",
+                          "With `MEMSHIM_EPOCH=auto` in a Python process: when this many optimizer "
+                          "steps pass and no epoch closed (a loop with no `DataLoader` pass that "
+                          "ends: nanoGPT-style `get_batch` loops, an endless sampler, LLM "
+                          "pretraining), memshim writes an interval report (reason `interval`) and "
+                          "keeps doing so every this many steps, and says so once (warn level). A "
+                          "`DataLoader` pass of known length of at most 16 intervals, and the "
+                          "frameworks' epochs, are waited for instead. `0`: no interval reports.",
+                          F(epoch_interval), 0, 0, 1000000000000ull, NULL, NULL},
     [O_CATCH_SIGNALS] = {"MEMSHIM_CATCH_SIGNALS", T_BOOL, "1", NULL, "1/0, true/false, yes/no, on/off",
                          "-",
                          "When SIGTERM (torchrun, Slurm, Kubernetes), SIGINT or SIGHUP ends the "

@@ -84,6 +84,7 @@ struct msh_config {
     uint64_t epoch_steps;
     double epoch_seconds;
     int epoch_signal;          /* signal number, e.g. SIGUSR2 */
+    uint64_t epoch_interval;   /* auto: interval reports every this many steps while no epoch closes; 0 = off */
     bool catch_signals;        /* SIGTERM/SIGINT/SIGHUP at their default: reports first, then the signal */
     char report_dir[4096];     /* empty = no reports */
     int report_format;         /* enum msh_report_fmt */
