@@ -227,6 +227,12 @@ static void install_epoch_signal(int signo)
 void msh_watch_start(void)
 {
     owner = getpid();
+    /* The first deadline before the thread starts: it reads it on its way into its first wait. */
+    if (msh_cfg.epoch_src == MSH_EPOCH_SECONDS && msh_cfg.epoch_seconds > 0) {
+        seconds_period = (uint64_t)(msh_cfg.epoch_seconds * 1e9);
+        if (!seconds_period) seconds_period = 1;
+        atomic_store(&seconds_due, msh_now_ns() + seconds_period);
+    }
     bool sem = sem_init(&wake, 0, 0) == 0;
     if (sem) {
         /* The thread starts with every signal blocked: handlers run on the program's threads. */
@@ -245,11 +251,6 @@ void msh_watch_start(void)
     if (!atomic_load(&running))
         msh_warn("cannot start memshim's watcher thread; time and signal epochs close at the next "
                  "allocation, and a run ended by a signal gets no summary");
-    if (msh_cfg.epoch_src == MSH_EPOCH_SECONDS && msh_cfg.epoch_seconds > 0) {
-        seconds_period = (uint64_t)(msh_cfg.epoch_seconds * 1e9);
-        if (!seconds_period) seconds_period = 1;
-        atomic_store(&seconds_due, msh_now_ns() + seconds_period);
-    }
     int epoch_signo = msh_cfg.epoch_src == MSH_EPOCH_SIGNAL ? msh_cfg.epoch_signal : 0;
     if (epoch_signo) install_epoch_signal(epoch_signo);
     if (!msh_cfg.catch_signals || !atomic_load(&running)) return;
