@@ -156,7 +156,7 @@ enum {
     O_MODE, O_LIMIT, O_EMPTY_CACHE, O_EMPTY_CACHE_THRESHOLD, O_EMPTY_CACHE_IDLE, O_GC,
     O_GC_THRESHOLD, O_DEFRAG, O_SMALL_MAX, O_EPOCH, O_EPOCH_STEPS, O_EPOCH_SECONDS,
     O_EPOCH_SIGNAL, O_EPOCH_INTERVAL, O_CATCH_SIGNALS, O_REPORT_DIR, O_REPORT_FORMAT, O_LATENCY_SAMPLE, O_TRACE_FILE, O_SITES,
-    O_SITES_SAMPLE, O_SNAPSHOT, O_SNAPSHOT_EVENTS, O_LOG, O_LOG_FILE, O_STRICT, O_CONF, O_COUNT
+    O_SITES_SAMPLE, O_SNAPSHOT, O_SNAPSHOT_EVENTS, O_LOG, O_LOG_FILE, O_TRAINER_METRICS, O_STRICT, O_CONF, O_COUNT
 };
 
 #define F(field) offsetof(struct msh_config, field)
@@ -322,6 +322,14 @@ static const struct opt opts[O_COUNT] = {
                     "about other options already go there; if it cannot be opened, one warning "
                     "and stderr.",
                     F(log_file), 0, 0, 0, NULL, NULL},
+    [O_TRAINER_METRICS] = {"MEMSHIM_TRAINER_METRICS", T_BOOL, "1", NULL,
+                           "1/0, true/false, yes/no, on/off", "-",
+                           "When a Lightning `Trainer` with a logger (TensorBoard, W&B, MLflow, "
+                           "CSV) or an HF `Trainer` runs, log memshim's figures at each epoch end "
+                           "through the trainer's own logging under `memshim/` (peak allocated and "
+                           "reserved bytes, fragmentation, OOMs and rescues, growth per epoch; "
+                           "docs/pytorch.md). `0`: log nothing there.",
+                           F(trainer_metrics), 0, 0, 0, NULL, NULL},
     [O_STRICT] = {"MEMSHIM_STRICT", T_BOOL, "0", NULL, "1/0, true/false, yes/no, on/off", "-",
                   "Abort the process, after reading and reporting every option, if any "
                   "`MEMSHIM_*` setting was invalid or unknown.",

@@ -86,6 +86,7 @@ struct msh_config {
     int epoch_signal;          /* signal number, e.g. SIGUSR2 */
     uint64_t epoch_interval;   /* auto: interval reports every this many steps while no epoch closes; 0 = off */
     bool catch_signals;        /* SIGTERM/SIGINT/SIGHUP at their default: reports first, then the signal */
+    bool trainer_metrics;      /* log per-epoch figures through Lightning's / HF Trainer's loggers */
     char report_dir[4096];     /* empty = no reports */
     int report_format;         /* enum msh_report_fmt */
     uint64_t latency_sample;   /* with reports: time one pool call in this many (1: all) */

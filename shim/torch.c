@@ -161,6 +161,7 @@ MSH_EXPORT long memshim_torch_setting(const char *name)
     if (!strcmp(name, "empty_cache")) return msh_cfg.empty_cache;
     if (!strcmp(name, "log")) return msh_log_level;
     if (!strcmp(name, "epoch_interval")) return (long)msh_cfg.epoch_interval;
+    if (!strcmp(name, "trainer_metrics")) return msh_cfg.trainer_metrics;
     return -1;
 }
 

@@ -214,7 +214,7 @@ TEST(defaults)
     CHECK(msh_cfg.log_level == MSH_LOG_WARN && msh_log_level == MSH_LOG_WARN);
     CHECK(!msh_cfg.strict);
     CHECK(msh_cfg.sites == MSH_SITES_FRAMES && msh_cfg.sites_sample == 0);
-    CHECK(msh_cfg.epoch_interval == 1000 && msh_cfg.catch_signals);
+    CHECK(msh_cfg.epoch_interval == 1000 && msh_cfg.catch_signals && msh_cfg.trainer_metrics);
     CHECK(msh_cfg.snapshot[0] == '\0' && msh_cfg.snapshot_events == 100000);
     CHECK(msh_cfg.latency_sample == 64);
     char val[256];
@@ -224,7 +224,7 @@ TEST(defaults)
         CHECKF(strncmp(name, "MEMSHIM_", 8) == 0, "%s", name);
         CHECKF(strcmp(source, "default") == 0, "%s from %s", name, source);
     }
-    CHECK(n == 27);
+    CHECK(n == 28);
     CHECK(msh_config_iter(n, &name, val, sizeof val, &source) == 0);
     CHECK(msh_config_iter(-1, &name, val, sizeof val, &source) == 0);
     CHECK(strcmp(value_of("MEMSHIM_SMALL_MAX", val, sizeof val, NULL), "1MiB") == 0);
@@ -539,7 +539,7 @@ TEST(info_echo_of_non_default_settings)
     cap_begin();
     msh_config_dump(MSH_LOG_INFO);
     log = cap_end();
-    CHECK(count_substr(log, "]: info: ") == 28);
+    CHECK(count_substr(log, "]: info: ") == 29);
     CHECK(strstr(log, "MEMSHIM_LIMIT=40GiB (environment)") != NULL);
     CHECK(strstr(log, "MEMSHIM_GC=oom (default)") != NULL);
     msh_log_level = MSH_LOG_WARN;
