@@ -199,4 +199,8 @@ echo "### 6. Cost of reports, allocation sites and the snapshot ring (tensor-mod
 echo
 python3 tests/bench/bench_reports.py "$BUILD"
 echo
+echo "### 7. Allocation latency without the GIL while another Python thread runs (issue 16)"
+echo
+python3 tests/bench/bench_gil.py "$BUILD"
+echo
 echo "(make bench took $(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.0f}')" "$started" "$(date +%s.%N)") s)"
