@@ -555,8 +555,9 @@ void msh_core_tick(void)
 {
     uint64_t now = msh_coarse_ns();
     atomic_store_explicit(&last_activity_ns, now, memory_order_relaxed);
-    /* Time and signal epochs are the watcher thread's; only without it does an allocation close them. */
-    const char *due = msh_watch_poll();
+    /* A time or signal epoch that is due ends here, between two allocations; the watcher thread
+     * closes it when no allocation comes (shim/watch.c). */
+    const char *due = msh_watch_poll(now);
     if (MSH_UNLIKELY(due != NULL)) close_epoch(due, in_tensor_alloc, true, NULL);
     if (MSH_UNLIKELY(msh_cfg.gc == MSH_GC_THRESHOLD)) {
         /* GC when the pools hold more than the threshold fraction of their limit (or device),

@@ -4,8 +4,8 @@
  * One thread per process (started with memshim) waits on a semaphore. Signal handlers and the
  * clock wake it: it closes MEMSHIM_EPOCH=seconds epochs on time and MEMSHIM_EPOCH_SIGNAL epochs
  * when the signal came, whether or not the job allocates (a quiet phase, an evaluation loop, or
- * PyTorch's cache serving every tensor in segment mode), and it writes the reports of a run that
- * a signal ends. SIGTERM (how torchrun, Slurm and Kubernetes stop ranks), SIGINT and SIGHUP, when
+ * PyTorch's cache serving every tensor in segment mode; a job that allocates closes them at its
+ * next allocation, within GRACE_NS), and it writes the reports of a run that a signal ends. SIGTERM (how torchrun, Slurm and Kubernetes stop ranks), SIGINT and SIGHUP, when
  * the program left them at their default action, get memshim's handler: the thread writes the
  * open epoch (reason `interrupted`), the summary and MEMSHIM_SNAPSHOT, then restores the default
  * action and sends the signal again, so the job ends with the status it would have had. When the
@@ -164,36 +164,49 @@ static struct timespec wait_until(uint64_t due_ns, uint64_t cap_ns)
     return ts;
 }
 
+/* The boundary after `due`: one period on; a job that fell far behind (suspended, or no thread
+ * to close them) starts a fresh period rather than writing a burst of empty epochs. */
+static uint64_t next_due(uint64_t due, uint64_t now)
+{
+    uint64_t next = due + seconds_period;
+    return next <= now ? now + seconds_period : next;
+}
+
+/* A time or signal epoch due while the job allocates is closed by its next allocation
+ * (msh_watch_poll): between two of the allocating thread's calls, so a single-threaded job's
+ * epoch ends exactly there, as it always did. The thread closes it when no allocation came within
+ * GRACE_NS: a quiet phase, an evaluation loop, PyTorch's cache serving everything. */
+#define GRACE_NS 50000000ull
+
 static void *watch_main(void *arg)
 {
     (void)arg;
     msh_in_hook = 1; /* this thread never serves hooks */
+    uint64_t pending_seen = 0; /* when this thread first saw the epoch signal pending */
     for (;;) {
-        uint64_t due = atomic_load(&seconds_due);
-        if (due) {
-            struct timespec ts = wait_until(due, 1000000000ull);
+        uint64_t due = atomic_load(&seconds_due), until = 0;
+        if (due) until = due + GRACE_NS;
+        if (pending_seen && (!until || pending_seen + GRACE_NS < until)) until = pending_seen + GRACE_NS;
+        if (until) {
+            struct timespec ts = wait_until(until, 1000000000ull);
             sem_timedwait(&wake, &ts);
         } else {
             sem_wait(&wake);
         }
         int sig = atomic_load(&end_signal);
         if (sig) end_run(sig);
-        if (atomic_exchange(&epoch_pending, 0)) msh_core_close_epoch("signal");
         uint64_t now = msh_now_ns();
-        if (due && now >= due) {
-            /* The next boundary one period on; a thread that fell far behind (a suspended job)
-             * starts a fresh period rather than writing a burst of empty epochs. */
-            uint64_t next = due + seconds_period;
-            if (next <= now) next = now + seconds_period;
-            if (atomic_compare_exchange_strong(&seconds_due, &due, next)) msh_core_close_epoch("seconds");
+        if (!atomic_load(&epoch_pending)) pending_seen = 0;
+        else if (!pending_seen) pending_seen = now;
+        else if (now >= pending_seen + GRACE_NS) {
+            pending_seen = 0;
+            if (atomic_exchange(&epoch_pending, 0)) msh_core_close_epoch("signal");
         }
+        due = atomic_load(&seconds_due);
+        if (due && now >= due + GRACE_NS && atomic_compare_exchange_strong(&seconds_due, &due, next_due(due, now)))
+            msh_core_close_epoch("seconds");
     }
     return NULL;
-}
-
-bool msh_watch_running(void)
-{
-    return atomic_load_explicit(&running, memory_order_relaxed);
 }
 
 int msh_watch_noted_signal(void)
@@ -272,16 +285,14 @@ void msh_watch_start(void)
     }
 }
 
-const char *msh_watch_poll(void)
+const char *msh_watch_poll(uint64_t now)
 {
-    if (atomic_load_explicit(&running, memory_order_relaxed)) return NULL;
     if (MSH_UNLIKELY(atomic_load_explicit(&epoch_pending, memory_order_relaxed)) && atomic_exchange(&epoch_pending, 0))
         return "signal";
     uint64_t due = atomic_load_explicit(&seconds_due, memory_order_relaxed);
-    if (!due) return NULL;
-    uint64_t now = msh_now_ns();
     /* Many threads see the deadline pass; the one that moves it closes the epoch. */
-    if (now >= due && atomic_compare_exchange_strong(&seconds_due, &due, now + seconds_period)) return "seconds";
+    if (MSH_UNLIKELY(due && now >= due) && atomic_compare_exchange_strong(&seconds_due, &due, next_due(due, now)))
+        return "seconds";
     return NULL;
 }
 

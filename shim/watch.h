@@ -8,15 +8,15 @@
 #define MSH_WATCH_H
 
 #include <stdbool.h>
+#include <stdint.h>
 
 /* At start-up (memshim enabled): the thread, then the signal handlers. Failures are one warning;
- * without the thread, time and signal epochs close at the next allocation (msh_watch_running). */
+ * without the thread, time and signal epochs close at allocations only. */
 void msh_watch_start(void);
-/* The thread runs: allocations need not close time or signal epochs themselves. */
-bool msh_watch_running(void);
-/* Without the thread (it could not start): the epoch an allocation should close now ("signal",
- * "seconds"), claimed by this caller, or NULL. Cheap: one relaxed load while the thread runs. */
-const char *msh_watch_poll(void);
+/* At each allocation (`now`: the coarse clock): the time or signal epoch that is due, claimed by
+ * this caller ("signal", "seconds"), or NULL. Two relaxed loads when nothing is due. An epoch
+ * that no allocation closes within 50 ms is closed by the thread. */
+const char *msh_watch_poll(uint64_t now);
 /* A signal that ends runs reached a handler the program installed, which memshim's handler ran
  * (so the summary says the run was interrupted); 0 when none. */
 int msh_watch_noted_signal(void);
