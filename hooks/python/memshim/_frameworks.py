@@ -81,8 +81,11 @@ def _hf_log(handler, args, state, control, metrics):
     if getattr(state, "epoch", None) is not None:
         logs["epoch"] = state.epoch
     state.log_history.append({**logs, "step": state.global_step})
+    # the keyword arguments CallbackHandler.call_event passes every callback
+    extra = {k: getattr(handler, k) for k in ("model", "processing_class", "optimizer", "lr_scheduler",
+                                              "train_dataloader", "eval_dataloader") if hasattr(handler, k)}
     for cb in listeners:
-        cb.on_log(args, state, control, logs=logs, model=getattr(handler, "model", None))
+        cb.on_log(args, state, control, logs=logs, **extra)
 
 
 def on_transformers_trainer(mod):

@@ -71,7 +71,8 @@ def on_torch(torch):
         _lazy_init._memshim = True
         # torch.cuda.memory and torch.cuda.random bound it with `from . import _lazy_init`
         _replace(_torch_modules(), "_lazy_init", orig_lazy, _lazy_init)
-    _wrap_init_paths(torch)
+    if not cuda.is_initialized():
+        _wrap_init_paths(torch)
 
     for name, why in (("change_current_allocator", "the program set its own allocator (change_current_allocator)"),
                       ("_set_allocator_settings", "the program set PyTorch's allocator settings "
