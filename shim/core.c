@@ -503,6 +503,7 @@ static void keep_figures(const struct msh_report *r)
  * the signal that interrupted the run (reason `interrupted`), else NULL. */
 static void close_epoch(const char *reason, bool may_gc, bool policies, const char *by)
 {
+    if (atomic_load(&finish_state) == 2) return; /* the summary is written: the run has ended */
     msh_in_hook++;
     if (policies && msh_cfg.gc == MSH_GC_EPOCH && may_gc) run_gc(true); /* outside epoch_lock: it frees memory */
     pthread_mutex_lock(&epoch_lock);
