@@ -125,12 +125,21 @@ static const struct enum_val sites_vals[] = {
      "Read the Python stack only when the allocating thread already holds the GIL (Python code "
      "calling `memshim_malloc` directly). PyTorch's operators release the GIL before they "
      "allocate, so under PyTorch most allocations then count as `<python> unattributed`."},
+    {"frames", MSH_SITES_FRAMES,
+     "Also read the Python frames of a thread that released the GIL inside a PyTorch operator, "
+     "without taking the GIL: only that thread changes its own frames, and it is inside the "
+     "operator (the care a sampling profiler takes; docs/reports.md). CPython 3.11 only, checked "
+     "against the interpreter's own frame API when memshim's Python package starts; on other "
+     "versions, or before that check, as `held`. A thread whose stack holds no Python frame "
+     "(autograd's device threads) counts as the site `<backward>`. No allocation waits for the "
+     "GIL."},
     {"acquire", MSH_SITES_ACQUIRE,
-     "Also re-take the GIL on a Python thread that released it inside a PyTorch operator, as "
-     "PyTorch's own `_record_memory_history()` does (about 150 ns when the GIL is free). When "
-     "taking it waits more than 20 us (another thread runs Python), memshim stops re-taking it "
-     "for one second. Threads without Python state (autograd's backward workers) are never made "
-     "to take the GIL: their allocations count as the site `<backward>`."},
+     "Re-take the GIL on a Python thread that released it inside a PyTorch operator, as "
+     "PyTorch's own `_record_memory_history()` does (about 150 ns when the GIL is free, up to the "
+     "interpreter's switch interval, 5 ms, when another thread runs Python). When taking it waits "
+     "more than 20 us twice in a row, memshim stops re-taking it for one second. A thread found "
+     "with no Python frame (autograd's device threads hold a thread state for life) never takes "
+     "it again: its allocations count as the site `<backward>`."},
     {NULL, 0, NULL},
 };
 static const struct enum_val log_vals[] = {
@@ -146,8 +155,8 @@ static const struct enum_val log_vals[] = {
 enum {
     O_MODE, O_LIMIT, O_EMPTY_CACHE, O_EMPTY_CACHE_THRESHOLD, O_EMPTY_CACHE_IDLE, O_GC,
     O_GC_THRESHOLD, O_DEFRAG, O_SMALL_MAX, O_EPOCH, O_EPOCH_STEPS, O_EPOCH_SECONDS,
-    O_EPOCH_SIGNAL, O_REPORT_DIR, O_REPORT_FORMAT, O_LATENCY_SAMPLE, O_TRACE_FILE, O_SITES,
-    O_SITES_SAMPLE, O_SNAPSHOT, O_SNAPSHOT_EVENTS, O_LOG, O_LOG_FILE, O_STRICT, O_CONF, O_COUNT
+    O_EPOCH_SIGNAL, O_EPOCH_INTERVAL, O_CATCH_SIGNALS, O_REPORT_DIR, O_REPORT_FORMAT, O_LATENCY_SAMPLE, O_TRACE_FILE, O_SITES,
+    O_SITES_SAMPLE, O_SNAPSHOT, O_SNAPSHOT_EVENTS, O_LOG, O_LOG_FILE, O_TRAINER_METRICS, O_STRICT, O_CONF, O_COUNT
 };
 
 #define F(field) offsetof(struct msh_config, field)
@@ -222,6 +231,26 @@ static const struct opt opts[O_COUNT] = {
                         "a signal name like SIGUSR2 or USR2, or a number 1..64 (not KILL, STOP or a fault signal such as SEGV)",
                         "-", "With `MEMSHIM_EPOCH=signal`: the signal that closes an epoch.",
                         F(epoch_signal), 0, 0, 0, NULL, NULL},
+    [O_EPOCH_INTERVAL] = {"MEMSHIM_EPOCH_INTERVAL", T_COUNT, "1000", NULL,
+                          "a whole number from 0 to 1000000000000", "optimizer steps",
+                          "With `MEMSHIM_EPOCH=auto` in a Python process: when this many optimizer "
+                          "steps pass and no epoch closed (a loop with no `DataLoader` pass that "
+                          "ends: nanoGPT-style `get_batch` loops, an endless sampler, LLM "
+                          "pretraining), memshim writes an interval report (reason `interval`) and "
+                          "keeps doing so every this many steps, and says so once (warn level). A "
+                          "`DataLoader` pass of known length of at most 16 intervals, and the "
+                          "frameworks' epochs, are waited for instead. `0`: no interval reports.",
+                          F(epoch_interval), 0, 0, 1000000000000ull, NULL, NULL},
+    [O_CATCH_SIGNALS] = {"MEMSHIM_CATCH_SIGNALS", T_BOOL, "1", NULL, "1/0, true/false, yes/no, on/off",
+                         "-",
+                         "When SIGTERM (torchrun, Slurm, Kubernetes), SIGINT or SIGHUP ends the "
+                         "job, write the epoch in progress (reason `interrupted`), the summary and "
+                         "`MEMSHIM_SNAPSHOT` first, then end it with that signal as it would have "
+                         "ended. Only for signals the program left at their default action; a "
+                         "handler the program installed is run, never replaced. Python's end after "
+                         "an uncaught `KeyboardInterrupt` is covered too (docs/reports.md). `0`: "
+                         "memshim installs no signal handler (except `MEMSHIM_EPOCH=signal`'s).",
+                         F(catch_signals), 0, 0, 0, NULL, NULL},
     [O_REPORT_DIR] = {"MEMSHIM_REPORT_DIR", T_PATH, "", "no reports",
                       "a directory path (%p: pid, %h: host name)", "-",
                       "Directory for the JSON reports (one per epoch, an OOM report, a final "
@@ -243,7 +272,7 @@ static const struct opt opts[O_COUNT] = {
                       "Write every allocation and free to this file in memshim's trace format "
                       "(for `memshim-replay`). Empty: no trace.",
                       F(trace_file), 0, 0, 0, NULL, NULL},
-    [O_SITES] = {"MEMSHIM_SITES", T_ENUM, "acquire", NULL, NULL, "-",
+    [O_SITES] = {"MEMSHIM_SITES", T_ENUM, "frames", NULL, NULL, "-",
                  "How memshim reads the Python call site of each tensor allocation (reports' "
                  "`sites`, the snapshot's `frames`).",
                  F(sites), 0, 0, 0, sites_vals,
@@ -293,6 +322,14 @@ static const struct opt opts[O_COUNT] = {
                     "about other options already go there; if it cannot be opened, one warning "
                     "and stderr.",
                     F(log_file), 0, 0, 0, NULL, NULL},
+    [O_TRAINER_METRICS] = {"MEMSHIM_TRAINER_METRICS", T_BOOL, "1", NULL,
+                           "1/0, true/false, yes/no, on/off", "-",
+                           "When a Lightning `Trainer` with a logger (TensorBoard, W&B, MLflow, "
+                           "CSV) or an HF `Trainer` runs, log memshim's figures at each epoch end "
+                           "through the trainer's own logging under `memshim/` (peak allocated and "
+                           "reserved bytes, fragmentation, OOMs and rescues, growth per epoch; "
+                           "docs/pytorch.md). `0`: log nothing there.",
+                           F(trainer_metrics), 0, 0, 0, NULL, NULL},
     [O_STRICT] = {"MEMSHIM_STRICT", T_BOOL, "0", NULL, "1/0, true/false, yes/no, on/off", "-",
                   "Abort the process, after reading and reporting every option, if any "
                   "`MEMSHIM_*` setting was invalid or unknown.",
@@ -1061,9 +1098,11 @@ static int load_locked(char *const *envp, bool real)
 
     /* Combinations that parse but cannot work as written. Warned, not counted as invalid. */
     if (msh_cfg.epoch_src == MSH_EPOCH_STEPS && msh_cfg.epoch_steps == 0)
-        msh_warn("MEMSHIM_EPOCH=steps but MEMSHIM_EPOCH_STEPS is not set");
+        msh_warn("MEMSHIM_EPOCH=steps but MEMSHIM_EPOCH_STEPS is not set: no epoch will close (only the "
+                 "summary at exit); set MEMSHIM_EPOCH_STEPS=N for an epoch every N optimizer steps");
     if (msh_cfg.epoch_src == MSH_EPOCH_SECONDS && msh_cfg.epoch_seconds <= 0)
-        msh_warn("MEMSHIM_EPOCH=seconds but MEMSHIM_EPOCH_SECONDS is not set");
+        msh_warn("MEMSHIM_EPOCH=seconds but MEMSHIM_EPOCH_SECONDS is not set: no epoch will close (only "
+                 "the summary at exit); set MEMSHIM_EPOCH_SECONDS=S for an epoch every S seconds");
 
     if (msh_cfg.strict && c.problems) {
         msh_error("MEMSHIM_STRICT=1 and %d MEMSHIM_* setting%s invalid or unknown (see the "

@@ -130,7 +130,7 @@ bool msh_report_init(void)
     for (char *p = run_id; *p; p++) /* printable ASCII only: it goes into JSON and tables */
         if (*p < 0x20 || *p > 0x7e) *p = '?';
     if (msh_cfg.report_dir[0]) {
-        if (msh_expand_path(msh_cfg.report_dir, report_dir, sizeof report_dir)) {
+        if (msh_resolve_path(msh_cfg.report_dir, report_dir, sizeof report_dir)) {
             msh_warn("MEMSHIM_REPORT_DIR='%.200s' is too long after expansion; reports are off",
                      msh_cfg.report_dir);
         } else if (!load_jansson()) {
@@ -374,6 +374,7 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_u(root, "epoch", r->epoch);
     if (!strcmp(r->kind, "oom")) set_u(root, "oom_index", r->oom_index);
     set_s(root, "reason", r->reason);
+    if (r->interrupted_by) set_s(root, "interrupted_by", r->interrupted_by);
     set_s(root, "mode", r->mode);
     set_d(root, "t_start_s", r->t_start);
     set_d(root, "t_end_s", r->t_end);

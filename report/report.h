@@ -35,7 +35,8 @@ struct msh_report {
     const char *kind;      /* "epoch", "summary" or "oom" */
     uint64_t epoch;        /* epoch index (0-based): the epoch under way for an OOM report */
     uint64_t oom_index;    /* OOM reports: 0, 1, ... in the order the failures claimed them */
-    const char *reason;    /* what closed the epoch: manual, steps, seconds, signal, exit, oom */
+    const char *reason;    /* what closed the epoch: manual, steps, seconds, signal, exit, oom,
+                            * interval, interrupted (and the Python detectors' reasons) */
     double t_start, t_end; /* seconds since the process started using memshim */
     uint64_t steps;
     const char *mode;
@@ -44,6 +45,7 @@ struct msh_report {
     /* policy actions during the epoch */
     uint64_t empty_cache_runs, empty_cache_bytes, gc_runs;
     uint64_t gc_skipped_no_gil; /* GC steps skipped: this thread did not hold Python's GIL */
+    const char *interrupted_by; /* reason `interrupted`: the signal ("SIGTERM"), else NULL */
 };
 
 /* Open the report directory (MEMSHIM_REPORT_DIR with %p/%h expanded). Returns true when reports

@@ -208,4 +208,8 @@ gcc -O2 -std=c11 -D_GNU_SOURCE -pthread -Ishim -Ipolicy -Itests/cudadouble tests
     -o "$BUILD/bench_streams"
 "$BUILD/bench_streams"
 echo
+echo "### 8. Allocation latency without the GIL while another Python thread runs (issue 16)"
+echo
+python3 tests/bench/bench_gil.py "$BUILD"
+echo
 echo "(make bench took $(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.0f}')" "$started" "$(date +%s.%N)") s)"

@@ -30,6 +30,7 @@
 #include "report.h"
 #include "sites.h"
 #include "torch.h"
+#include "watch.h"
 
 __thread int msh_in_hook;
 
@@ -51,15 +52,18 @@ static _Atomic int64_t external[MSH_MAX_DEVICES][MSH_EXT_NKINDS];
 /* epochs and policies */
 static pthread_mutex_t epoch_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t epoch_index, epoch_start_ns, steps_in_epoch, steps_total;
-static _Atomic uint64_t seconds_epoch_due; /* MEMSHIM_EPOCH=seconds: when the next one closes */
 static bool steps_close_claimed;           /* a thread is closing the steps epoch (epoch_lock) */
 static _Atomic uint64_t last_activity_ns;
-/* Set by the signal handler (lock-free atomic: async-signal-safe), taken by one thread. */
-static _Atomic int epoch_signalled;
 static uint64_t ec_runs, ec_bytes, gc_runs;
 static uint64_t trim_base[MSH_MAX_DEVICES][2]; /* pool trim_runs/trim_bytes at the epoch's start */
 static uint64_t trend_live[MSH_MAX_DEVICES][MSH_TREND_MAX]; /* under epoch_lock */
 static int trend_n[MSH_MAX_DEVICES];
+static uint64_t epoch_allocs_base[MSH_MAX_DEVICES]; /* pool allocs when the epoch began (epoch_lock) */
+/* The figures of each device's last closed epoch, for the frameworks' loggers (epoch_lock). */
+static struct memshim_epoch_figures last_fig[MSH_MAX_DEVICES];
+static bool last_fig_ok[MSH_MAX_DEVICES];
+/* The end of the run (msh_core_finish): 0 not yet, 1 being written, 2 written. */
+static _Atomic int finish_state;
 
 /* MEMSHIM_TRACE_FILE: memshim's text trace (docs/trace-format.md), buffered, flushed at exit */
 static pthread_mutex_t trace_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -81,29 +85,6 @@ static void *idle_thread(void *arg);
 static void *trim_thread(void *arg);
 
 uint64_t msh_now_ns(void);
-
-static void on_epoch_signal(int sig)
-{
-    (void)sig;
-    atomic_store(&epoch_signalled, 1);
-}
-
-static void install_epoch_signal(void)
-{
-    struct sigaction old;
-    if (sigaction(msh_cfg.epoch_signal, NULL, &old) == 0 && old.sa_handler != SIG_DFL &&
-        old.sa_handler != SIG_IGN) {
-        msh_warn("MEMSHIM_EPOCH=signal: signal %d already has a handler in this program; memshim "
-                 "leaves it alone (call memshim_epoch() instead)", msh_cfg.epoch_signal);
-        return;
-    }
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_epoch_signal;
-    sa.sa_flags = SA_RESTART;
-    sigemptyset(&sa.sa_mask);
-    sigaction(msh_cfg.epoch_signal, &sa, NULL);
-}
 
 /* Write the buffer out. The buffer holds whole lines, so on a failed or short write (disk full)
  * the file is cut back to where this flush began: a trace always ends with a whole line. Then
@@ -140,7 +121,7 @@ static void trace_flush_locked(void)
 static void trace_open(void)
 {
     char path[4096];
-    if (msh_expand_path(msh_cfg.trace_file, path, sizeof path)) {
+    if (msh_resolve_path(msh_cfg.trace_file, path, sizeof path)) {
         msh_warn("MEMSHIM_TRACE_FILE='%.200s' is too long after expansion; no trace", msh_cfg.trace_file);
         return;
     }
@@ -235,9 +216,8 @@ static void do_init(void)
     if (msh_cfg.epoch_src == MSH_EPOCH_AUTO) /* documented in the option table */
         msh_cfg.epoch_src = msh_cfg.epoch_steps ? MSH_EPOCH_STEPS
                             : msh_cfg.epoch_seconds > 0 ? MSH_EPOCH_SECONDS : MSH_EPOCH_MANUAL;
-    if (msh_cfg.epoch_src == MSH_EPOCH_SIGNAL) install_epoch_signal();
-    if (msh_cfg.epoch_src == MSH_EPOCH_SECONDS && msh_cfg.epoch_seconds > 0)
-        atomic_store(&seconds_epoch_due, t0_ns + (uint64_t)(msh_cfg.epoch_seconds * 1e9));
+    /* Time and signal epochs, and the reports of a run a signal ends: memshim's watcher thread. */
+    msh_watch_start();
     if (msh_cfg.empty_cache == MSH_EC_IDLE || msh_cfg.empty_cache == MSH_EC_THRESHOLD) {
         pthread_t th;
         pthread_attr_t attr;
@@ -494,15 +474,42 @@ static size_t empty_all_pools(bool locked, size_t out[MSH_MAX_DEVICES])
     return total;
 }
 
+/* The figures the frameworks' loggers get for a closed epoch (epoch_lock held). */
+static void keep_figures(const struct msh_report *r)
+{
+    for (int i = 0; i < r->ndev; i++) {
+        const struct msh_report_device *d = &r->dev[i];
+        if (!d->has_pool) continue;
+        const struct msh_pool_stats *st = &d->st;
+        struct memshim_epoch_figures *f = &last_fig[d->device];
+        memset(f, 0, sizeof *f);
+        f->epoch = r->epoch;
+        f->steps = r->steps;
+        f->allocated_bytes = st->live_bytes;
+        f->allocated_peak_bytes = st->peak_live_bytes;
+        f->reserved_peak_bytes = st->peak_mapped_bytes;
+        f->fragmentation = st->free_bytes ? 1.0 - (double)st->largest_free / (double)st->free_bytes : 0.0;
+        f->peak_allocated_over_peak_reserved =
+            st->peak_mapped_bytes ? (double)st->peak_live_bytes / (double)st->peak_mapped_bytes : 1.0;
+        f->ooms = st->oom_events;
+        f->oom_rescues = st->rescue_reclaim + st->rescue_gc + st->rescue_empty_cache;
+        int n = d->nepoch_end;
+        f->growth_bytes = n >= 2 ? (int64_t)(d->epoch_end_live[n - 1] - d->epoch_end_live[n - 2]) : 0;
+        last_fig_ok[d->device] = true;
+    }
+}
+
 /* Close the current epoch: report, run epoch policies, reset peaks. `may_gc`: the caller is
  * somewhere the GC step may run (not inside the cudaMalloc hook, where PyTorch's caching
- * allocator is mid-call). */
-static void close_epoch(const char *reason, bool may_gc)
+ * allocator is mid-call). `policies`: the epoch policies act (not when the run is ending). `by`:
+ * the signal that interrupted the run (reason `interrupted`), else NULL. */
+static void close_epoch(const char *reason, bool may_gc, bool policies, const char *by)
 {
+    if (atomic_load(&finish_state) == 2) return; /* the summary is written: the run has ended */
     msh_in_hook++;
-    if (msh_cfg.gc == MSH_GC_EPOCH && may_gc) run_gc(true); /* outside epoch_lock: it frees memory */
+    if (policies && msh_cfg.gc == MSH_GC_EPOCH && may_gc) run_gc(true); /* outside epoch_lock: it frees memory */
     pthread_mutex_lock(&epoch_lock);
-    if (msh_cfg.empty_cache == MSH_EC_EPOCH) empty_all_pools(true, NULL);
+    if (policies && msh_cfg.empty_cache == MSH_EC_EPOCH) empty_all_pools(true, NULL);
     struct msh_report r;
     for (int d = 0; d < MSH_MAX_DEVICES; d++) {
         struct msh_pool *p = atomic_load(&pools[d]);
@@ -517,6 +524,8 @@ static void close_epoch(const char *reason, bool may_gc)
     }
     msh_sites_epoch_end();
     fill_report(&r, "epoch", reason);
+    r.interrupted_by = by;
+    keep_figures(&r);
     if (r.ndev) msh_report_write(&r);
     for (int i = 0; i < r.ndev; i++)
         msh_info("epoch %llu (%s) device %d: peak allocated %.1f MiB, peak reserved %.1f MiB, maps %llu, "
@@ -536,6 +545,7 @@ static void close_epoch(const char *reason, bool may_gc)
     for (int i = 0; i < r.ndev; i++) { /* the pool's threshold releases so far belong to this epoch */
         trim_base[r.dev[i].device][0] = r.dev[i].st.trim_runs;
         trim_base[r.dev[i].device][1] = r.dev[i].st.trim_bytes;
+        epoch_allocs_base[r.dev[i].device] = r.dev[i].st.allocs;
     }
     epoch_start_ns = msh_now_ns();
     pthread_mutex_unlock(&epoch_lock);
@@ -548,16 +558,10 @@ void msh_core_tick(void)
 {
     uint64_t now = msh_coarse_ns();
     atomic_store_explicit(&last_activity_ns, now, memory_order_relaxed);
-    if (MSH_UNLIKELY(atomic_load_explicit(&epoch_signalled, memory_order_relaxed)) &&
-        atomic_exchange(&epoch_signalled, 0)) {
-        close_epoch("signal", in_tensor_alloc);
-    } else if (msh_cfg.epoch_src == MSH_EPOCH_SECONDS && msh_cfg.epoch_seconds > 0) {
-        /* Many threads see the deadline pass; the one that moves it closes the epoch. */
-        uint64_t due = atomic_load_explicit(&seconds_epoch_due, memory_order_relaxed);
-        uint64_t period = (uint64_t)(msh_cfg.epoch_seconds * 1e9);
-        if (due && now >= due && atomic_compare_exchange_strong(&seconds_epoch_due, &due, now + period))
-            close_epoch("seconds", in_tensor_alloc);
-    }
+    /* A time or signal epoch that is due ends here, between two allocations; the watcher thread
+     * closes it when no allocation comes (shim/watch.c). */
+    const char *due = msh_watch_poll(now);
+    if (MSH_UNLIKELY(due != NULL)) close_epoch(due, in_tensor_alloc, true, NULL);
     if (MSH_UNLIKELY(msh_cfg.gc == MSH_GC_THRESHOLD)) {
         /* GC when the pools hold more than the threshold fraction of their limit (or device),
          * at most once a second: a collection costs milliseconds. */
@@ -653,12 +657,53 @@ static void fork_child(void)
     for (int d = 0; d < MSH_MAX_DEVICES; d++) atomic_store(&pools[d], NULL);
     enabled = false;
     atomic_store(&started, false);
+    msh_watch_fork_child();
 }
 
-static void at_exit(void)
+/* The epoch in progress saw work: a step, or an allocation on some device (epoch_lock held). */
+static bool epoch_open_locked(void)
+{
+    if (steps_in_epoch) return true;
+    for (int d = 0; d < MSH_MAX_DEVICES; d++) {
+        struct msh_pool *p = atomic_load(&pools[d]);
+        if (!p) continue;
+        struct msh_pool_stats st;
+        msh_pool_get_stats(p, &st);
+        if (st.allocs != epoch_allocs_base[d]) return true;
+    }
+    return false;
+}
+
+void msh_core_finish(bool interrupted, int signo)
 {
     if (!enabled) return;
+    int expect = 0;
+    if (!atomic_compare_exchange_strong(&finish_state, &expect, 1)) {
+        /* Another thread writes them (a signal's thread while the program exits, or the other way
+         * round): wait for it, a few seconds at most, so the process does not end mid-write. */
+        for (int i = 0; i < 500 && atomic_load(&finish_state) != 2; i++) {
+            struct timespec ts = {0, 10 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+        return;
+    }
     msh_in_hook++;
+    /* A program whose own handler dealt with SIGTERM/SIGINT and then exited was interrupted too. */
+    if (!interrupted && msh_watch_noted_signal()) {
+        interrupted = true;
+        signo = msh_watch_noted_signal();
+    }
+    char nb[32];
+    const char *by = interrupted ? msh_signal_name(signo, nb, sizeof nb) : NULL;
+    bool any = false;
+    for (int d = 0; d < MSH_MAX_DEVICES; d++) any |= atomic_load(&pools[d]) != NULL;
+    if (any && interrupted) {
+        pthread_mutex_lock(&epoch_lock);
+        bool open = epoch_open_locked();
+        pthread_mutex_unlock(&epoch_lock);
+        /* The epoch the signal cut short; no policy runs: the process is ending. */
+        if (open) close_epoch("interrupted", false, false, by);
+    }
     pthread_mutex_lock(&trace_lock);
     if (trace_fd >= 0) {
         trace_flush_locked();
@@ -667,16 +712,17 @@ static void at_exit(void)
         atomic_store(&tracing, false);
     }
     pthread_mutex_unlock(&trace_lock);
-    bool any = false;
-    for (int d = 0; d < MSH_MAX_DEVICES; d++) any |= atomic_load(&pools[d]) != NULL;
     if (any) {
         pthread_mutex_lock(&epoch_lock);
         struct msh_report r;
-        fill_report(&r, "summary", "exit");
+        fill_report(&r, "summary", interrupted ? "interrupted" : "exit");
+        r.interrupted_by = by;
         pthread_mutex_unlock(&epoch_lock);
         if (r.ndev) msh_report_write(&r);
         msh_history_exit();
-        for (int d = 0; d < MSH_MAX_DEVICES; d++) { /* the pools' pooled events (issue 10) */
+        /* The pools' pooled events (issue 10), at a normal exit only: after a signal the program's
+         * threads still run until the signal ends them, and may still use them. */
+        for (int d = 0; d < MSH_MAX_DEVICES && !interrupted; d++) {
             struct msh_pool *p = atomic_load(&pools[d]);
             if (p) msh_pool_release_events(p);
         }
@@ -687,7 +733,13 @@ static void at_exit(void)
                      r.dev[i].st.peak_mapped_bytes / 1048576.0, (unsigned long long)r.dev[i].st.map_ops,
                      (unsigned long long)r.dev[i].st.unmap_ops, (unsigned long long)r.dev[i].st.oom_events);
     }
+    atomic_store(&finish_state, 2);
     msh_in_hook--;
+}
+
+static void at_exit(void)
+{
+    msh_core_finish(false, 0);
 }
 
 /* An OOM report per failed request, capped so a job retrying in a loop cannot fill the disk. */
@@ -804,13 +856,38 @@ MSH_EXPORT void memshim_empty_cache(void)
 MSH_EXPORT void memshim_epoch(void)
 {
     if (!msh_core_init()) return;
-    close_epoch("manual", true);
+    close_epoch("manual", true, true, NULL);
 }
 
 void msh_core_epoch(const char *reason)
 {
     if (!msh_core_init()) return;
-    close_epoch(reason, true);
+    close_epoch(reason, true, true, NULL);
+}
+
+void msh_core_close_epoch(const char *reason)
+{
+    if (!msh_core_started() || atomic_load(&finish_state)) return;
+    close_epoch(reason, true, true, NULL);
+}
+
+MSH_EXPORT int memshim_run_interrupted(int signo)
+{
+    if (signo <= 0 || signo >= 65) return EINVAL;
+    if (!msh_core_started()) return ENODEV;
+    msh_core_finish(true, signo);
+    return 0;
+}
+
+MSH_EXPORT int memshim_last_epoch(int device, struct memshim_epoch_figures *out)
+{
+    if (device < 0 || device >= MSH_MAX_DEVICES || !out) return EINVAL;
+    if (!atomic_load(&pools[device])) return ENODEV;
+    pthread_mutex_lock(&epoch_lock);
+    int rc = last_fig_ok[device] ? 0 : ENOENT;
+    if (!rc) *out = last_fig[device];
+    pthread_mutex_unlock(&epoch_lock);
+    return rc;
 }
 
 MSH_EXPORT void memshim_step(void)
@@ -826,7 +903,7 @@ MSH_EXPORT void memshim_step(void)
         close = true;
     }
     pthread_mutex_unlock(&epoch_lock);
-    if (close) close_epoch("steps", true);
+    if (close) close_epoch("steps", true, true, NULL);
 }
 
 MSH_EXPORT void memshim_set_gc_callback(memshim_gc_fn fn, void *arg)

@@ -54,5 +54,14 @@ bool msh_core_tracing(void);
 void msh_core_note_oom(int device);
 /* Called on each allocation: epoch timers, signals and idle/threshold policies. Cheap. */
 void msh_core_tick(void);
+/* Close the current epoch with `reason` (a static string) from memshim's watcher thread
+ * (seconds, signal): nothing once memshim has not started or the run is ending. */
+void msh_core_close_epoch(const char *reason);
+/* The end of the run, once per process: `interrupted` by signal `signo` (a signal, or Python's
+ * uncaught KeyboardInterrupt), the epoch in progress is written as an epoch with reason
+ * `interrupted` when it saw a step or an allocation; then the trace is flushed, the summary
+ * (reason `exit` or `interrupted`) and MEMSHIM_SNAPSHOT are written. A second caller waits for
+ * the first (a few seconds at most) and returns. */
+void msh_core_finish(bool interrupted, int signo);
 
 #endif

@@ -177,7 +177,7 @@ void msh_log_open(const char *path_template)
     if (!path_template || !path_template[0]) return;
     int saved_errno = errno;
     char path[sizeof log_opened_path];
-    if (msh_expand_path(path_template, path, sizeof path) != 0) {
+    if (msh_resolve_path(path_template, path, sizeof path) != 0) {
         msh_warn("MEMSHIM_LOG_FILE='%.200s' is too long once %%p and %%h are expanded; "
                  "logging to stderr",
                  path_template);

@@ -58,6 +58,26 @@ struct memshim_stats {
 };
 int memshim_get_stats(int device, struct memshim_stats *out);
 
+/* The figures of `device`'s last closed epoch (what its epoch report says), for the frameworks'
+ * loggers (hooks/python/memshim/_frameworks.py). 0, ENODEV (no pool there), ENOENT (no epoch
+ * closed yet), EINVAL. */
+struct memshim_epoch_figures {
+    unsigned long long epoch, steps;
+    unsigned long long allocated_bytes;      /* at the epoch's end */
+    unsigned long long allocated_peak_bytes, reserved_peak_bytes;
+    double fragmentation;                    /* 1 - largest free extent / free bytes */
+    double peak_allocated_over_peak_reserved;
+    unsigned long long ooms, oom_rescues;    /* since the start (cumulative, as in the report) */
+    long long growth_bytes;                  /* allocated bytes at this epoch's end minus the last's */
+};
+int memshim_last_epoch(int device, struct memshim_epoch_figures *out);
+
+/* The run is ending after signal `signo` without memshim's exit handler (Python after an
+ * uncaught KeyboardInterrupt: it finalizes, then kills itself with SIGINT): write the epoch in
+ * progress (reason `interrupted`), the summary and the snapshot now. 0, ENODEV (memshim has not
+ * started), EINVAL. */
+int memshim_run_interrupted(int signo);
+
 /* PyTorch memory snapshots served by memshim (report/trace/history.c; the Python side is
  * hooks/python/memshim/_history.py). memshim_history_record: mode 0 stops recording, 1 keeps
  * the sites of live blocks only ("state"), 2 records every event too ("all") in a ring of

@@ -41,6 +41,13 @@ void msh_vlog(int level, const char *fmt, va_list ap);
 void msh_log_open(const char *path_template);
 /* Expand %p (pid), %h (host name) and %% in `tmpl` into `out`; returns 0 or ENAMETOOLONG. */
 int msh_expand_path(const char *tmpl, char *out, size_t outlen);
+/* (shim/paths.c) The directory the job started in: the first CPython process with a relative
+ * path setting exports its own as _MEMSHIM_START_DIR to the processes it launches; else this
+ * process's directory at start-up. NULL when unknown. */
+const char *msh_start_dir(void);
+/* msh_expand_path, then a relative result is made absolute against msh_start_dir(), so a job
+ * that changes directory keeps writing where it started. 0 or ENAMETOOLONG. */
+int msh_resolve_path(const char *tmpl, char *out, size_t outlen);
 #define MSH_LOG_LINE_MAX 1024 /* bytes per line, newline included; longer lines end in "..." */
 /* Test hooks: send lines to `fd` (-1: back to stderr; the caller keeps ownership), and restart
  * the warning cap's count. */
@@ -60,7 +67,7 @@ enum msh_empty_cache { MSH_EC_NEVER, MSH_EC_OOM, MSH_EC_EPOCH, MSH_EC_THRESHOLD,
 enum msh_gc { MSH_GC_NEVER, MSH_GC_OOM, MSH_GC_EPOCH, MSH_GC_THRESHOLD };
 enum msh_epoch_src { MSH_EPOCH_AUTO, MSH_EPOCH_STEPS, MSH_EPOCH_SECONDS, MSH_EPOCH_SIGNAL, MSH_EPOCH_MANUAL };
 enum msh_report_fmt { MSH_REPORT_JSON, MSH_REPORT_JSON_PRETTY };
-enum msh_sites_mode { MSH_SITES_OFF, MSH_SITES_HELD, MSH_SITES_ACQUIRE };
+enum msh_sites_mode { MSH_SITES_OFF, MSH_SITES_HELD, MSH_SITES_ACQUIRE, MSH_SITES_FRAMES };
 
 struct msh_config {
     int mode;                  /* enum msh_mode */
@@ -77,6 +84,9 @@ struct msh_config {
     uint64_t epoch_steps;
     double epoch_seconds;
     int epoch_signal;          /* signal number, e.g. SIGUSR2 */
+    uint64_t epoch_interval;   /* auto: interval reports every this many steps while no epoch closes; 0 = off */
+    bool catch_signals;        /* SIGTERM/SIGINT/SIGHUP at their default: reports first, then the signal */
+    bool trainer_metrics;      /* log per-epoch figures through Lightning's / HF Trainer's loggers */
     char report_dir[4096];     /* empty = no reports */
     int report_format;         /* enum msh_report_fmt */
     uint64_t latency_sample;   /* with reports: time one pool call in this many (1: all) */

@@ -42,6 +42,7 @@
 #include "hotclock.h"
 #include "msh.h"
 #include "pool.h" /* msh_pool_block_tags: the marks memshim_malloc left on its blocks */
+#include "pyframes.h"
 
 __thread uint32_t msh_sites_last_stack;
 
@@ -139,7 +140,17 @@ static void *vm(size_t bytes)
 #define WALK_MAX 48     /* frames looked at to find the site */
 #define SITE_CALLERS 3  /* frames kept above the site while the history records */
 
-struct code_ent { uint64_t ptr; uint32_t file, name; uint8_t internal; };
+/* A code object: its names, and how to know it again. `strong`: memshim holds a reference (taken
+ * with the GIL, so the address cannot be reused while interned). Otherwise (read without the GIL,
+ * shim/pyframes.c) the object may die and another take its address: it is the same one only when
+ * it still has the same file and name objects and first line. */
+struct code_ent {
+    uint64_t ptr;
+    uint32_t file, name;
+    uint8_t internal, strong;
+    const void *id_file, *id_name;
+    int id_line;
+};
 struct frame_ent { uint64_t codep; int32_t pos, line; uint32_t code, site; uint8_t internal; };
 struct site_ent { uint32_t code, file, name; int32_t line; };
 struct stack_ent { uint32_t hash, off, site; uint16_t n; };
@@ -273,7 +284,16 @@ static uint32_t attr_str(pyobj *o, const char *attr, const char *fallback)
     return off;
 }
 
-static uint32_t code_get(pyobj *code)
+/* Is interned code entry c the live code object the frame runs (see struct code_ent)? */
+static bool code_is(const struct code_ent *c, const struct msh_rawframe *id)
+{
+    if (c->strong || !id) return true;
+    return c->id_file == id->filename && c->id_name == id->qualname && c->id_line == id->firstlineno;
+}
+
+/* The code entry for `code` (intern_lock held): through the API with the GIL (`id` NULL, or the
+ * raw identity when known), else (`raw`) from the object's own memory. */
+static uint32_t code_get(pyobj *code, const struct msh_rawframe *id, bool raw)
 {
     uint64_t key = (uint64_t)(uintptr_t)code;
     uint32_t mask = CODE_CAP * 2 - 1;
@@ -281,19 +301,34 @@ static uint32_t code_get(pyobj *code)
     for (;; i = (i + 1) & mask) {
         uint32_t v = code_idx[i];
         if (!v) break;
-        if (codes[v - 1].ptr == key) return v - 1;
+        if (codes[v - 1].ptr == key && code_is(&codes[v - 1], id)) return v - 1;
     }
     if (ncodes + 1 >= CODE_CAP) return UINT32_MAX;
-    pyobj *et, *ev, *tb;
-    py.err_fetch(&et, &ev, &tb);
     struct code_ent *c = &codes[ncodes];
+    memset(c, 0, sizeof *c);
     c->ptr = key;
-    c->file = attr_str(code, "co_filename", "?");
-    c->name = attr_str(code, "co_qualname", "");
-    if (!str_arena[c->name]) c->name = attr_str(code, "co_name", "?");
+    if (id) {
+        c->id_file = id->filename;
+        c->id_name = id->qualname;
+        c->id_line = id->firstlineno;
+    }
+    if (raw) {
+        char buf[4096];
+        int n = msh_pyframes_str(id->filename, buf, sizeof buf);
+        c->file = n >= 0 ? str_intern(buf, (size_t)n) : str_intern("?", 1);
+        n = msh_pyframes_str(id->qualname, buf, sizeof buf);
+        c->name = n > 0 ? str_intern(buf, (size_t)n) : str_intern("?", 1);
+    } else {
+        pyobj *et, *ev, *tb;
+        py.err_fetch(&et, &ev, &tb);
+        c->file = attr_str(code, "co_filename", "?");
+        c->name = attr_str(code, "co_qualname", "");
+        if (!str_arena[c->name]) c->name = attr_str(code, "co_name", "?");
+        py.err_restore(et, ev, tb);
+        py.incref(code); /* keeps the address from being reused by another code object */
+        c->strong = 1;
+    }
     c->internal = path_internal(str_arena + c->file);
-    py.err_restore(et, ev, tb);
-    py.incref(code); /* keeps the address from being reused by another code object */
     code_idx[i] = ++ncodes;
     return ncodes - 1;
 }
@@ -329,15 +364,16 @@ static inline uint32_t frame_hash(uint64_t codep, int32_t pos)
     return (uint32_t)mix64(codep ^ ((uint64_t)(uint32_t)pos << 47));
 }
 
-/* The frame for (code object, position), or UINT32_MAX when not interned yet. */
-static uint32_t frame_find(uint64_t codep, int32_t pos)
+/* The frame for (code object, position), or UINT32_MAX when not interned yet; `id`: the live
+ * code object's identity where the entry may be of an earlier object at the same address. */
+static uint32_t frame_find(uint64_t codep, int32_t pos, const struct msh_rawframe *id)
 {
     uint32_t mask = FRAME_CAP * 2 - 1;
     for (uint32_t i = frame_hash(codep, pos) & mask;; i = (i + 1) & mask) {
         uint32_t v = slot_load(&frame_idx[i]);
         if (!v) return UINT32_MAX;
         const struct frame_ent *f = &frames[v - 1];
-        if (f->codep == codep && f->pos == pos) return v - 1;
+        if (f->codep == codep && f->pos == pos && code_is(&codes[f->code], id)) return v - 1;
     }
 }
 
@@ -345,16 +381,18 @@ static uint32_t frame_find(uint64_t codep, int32_t pos)
  * intern_lock held, and an allocation made from there must not come back for that lock. */
 static __thread int tl_interning;
 
-static uint32_t frame_insert(pyobj *frame, pyobj *code, int32_t pos)
+/* Intern (code, pos): `frame` is the frame object (GIL held), or NULL for a frame read raw (`rid`,
+ * no GIL: names and line come from the code object's own memory). */
+static uint32_t frame_insert(pyobj *frame, pyobj *code, int32_t pos, const struct msh_rawframe *rid)
 {
     uint64_t codep = (uint64_t)(uintptr_t)code;
     pthread_mutex_lock(&intern_lock);
     tl_interning = 1;
-    uint32_t id = frame_find(codep, pos);
+    uint32_t id = frame_find(codep, pos, rid);
     if (id == UINT32_MAX && nframes + 1 < FRAME_CAP) {
-        uint32_t c = code_get(code);
+        uint32_t c = code_get(code, rid, frame == NULL);
         if (c != UINT32_MAX) {
-            int line = py.frame_lasti ? py.frame_line(frame) : pos;
+            int line = !frame ? msh_pyframes_line(code, pos) : py.frame_lasti ? py.frame_line(frame) : pos;
             frames[nframes] = (struct frame_ent){codep, pos, line, c, site_get(c, line), codes[c].internal};
             uint32_t mask = FRAME_CAP * 2 - 1, i = frame_hash(codep, pos) & mask;
             while (frame_idx[i]) i = (i + 1) & mask;
@@ -440,8 +478,8 @@ static uint32_t walk(void)
             id = tl_memo.id[looked];
         } else {
             same = false;
-            id = frame_find(codep, pos);
-            if (id == UINT32_MAX) id = frame_insert(f, code, pos);
+            id = frame_find(codep, pos, NULL);
+            if (id == UINT32_MAX) id = frame_insert(f, code, pos, NULL);
             if (memo && id != UINT32_MAX) {
                 tl_memo.codep[looked] = codep;
                 tl_memo.pos[looked] = pos;
@@ -475,17 +513,107 @@ static uint32_t walk(void)
     return st;
 }
 
+/* Walk this thread's Python stack from its own frames (shim/pyframes.c: CPython 3.11, probed),
+ * with or without the GIL. The same tables and memo as walk(); entries made here are checked
+ * against the live code object's identity, since no reference keeps their object alive. */
+static uint32_t walk_raw(const void *tstate)
+{
+    struct msh_rawframe rf[WALK_MAX];
+    int nraw = msh_pyframes_walk(tstate, rf, WALK_MAX);
+    if (nraw < 0) return MSH_STACK_UNATTRIBUTED;
+    if (nraw == 0) return MSH_STACK_BACKWARD; /* no Python frame: autograd's device threads */
+    uint32_t ids[MSH_SITE_MAX_FRAMES];
+    int n = 0, site_at = -1, looked = 0;
+    int callers = atomic_load_explicit(&capture_all, memory_order_relaxed) ? SITE_CALLERS : 0;
+    bool memo = !tl_walking++;
+    bool same = memo && tl_memo.stack != MSH_STACK_NONE && tl_memo.callers == callers;
+    for (int k = 0; k < nraw && looked < WALK_MAX; k++) {
+        const struct msh_rawframe *r = &rf[k];
+        uint64_t codep = (uint64_t)(uintptr_t)r->code;
+        uint32_t id;
+        if (memo && looked < tl_memo.looked && tl_memo.codep[looked] == codep && tl_memo.pos[looked] == r->pos &&
+            code_is(&codes[frames[tl_memo.id[looked]].code], r)) {
+            id = tl_memo.id[looked];
+        } else {
+            same = false;
+            id = frame_find(codep, r->pos, r);
+            if (id == UINT32_MAX) id = frame_insert(NULL, (pyobj *)(uintptr_t)r->code, r->pos, r);
+            if (memo && id != UINT32_MAX) {
+                tl_memo.codep[looked] = codep;
+                tl_memo.pos[looked] = r->pos;
+                tl_memo.id[looked] = id;
+                tl_memo.looked = looked + 1;
+            }
+        }
+        if (id == UINT32_MAX) break; /* a table is full */
+        bool internal = frames[id].internal;
+        looked++;
+        if (n < MSH_SITE_MAX_FRAMES) ids[n++] = id;
+        else if (site_at < 0 && !internal) ids[n - 1] = id;
+        if (site_at < 0 && !internal) site_at = n - 1;
+        if (site_at >= 0 && (n - 1 - site_at >= callers || n == MSH_SITE_MAX_FRAMES)) break;
+    }
+    tl_walking--;
+    if (n == 0) return MSH_STACK_UNATTRIBUTED;
+    if (same && looked == tl_memo.looked) return tl_memo.stack;
+    uint32_t st = stack_get(ids, n, site_at >= 0 ? site_at : 0);
+    if (memo) {
+        bool keep = st != MSH_STACK_UNATTRIBUTED && looked == tl_memo.looked;
+        tl_memo.callers = callers;
+        tl_memo.stack = keep ? st : MSH_STACK_NONE;
+    }
+    return st;
+}
+
 static bool py_finalizing(void)
 {
     return !py.is_initialized() || (py.is_finalizing && py.is_finalizing());
 }
 
+/* The frame reader is probed once, by the first caller holding the GIL (the memshim package at
+ * start-up: memshim_sites_probe; or an allocation made with the GIL held), else by the first
+ * allocation of a Python thread, which then takes the GIL this once. */
+static _Atomic int probe_state;  /* 0 not yet, 1 running or done */
+static _Atomic bool probe_waited; /* the one probe that took the GIL has run */
+
+static bool raw_ready(bool gil)
+{
+    if (MSH_LIKELY(msh_pyframes_ok())) return true;
+    if (atomic_load_explicit(&probe_state, memory_order_relaxed) || !msh_pyframes_available()) return false;
+    if (!gil && atomic_load_explicit(&probe_waited, memory_order_relaxed)) return false; /* never twice */
+    int expect = 0;
+    if (!atomic_compare_exchange_strong(&probe_state, &expect, 1)) return false;
+    if (!gil) atomic_store(&probe_waited, true);
+    /* Without the memshim package (python -I, a program that loads libmemshim.so itself) nobody
+     * probed at start-up: the first allocation without the GIL takes it this once. */
+    int g = gil ? 0 : py.ensure();
+    int rc = ENOENT;
+    if (!py_finalizing()) {
+        tl_interning++; /* the probe makes frame objects: an allocation from there is not attributed */
+        rc = msh_pyframes_probe();
+        tl_interning--;
+    }
+    if (!gil) py.release(g);
+    if (rc == ENOENT) atomic_store(&probe_state, 0); /* no Python frame to compare: try again later */
+    return msh_pyframes_ok();
+}
+
+/* A thread found with no Python frame after taking the GIL (MEMSHIM_SITES=acquire): autograd's
+ * device threads hold a thread state for life; they never take the GIL for sites again. */
+static __thread bool tl_no_frames;
+
 static uint32_t capture(void)
 {
     if (tl_interning || py_finalizing()) return MSH_STACK_UNATTRIBUTED;
-    if (py.gil_check()) return walk();
-    if (!py.this_thread_state()) return MSH_STACK_BACKWARD;
-    if (sites_mode != MSH_SITES_ACQUIRE) return MSH_STACK_UNATTRIBUTED;
+    bool gil = py.gil_check();
+    void *ts = py.this_thread_state();
+    if (!gil && !ts) return MSH_STACK_BACKWARD;
+    /* CPython 3.11: the thread's own frames, GIL or not; nothing waits. */
+    if (sites_mode != MSH_SITES_ACQUIRE && ts && (gil || sites_mode == MSH_SITES_FRAMES) && raw_ready(gil))
+        return walk_raw(ts);
+    if (gil) return walk();
+    if (sites_mode != MSH_SITES_ACQUIRE) return MSH_STACK_UNATTRIBUTED; /* held, or frames without a reader */
+    if (tl_no_frames) return MSH_STACK_BACKWARD;
     /* the back-off window (a second) needs no precision; the wait is timed in CPU ticks */
     if (msh_coarse_ns() < atomic_load_explicit(&gil_backoff_until, memory_order_relaxed)) return MSH_STACK_UNATTRIBUTED;
     uint64_t t0 = msh_ticks();
@@ -497,9 +625,33 @@ static uint32_t capture(void)
         tl_gil_slow = 0;
         atomic_store_explicit(&gil_backoff_until, msh_coarse_ns() + GIL_BACKOFF_NS, memory_order_relaxed);
     }
-    uint32_t st = walk();
+    uint32_t st;
+    if (py_finalizing()) {
+        /* Finalization began while this thread waited: read nothing (its frames may be going). */
+        st = MSH_STACK_UNATTRIBUTED;
+    } else if (!py.get_frame()) {
+        tl_no_frames = true;
+        st = MSH_STACK_BACKWARD;
+    } else {
+        st = walk();
+    }
     py.release(g);
     return st;
+}
+
+/* For the memshim package at start-up (GIL held, ctypes.PyDLL): probe the frame reader now, so
+ * the first allocation inside an operator already gets its site. 0, or why not (pyframes.h). */
+MSH_EXPORT int memshim_sites_probe(void)
+{
+    if (!msh_pyframes_available()) return ENOSYS;
+    if (msh_pyframes_ok()) return 0;
+    int expect = 0;
+    if (!atomic_compare_exchange_strong(&probe_state, &expect, 1)) return EBUSY;
+    tl_interning++;
+    int rc = msh_pyframes_probe();
+    tl_interning--;
+    if (rc == ENOENT) atomic_store(&probe_state, 0);
+    return rc;
 }
 
 /* ---- accounting per device --------------------------------------------------------------------- */

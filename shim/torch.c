@@ -161,12 +161,14 @@ MSH_EXPORT long memshim_torch_setting(const char *name)
     if (!strcmp(name, "gc")) return msh_cfg.gc;
     if (!strcmp(name, "empty_cache")) return msh_cfg.empty_cache;
     if (!strcmp(name, "log")) return msh_log_level;
+    if (!strcmp(name, "epoch_interval")) return (long)msh_cfg.epoch_interval;
+    if (!strcmp(name, "trainer_metrics")) return msh_cfg.trainer_metrics;
     return -1;
 }
 
 MSH_EXPORT int memshim_epoch_from(const char *reason)
 {
-    static const char *const reasons[] = {"manual", "dataloader", "hf_trainer", "lightning"};
+    static const char *const reasons[] = {"manual", "dataloader", "hf_trainer", "lightning", "interval"};
     const char *r = NULL;
     for (size_t i = 0; reason && i < sizeof reasons / sizeof *reasons; i++)
         if (!strcmp(reason, reasons[i])) r = reasons[i]; /* a static string for the report */

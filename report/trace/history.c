@@ -575,7 +575,7 @@ static int snapshot_path(const char *tag, char *out, size_t len)
     }
     tmpl[o] = 0;
     char path[4096];
-    if (msh_expand_path(tmpl, path, sizeof path)) return ENAMETOOLONG;
+    if (msh_resolve_path(tmpl, path, sizeof path)) return ENAMETOOLONG;
     char extra[64] = "";
     if (!has_r && rank >= 0) snprintf(extra, sizeof extra, "-rank%ld", rank);
     strncat(extra, tag, sizeof extra - strlen(extra) - 1);

@@ -5,7 +5,7 @@
  * "MEMSHIM_<rest>" (unknown names, names with '=' inside, ...). The list goes through
  * msh_config_load_from, every value also through each public parser, then the invariants of
  * options_checks.h. Build and run: tests/fuzz/run_fuzz.sh fuzz_options (sources: this file,
- * policy/options.c, shim/log.c). It must keep no state between inputs.
+ * policy/options.c, shim/log.c, shim/paths.c). It must keep no state between inputs.
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -1,7 +1,7 @@
 /*
  * options_checks.h: the invariants the option fuzzers (fuzz_options.c, fuzz_conf.c) and their
  * regression tests (tests/reliability/test_fuzz_regress.c) check after msh_config_load_from.
- * Header-only so each target stays one .c file plus policy/options.c and shim/log.c. A broken
+ * Header-only so each target stays one .c file plus policy/options.c, shim/log.c and shim/paths.c. A broken
  * invariant calls abort(), which libFuzzer reports with the input.
  *
  *  - every parsed field is within its documented range, and every path is a NUL-terminated

@@ -179,6 +179,10 @@ run_prog epoch_seconds_race epoch_seconds_race
 ENV_EXTRA=()
 run_prog fork fork
 
+# ---- (4b) a run a signal ends keeps its reports (issue 16): SIGTERM, SIGINT, SIGHUP, chaining --
+ENV_EXTRA=()
+run_prog interrupt interrupt
+
 # ---- (5) no usable driver: untouched, quiet ----------------------------------------------------
 # quiet_case NAME EXPECT_RC COMMAND...: runs twice with LD_PRELOAD (environment from $ENV_EXTRA).
 # At the default log level memshim must write nothing at all; with MEMSHIM_LOG=info at most one

@@ -43,7 +43,7 @@ build "$OUT/reli-soak" tests/reliability/soak.c $DBL -lcudart -lcuda -ldl || ok_
 build "$OUT/libreli-callcount.so" tests/reliability/callcount.c -shared $DBL -lcuda || ok_build=0
 build "$OUT/libreli-openspy.so" tests/reliability/openspy.c -shared || ok_build=0
 build "$OUT/libreli-poolcheck.so" tests/reliability/poolcheck.c -shared -ldl || ok_build=0
-build "$OUT/test_fuzz_regress" tests/reliability/test_fuzz_regress.c policy/options.c shim/log.c -lm || ok_build=0
+build "$OUT/test_fuzz_regress" tests/reliability/test_fuzz_regress.c policy/options.c shim/log.c shim/paths.c -lm || ok_build=0
 if [ "$ok_build" = 0 ]; then
     echo "FAIL building the reliability helpers"
     echo "0 passed, 1 failed, 0 skipped"

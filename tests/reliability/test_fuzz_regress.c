@@ -1,7 +1,7 @@
 /*
  * test_fuzz_regress.c: inputs the option fuzzers (tests/fuzz/fuzz_options.c, fuzz_conf.c) found,
  * kept as regression tests, with the same invariants (tests/fuzz/options_checks.h). Linked with
- * policy/options.c and shim/log.c only. A case that shows a known issue in code this suite does
+ * policy/options.c, shim/log.c and shim/paths.c only. A case that shows a known issue in code this suite does
  * not own is skipped with the reason, unless RELI_STRICT=1.
  *
  * Found by the first 60-second runs (2026-11-30):

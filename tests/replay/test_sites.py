@@ -303,16 +303,85 @@ lib.memshim_epoch()
     if cc.returncode:
         skip("GIL contention back-off", "gcc failed: " + cc.stderr[-200:])
     else:
+        # issue 16: by default (MEMSHIM_SITES=frames) the thread's own frames are read without the
+        # GIL: nothing waits (but for the one probe of a process the memshim package did not start:
+        # this script loads the library itself) and every allocation keeps its site.
         p = run(CONTENDED, tmp, "contended", "released", timeout=200)
         all_reports += p.reports
         dt = next((float(l.split()[1]) for l in p.stdout.splitlines() if l.startswith("ELAPSED")), 99.0)
         e = p.epochs[0]["sites"] if p.epochs else []
-        case("GIL held 200 ms at a time by another thread: 300 allocations take < 5 s, not 300 waits of up to "
-             "200 ms (memshim backs off)",
+        case("GIL held 200 ms at a time by another thread, default sites: 300 allocations take < 2 s (1 ms "
+             "apart; at most one wait, for the probe) and all 300 MiB keep their site, read without the GIL",
+             p.returncode == 0 and dt < 2.0 and [(s["function"], s["bytes"]) for s in e] == [("forward", 300 * MiB)],
+             (dt, e, p.stderr[-300:]))
+        p = run(CONTENDED, tmp, "contended-acquire", "released", {"MEMSHIM_SITES": "acquire"}, timeout=200)
+        all_reports += p.reports
+        dt = next((float(l.split()[1]) for l in p.stdout.splitlines() if l.startswith("ELAPSED")), 99.0)
+        e = p.epochs[0]["sites"] if p.epochs else []
+        case("MEMSHIM_SITES=acquire, GIL held 200 ms at a time by another thread: 300 allocations take < 5 s, not "
+             "300 waits of up to 200 ms (memshim backs off)",
              p.returncode == 0 and dt < 5.0, (dt, p.stderr[-300:]))
         case("... the allocations not read count as '<python> unattributed'; all 300 MiB accounted",
              sum(s["bytes"] for s in e) == 300 * MiB and any(s["function"] == "unattributed" for s in e)
              and {s["function"] for s in e} <= {"forward", "unattributed"}, e)
+
+        # issue 16: a C thread that holds a Python thread state for life and runs no Python (what
+        # autograd's device threads do: PythonEngine::thread_init takes and releases the GIL once)
+        # allocates while another Python thread keeps the GIL busy. Its allocations are backward
+        # allocations: the backward label, and no wait for the GIL (before: PyGILState_Ensure at
+        # every allocation and '<python> unattributed').
+        statec, stateso = os.path.join(tmp, "tstate.c"), os.path.join(tmp, "tstate.so")
+        with open(statec, "w") as f:
+            f.write("#define _GNU_SOURCE\n#include <dlfcn.h>\n#include <pthread.h>\n#include <sys/types.h>\n"
+                    "#include <time.h>\ntypedef void *(*mf)(ssize_t, int, void *);\n"
+                    "static void *m; static int n; static void **out; static double worst, total;\n"
+                    "static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); "
+                    "return t.tv_sec + t.tv_nsec / 1e9; }\n"
+                    "static void *body(void *a) { (void)a; int (*en)(void) = (int (*)(void))dlsym(RTLD_DEFAULT, "
+                    "\"PyGILState_Ensure\"); void (*re)(int) = (void (*)(int))dlsym(RTLD_DEFAULT, "
+                    "\"PyGILState_Release\"); int g = en(); re(g); g = en(); (void)g; "
+                    "void *(*save)(void) = (void *(*)(void))dlsym(RTLD_DEFAULT, \"PyEval_SaveThread\"); save();\n"
+                    "  for (int i = 0; i < n; i++) { double t = now(); out[i] = ((mf)m)(1 << 20, 0, 0); "
+                    "t = now() - t; total += t; if (t > worst) worst = t; } return 0; }\n"
+                    "double run(void *mm, int nn, void **oo) { m = mm; n = nn; out = oo; pthread_t th; "
+                    "pthread_create(&th, 0, body, 0); pthread_join(th, 0); return total; }\n")
+        cc2 = subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-o", stateso, statec, "-lpthread"],
+                             capture_output=True, text=True)
+        TSTATE = PRELUDE + f"""
+import threading, time
+ctypes.PyDLL(os.environ["LIB"]).memshim_sites_probe()  # what the memshim package does at start-up
+stop = False
+def spin():
+    x = 0
+    while not stop:
+        x += 1
+t = threading.Thread(target=spin)
+t.start()
+th = ctypes.CDLL({stateso!r})
+th.run.restype = ctypes.c_double
+out = (ctypes.c_void_p * 200)()
+worst = th.run(ctypes.cast(lib.memshim_malloc, ctypes.c_void_p), 200, out)
+stop = True
+t.join()
+print("TOTAL", worst)
+lib.memshim_epoch()
+"""
+        for mode in ("frames", "acquire"):
+            if cc2.returncode:
+                skip(f"MEMSHIM_SITES={mode}: a thread with an idle thread state", "gcc failed: " + cc2.stderr[-200:])
+                break
+            p = run(TSTATE, tmp, "tstate-" + mode, "held", {"MEMSHIM_SITES": mode}, timeout=200)
+            all_reports += p.reports
+            total = next((float(l.split()[1]) for l in p.stdout.splitlines() if l.startswith("TOTAL")), 99.0)
+            e = p.epochs[0]["sites"] if p.epochs else []
+            case(f"MEMSHIM_SITES={mode}: a C thread with an idle Python thread state (autograd's device threads) "
+                 "allocates while a Python thread spins: site <backward> with all 200 MiB"
+                 + (", in < 0.2 s together (it never waits for the GIL: 200 waits of up to 5 ms would be 1 s)"
+                    if mode == "frames" else
+                    " (recognised once: the GIL is taken for one allocation, not 200)"),
+                 p.returncode == 0 and [(s["file"], s["function"], s["bytes"]) for s in e]
+                 == [("<backward>", "backward", 200 * MiB)] and (mode != "frames" or total < 0.2),
+                 (total, e, p.stderr[-300:]))
 
         # One slow acquisition is not a busy GIL (a preempted thread looks the same): the GIL held
         # once for 50 ms while the loop allocates, then free again: every allocation keeps its site.
@@ -332,10 +401,11 @@ forward()
 t.join()
 lib.memshim_epoch()
 """
-        p = run(ONCE, tmp, "once", "released", timeout=200)
+        p = run(ONCE, tmp, "once", "released", {"MEMSHIM_SITES": "acquire"}, timeout=200)
         all_reports += p.reports
         e = p.epochs[0]["sites"] if p.epochs else []
-        case("the GIL held once for 50 ms by another thread: one slow wait, no back-off; all 300 MiB keep their site",
+        case("MEMSHIM_SITES=acquire, the GIL held once for 50 ms by another thread: one slow wait, no back-off; all "
+             "300 MiB keep their site",
              p.returncode == 0 and [(s["function"], s["bytes"]) for s in e] == [("forward", 300 * MiB)], e)
 
     bad = [(r["kind"], r["epoch"], pr) for r in all_reports for pr in [report_problems(r)] if pr]

@@ -213,7 +213,8 @@ TEST(defaults)
     CHECK(msh_cfg.report_format == MSH_REPORT_JSON);
     CHECK(msh_cfg.log_level == MSH_LOG_WARN && msh_log_level == MSH_LOG_WARN);
     CHECK(!msh_cfg.strict);
-    CHECK(msh_cfg.sites == MSH_SITES_ACQUIRE && msh_cfg.sites_sample == 0);
+    CHECK(msh_cfg.sites == MSH_SITES_FRAMES && msh_cfg.sites_sample == 0);
+    CHECK(msh_cfg.epoch_interval == 1000 && msh_cfg.catch_signals && msh_cfg.trainer_metrics);
     CHECK(msh_cfg.snapshot[0] == '\0' && msh_cfg.snapshot_events == 100000);
     CHECK(msh_cfg.latency_sample == 64);
     char val[256];
@@ -223,7 +224,7 @@ TEST(defaults)
         CHECKF(strncmp(name, "MEMSHIM_", 8) == 0, "%s", name);
         CHECKF(strcmp(source, "default") == 0, "%s from %s", name, source);
     }
-    CHECK(n == 25);
+    CHECK(n == 28);
     CHECK(msh_config_iter(n, &name, val, sizeof val, &source) == 0);
     CHECK(msh_config_iter(-1, &name, val, sizeof val, &source) == 0);
     CHECK(strcmp(value_of("MEMSHIM_SMALL_MAX", val, sizeof val, NULL), "1MiB") == 0);
@@ -538,7 +539,7 @@ TEST(info_echo_of_non_default_settings)
     cap_begin();
     msh_config_dump(MSH_LOG_INFO);
     log = cap_end();
-    CHECK(count_substr(log, "]: info: ") == 26);
+    CHECK(count_substr(log, "]: info: ") == 29);
     CHECK(strstr(log, "MEMSHIM_LIMIT=40GiB (environment)") != NULL);
     CHECK(strstr(log, "MEMSHIM_GC=oom (default)") != NULL);
     msh_log_level = MSH_LOG_WARN;
@@ -778,6 +779,32 @@ TEST(expand_path)
     CHECK(msh_expand_path("abcdef", out, 6) == ENAMETOOLONG);
     CHECK(msh_expand_path("abcde", out, 6) == 0);
     CHECK(msh_expand_path("%p%p%p", out, 4) == ENAMETOOLONG);
+}
+
+/* issue 16: relative paths resolve against the directory the process started in, not where it is
+ * when the file is opened (a script that calls os.chdir keeps its reports). */
+TEST(resolve_path_against_the_start_directory)
+{
+    char start[4096], out[4096], want[4200];
+    REQUIRE(getcwd(start, sizeof start) != NULL);
+    const char *sd = msh_start_dir(); /* pinned by the library's constructor, before main */
+    REQUIRE(sd != NULL);
+    CHECKF(strcmp(sd, start) == 0, "%s vs %s", sd, start);
+    char moved[] = "/tmp/msh-chdir-XXXXXX";
+    REQUIRE(mkdtemp(moved) != NULL);
+    REQUIRE(chdir(moved) == 0);
+    CHECK(msh_resolve_path("memreport/%p", out, sizeof out) == 0);
+    snprintf(want, sizeof want, "%s/memreport/%d", start, (int)getpid());
+    CHECKF(strcmp(out, want) == 0, "%s vs %s", out, want);
+    CHECK(msh_resolve_path("./snap.pickle", out, sizeof out) == 0);
+    snprintf(want, sizeof want, "%s/snap.pickle", start);
+    CHECKF(strcmp(out, want) == 0, "%s vs %s", out, want);
+    CHECK(msh_resolve_path(".", out, sizeof out) == 0 && strcmp(out, start) == 0);
+    CHECK(msh_resolve_path("/abs/x-%p", out, sizeof out) == 0 && strncmp(out, "/abs/x-", 7) == 0);
+    CHECK(msh_resolve_path("", out, sizeof out) == 0 && out[0] == 0);
+    CHECK(msh_resolve_path("x", out, strlen(start) + 2) == ENAMETOOLONG); /* no room for "/x" and the NUL */
+    REQUIRE(chdir(start) == 0);
+    rmdir(moved);
 }
 
 TEST(log_file_open)

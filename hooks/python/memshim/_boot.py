@@ -33,6 +33,7 @@ _SIGS = {
     "memshim_torch_epoch_stat": ([ctypes.c_int, ctypes.c_char_p, ctypes.c_longlong], None),
     "memshim_torch_epoch_stats_clear": ([], None),
     "memshim_torch_set_version": ([ctypes.c_char_p], None),
+    "memshim_run_interrupted": ([ctypes.c_int], ctypes.c_int),
 }
 
 
@@ -43,12 +44,22 @@ class Stats(ctypes.Structure):
         "reclaimed_pages", "allocs", "frees", "ooms")]
 
 
+class EpochFigures(ctypes.Structure):
+    """struct memshim_epoch_figures (memshim.h)."""
+    _fields_ = [(n, ctypes.c_ulonglong) for n in (
+        "epoch", "steps", "allocated_bytes", "allocated_peak_bytes", "reserved_peak_bytes")] + \
+        [("fragmentation", ctypes.c_double), ("peak_allocated_over_peak_reserved", ctypes.c_double),
+         ("ooms", ctypes.c_ulonglong), ("oom_rescues", ctypes.c_ulonglong), ("growth_bytes", ctypes.c_longlong)]
+
+
 def _declare(so):
     for name, (args, res) in _SIGS.items():
         fn = getattr(so, name)
         fn.argtypes, fn.restype = args, res
     so.memshim_get_stats.argtypes = [ctypes.c_int, ctypes.POINTER(Stats)]
     so.memshim_get_stats.restype = ctypes.c_int
+    so.memshim_last_epoch.argtypes = [ctypes.c_int, ctypes.POINTER(EpochFigures)]
+    so.memshim_last_epoch.restype = ctypes.c_int
     return so
 
 
@@ -170,6 +181,38 @@ def watch(name, cb):
             sys.meta_path.insert(0, _finder)
 
 
+# ---- the end of a run interrupted by Ctrl-C ---------------------------------------------------
+def _dying_of_sigint():
+    """Whether this interpreter is ending after an uncaught KeyboardInterrupt. CPython then
+    finalizes and kills itself with SIGINT (Modules/main.c, exit_sigint), so libmemshim.so's C exit
+    handler never runs. CPython 3.8-3.11 keep the flag in _Py_UnhandledKeyboardInterrupt (exported
+    by the interpreter here); where it is not found, the uncaught exception that ended the script
+    is in sys.last_value (PyErr_Print sets it) on every version."""
+    try:
+        return bool(ctypes.c_int.in_dll(ctypes.pythonapi, "_Py_UnhandledKeyboardInterrupt").value)
+    except (ValueError, AttributeError, OSError):
+        pass
+    return isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+
+
+def _at_python_exit():
+    """Python's exit path (atexit, registered before the program's own, so it runs after them):
+    after an uncaught KeyboardInterrupt write the open epoch, the summary and the snapshot now."""
+    try:
+        if _lib is None or not _dying_of_sigint() or setting("started") != 1:
+            return
+        torch_side = sys.modules.get("memshim._torch")
+        if torch_side is not None:
+            try:
+                torch_side.hand_epoch_stats()  # segment mode: PyTorch's own figures for the reports
+            except Exception:  # noqa: BLE001
+                pass
+        import signal
+        _lib.memshim_run_interrupted(int(signal.SIGINT))
+    except Exception:  # noqa: BLE001 - never in the way of the interpreter's own exit
+        pass
+
+
 # ---- start ----------------------------------------------------------------------------------
 def arm():
     """Find libmemshim.so and watch for torch and the frameworks. Idempotent."""
@@ -190,9 +233,16 @@ def arm():
             return False
     if setting("mode") == MODE_OFF:
         return True
+    import atexit
+    atexit.register(_at_python_exit)
+    try:  # with the GIL held here: let allocations read their sites without it (CPython 3.11)
+        _lib.memshim_sites_probe()
+    except AttributeError:
+        pass
     from . import _frameworks, _torch
     watch("torch", _torch.on_torch)
     watch("transformers.trainer", _frameworks.on_transformers_trainer)
+    _frameworks.watch_lightning()
     return True
 
 

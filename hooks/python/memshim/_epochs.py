@@ -7,6 +7,11 @@ torch.utils.data.DataLoader during which at least one optimizer step ran. A pass
 with several optimizers a batch counts one step; steps already counted by a closed epoch never
 count again (two loaders zipped give one epoch). Optimizer steps feed memshim_step().
 
+Loops that never end a DataLoader pass (nanoGPT-style get_batch loops, an endless sampler, LLM
+pretraining) get interval reports instead: when MEMSHIM_EPOCH_INTERVAL optimizer steps (1000)
+pass with no epoch closed, and no pass of known length of at most 16 intervals is open (it will
+end soon enough to close one), an epoch closes with reason `interval`; memshim says so once.
+
 DataLoader worker processes do nothing here, and nothing calls libmemshim.so before it has
 started on its own (no driver call in a CPU-only process).
 """
@@ -20,10 +25,10 @@ EC_EPOCH = 2  # enum msh_empty_cache
 
 
 class _Pass:
-    __slots__ = ("start_steps", "ended", "__weakref__")
+    __slots__ = ("start_steps", "ended", "length", "__weakref__")
 
-    def __init__(self, start_steps):
-        self.start_steps, self.ended = start_steps, False
+    def __init__(self, start_steps, length=None):
+        self.start_steps, self.ended, self.length = start_steps, False, length
 
 
 class _State:
@@ -34,6 +39,8 @@ class _State:
     open_passes = 0
     framework = None      # "hf_trainer" / "lightning" while one is training
     told_infinite = False
+    told_interval = False
+    interval = None       # MEMSHIM_EPOCH_INTERVAL (read once memshim has started)
 
 
 state = _State()
@@ -113,7 +120,7 @@ def _begin_pass(loader, it):
         prev = _loader_pass.get(loader)
         if prev is not None:
             closes = _end_locked(prev)  # the last pass over this loader was left early (break)
-        p = _Pass(state.steps)
+        p = _Pass(state.steps, _length(loader))
         state.open_passes += 1
         _loader_pass[loader] = p
         try:
@@ -123,6 +130,14 @@ def _begin_pass(loader, it):
     if closes:
         _close_detected("dataloader")
     _check_infinite(loader)
+
+
+def _length(loader):
+    """Batches in a pass over loader, or None when it has no length (an IterableDataset)."""
+    try:
+        return len(loader)
+    except Exception:  # noqa: BLE001 - TypeError for no __len__; anything else: unknown
+        return None
 
 
 def _check_infinite(loader):
@@ -139,9 +154,12 @@ def _check_infinite(loader):
         return
     if setting("epoch_detect") == 1:
         state.told_infinite = True
-        log(LOG_INFO, "a DataLoader over an IterableDataset without __len__ may never end a pass, and a pass "
-                      "that never ends closes no epoch: set MEMSHIM_EPOCH_STEPS or MEMSHIM_EPOCH_SECONDS for "
-                      "epochs of such a run")
+        n = _interval()
+        log(LOG_WARN, "a DataLoader over an IterableDataset without __len__ may never end a pass, and a pass "
+                      "that never ends closes no epoch: "
+                      + (f"memshim writes an interval report every {n} optimizer steps instead; " if n else "")
+                      + "set MEMSHIM_EPOCH_STEPS=N (an epoch every N optimizer steps) or MEMSHIM_EPOCH_SECONDS=S "
+                        "for epochs of your choosing")
 
 
 def _exhausted(it):
@@ -150,6 +168,28 @@ def _exhausted(it):
         closes = p is not None and _end_locked(p)
     if closes:
         _close_detected("dataloader")
+
+
+def _interval():
+    """MEMSHIM_EPOCH_INTERVAL, once memshim has started (0 before: nothing to report yet)."""
+    if state.interval is None:
+        if setting("started") != 1:
+            return 0
+        v = setting("epoch_interval")
+        state.interval = v if v >= 0 else 0  # -1: a library without the setting
+    return state.interval
+
+
+def _interval_due_locked():
+    """N optimizer steps since the last epoch closed, and nothing in sight that will close one."""
+    n = _interval()
+    if not n or state.steps - state.last_close_steps < n:
+        return False
+    # A pass of known length that is not too long ends soon enough to close the epoch itself.
+    for p in list(_loader_pass.values()):
+        if not p.ended and p.length is not None and p.length <= 16 * n:
+            return False
+    return True
 
 
 def _on_step(optimizer, args, kwargs):
@@ -163,6 +203,23 @@ def _on_step(optimizer, args, kwargs):
     lib = _boot.lib()
     if lib is not None:
         lib.memshim_step_if_started()
+    if setting("epoch_detect") != 1:
+        return
+    with _lock:
+        due = _interval_due_locked()
+        if due:
+            state.last_close_steps = state.steps
+            first = not state.told_interval
+            state.told_interval = True
+    if due:
+        if first:
+            n = _interval()
+            log(LOG_WARN, f"{n} optimizer steps and no epoch has ended (no DataLoader pass that ends: a loop over "
+                          f"get_batch(), an endless sampler, an IterableDataset): memshim writes an interval "
+                          f"report every {n} optimizer steps (reason interval). For epochs of your choosing set "
+                          "MEMSHIM_EPOCH_STEPS=N (every N optimizer steps) or MEMSHIM_EPOCH_SECONDS=S; "
+                          "MEMSHIM_EPOCH_INTERVAL=0 turns interval reports off")
+        close("interval")
 
 
 def install(torch):

@@ -18,7 +18,8 @@ from ._boot import LOG_INFO, LOG_WARN, MODE_AUTO, MODE_OFF, MODE_SEGMENT, MODE_T
 
 
 class _State:
-    decided = False       # the switch was considered (at the first lazy CUDA init)
+    decided = False       # the switch was considered and, if made, is complete (set last, under _lock)
+    deciding = None       # the thread deciding now (its own re-entry must not wait for itself)
     tensor = False        # PyTorch allocates through memshim
     user_choice = None    # why the program's own allocator choice keeps memshim out
     allocator = None      # the CUDAPluggableAllocator (kept alive)
@@ -27,7 +28,10 @@ class _State:
 
 
 state = _State()
-_lock = threading.Lock()
+# Held from the start of the decision until the switch is complete: a first CUDA use from another
+# thread (the pin-memory thread, a DataLoader, the program's threads) waits here, so PyTorch's
+# own initialization can never run before memshim's allocator is in place.
+_lock = threading.RLock()
 _torch = None
 
 # PyTorch's own memory_stats() keys carried by segment-mode epoch reports.
@@ -59,12 +63,16 @@ def on_torch(torch):
     if orig_lazy is not None and not getattr(orig_lazy, "_memshim", False):
         @functools.wraps(orig_lazy)
         def _lazy_init():
+            # `decided` is set only once the switch is complete, so a thread that sees it may go on;
+            # any other waits in _decide() for the thread that is switching.
             if not state.decided and not cuda.is_initialized():
                 _decide()
             return orig_lazy()
         _lazy_init._memshim = True
         # torch.cuda.memory and torch.cuda.random bound it with `from . import _lazy_init`
         _replace(_torch_modules(), "_lazy_init", orig_lazy, _lazy_init)
+    if not cuda.is_initialized():
+        _wrap_init_paths(torch)
 
     for name, why in (("change_current_allocator", "the program set its own allocator (change_current_allocator)"),
                       ("_set_allocator_settings", "the program set PyTorch's allocator settings "
@@ -117,23 +125,131 @@ def _noting(orig, why):
 
 
 def _decide():
+    """Decide the switch once, before PyTorch initializes CUDA. The lock is held until the switch
+    is complete and `decided` is set last: a thread that finds `decided` set may let PyTorch
+    initialize; another one arriving meanwhile waits here."""
+    me = threading.get_ident()
     with _lock:
-        if state.decided:
+        if state.decided or state.deciding == me:  # done, or this thread's own re-entry
             return
-        state.decided = True
-        mode = setting("mode")
-        if mode in (MODE_SEGMENT, MODE_OFF):
-            return
-        why = _why_not(mode)
-        if why:
-            state.why = why
-            log(LOG_WARN if mode == MODE_TENSOR else LOG_INFO, f"memshim stays in segment mode: {why}")
-            return
+        state.deciding = me
         try:
-            _switch()
-        except Exception as exc:  # noqa: BLE001
-            state.why = f"the switch failed ({type(exc).__name__}: {exc})"
-            log(LOG_WARN, f"memshim stays in segment mode: {state.why}")
+            _decide_locked()
+        finally:
+            state.decided = True
+            state.deciding = None
+        _unwrap_init_paths()
+
+
+def _decide_locked():
+    mode = setting("mode")
+    if mode in (MODE_SEGMENT, MODE_OFF):
+        return
+    why = _why_not(mode)
+    if why:
+        state.why = why
+        log(LOG_WARN if mode == MODE_TENSOR else LOG_INFO, f"memshim stays in segment mode: {why}")
+        return
+    try:
+        _switch()
+    except Exception as exc:  # noqa: BLE001
+        state.why = f"the switch failed ({type(exc).__name__}: {exc})"
+        log(LOG_WARN, f"memshim stays in segment mode: {state.why}")
+
+
+# ---- the paths into CUDA that do not pass torch.cuda._lazy_init ------------------------------
+# PyTorch's C++ initializes CUDA itself (at::globalContext().lazyInitDevice(kCUDA), which never
+# calls Python) behind these public entries; docs/pytorch.md lists them, how they were found
+# (tests/torch/init_paths.py) and the one left open (factories called with pin_memory=True: a
+# Python wrapper around torch.empty & co. would break torch.jit.script, which resolves them by
+# identity). memshim decides before each; the wrappers go away once decided, so a pinned copy in
+# the DataLoader's pin-memory thread pays nothing after the first.
+_INIT_PATHS = [  # (module, attribute owner inside it or None, name)
+    ("torch.cuda.memory", None, "_record_memory_history"),
+    ("torch.cuda.memory", None, "_record_memory_history_impl"),
+    ("torch.cuda.memory", None, "_record_memory_history_legacy"),
+    ("torch._C", None, "_cuda_record_memory_history"),
+    ("torch._C", None, "_cuda_record_memory_history_legacy"),
+    ("torch", "Tensor", "pin_memory"),
+    ("torch", "UntypedStorage", "pin_memory"),
+    ("torch", "TypedStorage", "pin_memory"),
+]
+_wrapped = []  # (owner, name, original, wrapper, the owner held it itself)
+
+
+def _cuda_initialized():
+    try:
+        return _torch.cuda.is_initialized()
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _decide_first(owner, name, also=()):
+    """owner.name (and the same object where `also` modules hold it), with the switch decided
+    before it runs. After the decision a call goes to whatever owner.name is then (memshim's
+    history API in tensor mode), else to the original."""
+    orig = getattr(owner, name, None)
+    if orig is None or _is_first(orig):
+        return
+
+    def first(*args, **kwargs):
+        if not state.decided and not _cuda_initialized():
+            _decide()
+        cur = getattr(owner, name, None)
+        if cur is not None and not _is_first(cur):
+            return cur(*args, **kwargs)
+        return orig(*args, **kwargs)
+    try:
+        functools.update_wrapper(first, orig)
+    except (AttributeError, TypeError):
+        pass
+    own = name in getattr(owner, "__dict__", {})
+    try:
+        setattr(owner, name, first)
+    except (AttributeError, TypeError):  # a type that refuses new attributes: leave it
+        return
+    _wrapped.append((owner, name, orig, first, own))
+    for m in also:
+        if m is not None and getattr(m, name, None) is orig:
+            setattr(m, name, first)
+            _wrapped.append((m, name, orig, first, True))
+
+
+_FIRST_CODE = next(c for c in _decide_first.__code__.co_consts if getattr(c, "co_name", None) == "first")
+
+
+def _is_first(fn):
+    # Every wrapper made by _decide_first shares one code object (functools.wraps copies __dict__,
+    # so an attribute mark would be copied onto whatever wraps it later).
+    return getattr(fn, "__code__", None) is _FIRST_CODE
+
+
+def _wrap_init_paths(torch):
+    import importlib
+    for modname, holder, name in _INIT_PATHS:
+        try:
+            owner = importlib.import_module(modname)
+            if holder:
+                owner = getattr(owner, holder)
+        except (ImportError, AttributeError):
+            continue
+        # torch.cuda re-exports some of torch.cuda.memory's names
+        _decide_first(owner, name, also=(torch.cuda,) if modname == "torch.cuda.memory" else ())
+
+
+def _unwrap_init_paths():
+    """Once decided the wrappers have done their work: the originals go back where nothing else
+    replaced them since (memshim's history API stays)."""
+    while _wrapped:
+        owner, name, orig, first, own = _wrapped.pop()
+        try:
+            if getattr(owner, name, None) is first:
+                if own:
+                    setattr(owner, name, orig)
+                else:
+                    delattr(owner, name)  # inherited (torch.Tensor.pin_memory is TensorBase's)
+        except (AttributeError, TypeError):
+            pass
 
 
 def _why_not(mode):
