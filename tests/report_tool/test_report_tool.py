@@ -31,7 +31,8 @@ import zlib
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pyharness import BUILD, ROOT, case, finish, skip  # noqa: E402
 
-TOOL = os.path.join(ROOT, "scripts", "memshim-report")
+TOOL = os.path.join(ROOT, "scripts", "memshim-report")   # the launcher users run
+MODULE = os.path.join(ROOT, "hooks", "python", "memshim", "report.py")  # the tool itself (memshim.report)
 MiB = 1024 * 1024
 SYNTHETIC = "written by tests/report_tool/test_report_tool.py: schema-2 fields the library does not yet produce"
 RANK_VARS = ("RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
@@ -903,7 +904,7 @@ def check_mutations(tmp, steady):
     import importlib.machinery
     import importlib.util
     import random
-    loader = importlib.machinery.SourceFileLoader("memshim_report_tool", TOOL)
+    loader = importlib.machinery.SourceFileLoader("memshim_report_tool", MODULE)
     spec = importlib.util.spec_from_loader(loader.name, loader)
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)

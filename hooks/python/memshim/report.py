@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """memshim-report: what memshim's JSON reports say, for people and for machines.
 
 usage: memshim-report [--json | --csv] [--plot OUT.png|OUT.svg] [--html OUT.html] [--per-process]
@@ -1362,9 +1361,19 @@ def main(argv):
     return 0 if ok else 1
 
 
-if __name__ == "__main__":
+def run(argv):
+    """main() with a closed pipe (`memshim-report DIR | head`) ending quietly: the exit status."""
     try:
-        sys.exit(main(sys.argv[1:]))
-    except BrokenPipeError:  # `memshim-report DIR | head`
+        return main(argv)
+    except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(0)
+        return 0
+
+
+def console_main():
+    """The `memshim-report` console script of the pip package."""
+    return run(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))
