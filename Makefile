@@ -93,10 +93,13 @@ $(TORCH_MK): scripts/torch_flags.py
 GLUE := $(if $(filter 1,$(TORCH_OK)),$(BUILD)/libmemshim_torch.so,)
 TORCH_TESTS := $(if $(filter 1,$(TORCH_OK)),$(BUILD)/tests/torch/memshim_oom_probe$(TORCH_PYEXT),)
 
-.PHONY: all lib double tests check check-asan check-tsan bench demo install install-python clean mutants
+.PHONY: all lib native double tests check check-asan check-tsan bench demo install install-python clean mutants
 all: $(BUILD)/libmemshim.so $(TOOLS) double $(GLUE)
 
 lib: $(BUILD)/libmemshim.so
+
+# What the pip package carries (setup.py: make BUILD=build/pip/make JANSSON=static native).
+native: $(BUILD)/libmemshim.so $(BUILD)/memshim-replay $(BUILD)/memshim-options $(GLUE)
 
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
