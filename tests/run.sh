@@ -65,6 +65,7 @@ quick|all)
         run_suite "reliability" env BUILD="$BUILD" bash tests/reliability/run_reliability.sh
         run_suite "pytorch (allocator API; GPU parts)" env BUILD="$BUILD" python3 tests/gpu/test_torch.py
         run_suite "pytorch on CPU (hook, tensor mode, epochs)" env BUILD="$BUILD" python3 tests/torch/test_torch_cpu.py
+        run_suite "pip package (venv, memshim command)" env BUILD="$BUILD" python3 tests/package/test_package.py
         # issue 5: each parser fuzzed "a minute or so" in CI (all targets at once, 2 cores)
         run_suite "fuzz (libFuzzer, ${FUZZ_SECONDS:-60} s per target)" env FUZZ_SECONDS="${FUZZ_SECONDS:-60}" \
             bash tests/fuzz/run_fuzz.sh
