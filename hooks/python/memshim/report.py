@@ -58,6 +58,11 @@ FRAG_MIN_BYTES = 64 * MiB   # ... and only when the excess is at least this much
 SITE_SHARE = 0.5            # one site "dominates" the peak from this share of the peak's live bytes
 IMBALANCE_RATIO = 1.2       # a rank's peak this far above the median rank's is named
 IMBALANCE_MIN_BYTES = 64 * MiB
+TINY_SHARE = 0.05           # a peak reserved below this share of the capacity gets no memory-need advice
+CAPACITY_SHARE = 0.80       # from this share of the capacity at the peak, capacity is what limits the job
+# Epoch reasons the library writes (docs/reports.md); any other is shown as written and named once.
+KNOWN_REASONS = ("manual", "steps", "seconds", "signal", "exit", "oom", "dataloader", "hf_trainer", "lightning",
+                 "interrupted")
 MATRIX_COLUMNS = 16         # per-rank columns in one block of the text tables
 LEAK_VERDICT = "possible leak: allocated memory grew at every epoch"
 PROG = "memshim-report"
@@ -359,6 +364,10 @@ def build_stream(recs):
         why = notes[-1] if notes else ("reports of schema 1 name no sites" if all(r["schema"] == 1 for r in recs)
                                        else "these reports name no sites")
         sites = {"epoch": None, "kind": None, "allocated_peak_bytes": None, "sites": None, "note": why}
+    totals = [r["device_total"] for r in recs if r["device_total"]]
+    device_total = max(totals) if totals else None
+    limits = [r["last_oom"]["limit_bytes"] for r in recs if r["last_oom"] and r["last_oom"]["limit_bytes"]]
+    limit = limits[-1] if limits else limit_bytes(newest["config"].get("MEMSHIM_LIMIT"), device_total)
     times = [r["wall"] for r in recs if r["wall"] is not None]
     starts = [r["wall"] - r["t_end"] for r in recs if r["wall"] is not None and r["t_end"] is not None]
     p99s = [r["latency"]["alloc_ns"]["p99"] for r in recs
@@ -376,7 +385,36 @@ def build_stream(recs):
         "versions": newest["versions"], "memshim_version": newest["memshim_version"],
         "start": min(starts) if starts else (min(times) if times else None),
         "end": max(times) if times else None,
+        "device_total": device_total, "limit": limit,
+        "capacity": limit if limit else device_total, "capacity_name": "MEMSHIM_LIMIT" if limit else "device",
+        "has_summary": bool(summaries),
+        "interrupted": [r for r in recs if r["kind"] == "epoch" and r["reason"] == "interrupted"],
+        "reasons": sorted({r["reason"] for r in recs if r["reason"]}),
     }
+
+
+def limit_bytes(value, device_total):
+    """MEMSHIM_LIMIT as the reports' config gives it (memshim-options' spelling: 40GiB, 0.9, 0) in
+    bytes; None for no limit or a value this tool cannot read."""
+    if not isinstance(value, str):
+        return None
+    v = value.strip()
+    try:
+        f = float(v)
+        if 0 < f <= 1:
+            return int(f * device_total) if device_total else None
+        return int(f) if f > 1 else None
+    except ValueError:
+        pass
+    units = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": MiB, "MB": MiB, "MIB": MiB, "G": 1024 * MiB,
+             "GB": 1024 * MiB, "GIB": 1024 * MiB, "T": 1024 ** 4, "TB": 1024 ** 4, "TIB": 1024 ** 4}
+    num = v.rstrip("KMGTIBkmgtib ")
+    unit = v[len(num):].strip().upper()
+    try:
+        n = float(num)
+    except ValueError:
+        return None
+    return int(n * units[unit]) if unit in units and n > 0 else None
 
 
 def build_runs(recs):
@@ -520,12 +558,53 @@ def row_json(r):
     }
 
 
+def pct(v):
+    """A share for people: 83%, not 83.33333%; 0.37% or 0.0024% of a device, not 0%."""
+    return f"{100 * v:.0f}%" if 100 * v >= 10 else f"{100 * v:.2g}%"
+
+
+def share_of(s, b):
+    return ratio(b, s["capacity"])
+
+
+def tiny(s):
+    """The stream's peak is a tiny share of its capacity: no advice about memory need."""
+    sh = share_of(s, s["resv_peak"])
+    return sh is not None and sh < TINY_SHARE
+
+
 def advise(run):
-    """Advice items, each backed by the figures it quotes. Items of the same kind and subject on
-    several ranks are merged into one that names the ranks and quotes the worst."""
+    """Advice items, each from one documented rule on the figures (docs/reports.md, "advice"),
+    each quoting the figures it rests on. Items of the same kind and subject on several ranks are
+    merged into one that names the ranks and quotes the worst."""
     items = []   # (group key, severity, stream, figures, render(on) -> text)
     for s in run["streams"]:
         tr = s["trend"]
+        leaking = {(x["file"], x["line"], x["function"]) for x in (tr["growing_sites"] or [])} \
+            if is_leak(tr["verdict"]) else set()
+
+        # unfinished: no summary, or an epoch closed as interrupted
+        last_epoch = max([r["epoch"] for r in s["epochs"]], default=None)
+        if s["interrupted"]:
+            r = s["interrupted"][-1]
+            fig = {"epoch": r["epoch"], "epochs": len(s["epochs"]), "summary": s["has_summary"]}
+
+            def render(on, r=r, n=len(s["epochs"])):
+                return (f"interrupted run{on}: epoch {r['epoch']} was closed early because the job was stopped "
+                        f"(SIGINT or SIGTERM: Ctrl-C, torchrun, Slurm, Kubernetes); the {n} epoch report"
+                        f"{'s' if n != 1 else ''} cover the run up to then, the last one a partial epoch")
+            items.append((("interrupted",), r["epoch"], s, fig, render))
+        if not s["has_summary"]:
+            fig = {"reports": len(s["recs"]), "last_epoch": last_epoch}
+
+            def render(on, n=len(s["recs"]), e=last_epoch):
+                return (f"unfinished run{on}: no summary report, so the process never reached memshim's exit (it is "
+                        "still running, or was killed with SIGKILL or by the OOM killer, crashed, or called os._exit); "
+                        f"the figures stop at its last report ({n} report{'s' if n != 1 else ''}"
+                        + (f", last epoch {e}" if e is not None else ", no epoch closed") + ")")
+            items.append((("unfinished",), 0, s, fig, render))
+
+        # leak: the library's verdict (growth by more than 1 MiB at every epoch boundary)
         if is_leak(tr["verdict"]) and tr["growth"] is not None:
             n, first, last, g = len(tr["series"]), tr["series"][0], tr["series"][-1], tr["growth"]
             gs = tr["growing_sites"]
@@ -541,29 +620,49 @@ def advise(run):
 
             def render(on, n=n, first=first, last=last, g=g, where=where):
                 return (f"steady growth{on}: allocated memory at epoch end rose at every boundary of {n} epochs, "
-                        f"{mib(first)} -> {mib(last)} MiB ({g / MiB:+.1f} MiB/epoch): a leak{where}")
+                        f"{mib(first)} -> {mib(last)} MiB ({g / MiB:+.1f} MiB/epoch): a leak{where}; tensors kept "
+                        "alive across steps (losses appended with their graph, caches, lists of outputs) are the usual "
+                        "cause")
             items.append((("leak", s["label"]), g, s, fig, render))
 
-        # one site dominates the peak
-        si = s["sites"]
-        if si["sites"]:
-            top = max(si["sites"], key=lambda x: x["bytes"])
-            share = ratio(top["bytes"], si["allocated_peak_bytes"])
-            if share is not None and share >= SITE_SHARE:
-                fig = {"epoch": si["epoch"], "site": {k: top[k] for k in ("file", "line", "function")},
-                       "site_bytes": top["bytes"], "allocated_peak_bytes": si["allocated_peak_bytes"], "share": share}
+        # capacity: the peak near the device (or MEMSHIM_LIMIT); the dominant site, when one is
+        cap = s["capacity"]
+        cand = [r for r in s["epochs"] if r["resv_peak"]] or [r for r in s["recs"] if r["resv_peak"]]
+        if cap and cand:
+            r = max(cand, key=lambda x: x["resv_peak"])
+            sh = r["resv_peak"] / cap
+            if sh >= CAPACITY_SHARE:
+                fig = {"epoch": r["epoch"], "reserved_peak_bytes": r["resv_peak"], "allocated_peak_bytes": r["alloc_peak"],
+                       "capacity_bytes": cap, "capacity": s["capacity_name"], "share": sh}
+                si = s["sites"]
+                top = max(si["sites"], key=lambda x: x["bytes"]) if si["sites"] else None
+                tshare = ratio(top["bytes"], si["allocated_peak_bytes"]) if top else None
+                if top and tshare is not None and tshare >= SITE_SHARE:
+                    fig.update(site={k: top[k] for k in ("file", "line", "function")}, site_bytes=top["bytes"],
+                               site_share=tshare, site_epoch=si["epoch"], site_peak_bytes=si["allocated_peak_bytes"])
+                    if (top["file"], top["line"], top["function"]) in leaking:
+                        fix = (f"; its largest site, {site_name(top)} ({pct(tshare)} of the live peak), is the one that "
+                               "grows: fix the leak first")
+                    else:
+                        fix = (f"; one site holds most of it: {site_name(top)}, {mib(top['bytes'])} MiB of the "
+                               f"{mib(si['allocated_peak_bytes'])} MiB live at epoch {si['epoch']} ({pct(tshare)}): "
+                               "activation checkpointing (torch.utils.checkpoint) around it or a smaller batch lowers "
+                               "the peak")
+                else:
+                    fix = ("; a smaller batch or activation checkpointing (torch.utils.checkpoint) lowers the peak" +
+                           ("" if top else " (the reports name no sites to say where)"))
 
-                def render(on, top=top, si=si, share=share):
-                    return (f"one site dominates the peak{on}: {site_name(top)} held {mib(top['bytes'])} MiB of the "
-                            f"{mib(si['allocated_peak_bytes'])} MiB peak ({100 * share:.0f}%) at epoch {si['epoch']}: "
-                            "activation checkpointing (torch.utils.checkpoint) around it or a smaller batch lowers "
-                            "the peak")
-                items.append((("site", top["file"], top["line"], top["function"]), share, s, fig, render))
+                def render(on, r=r, cap=cap, sh=sh, fix=fix, what=s["capacity_name"]):
+                    return (f"near capacity{on}: peak reserved {mib(r['resv_peak'])} MiB at epoch {r['epoch']} is "
+                            f"{pct(sh)} of the {mib(cap)} MiB {'limit (MEMSHIM_LIMIT)' if what == 'MEMSHIM_LIMIT' else 'device'}"
+                            f"{fix}")
+                items.append((("capacity",), sh, s, fig, render))
 
-        # PyTorch's own reserved vs allocated (segment mode, schema 2)
+        small = tiny(s)
+        # fragmentation inside PyTorch's segments (segment mode, schema 2)
         tor = [(r, r["torch"]) for r in s["epochs"] if r["torch"] and r["torch"]["reserved_peak_bytes"] is not None
                and r["torch"]["allocated_peak_bytes"]]
-        if tor:
+        if tor and not small:
             r, t = max(tor, key=lambda x: x[1]["reserved_peak_bytes"] - x[1]["allocated_peak_bytes"])
             rv, al = t["reserved_peak_bytes"], t["allocated_peak_bytes"]
             if rv >= FRAG_RATIO * al and rv - al >= FRAG_MIN_BYTES:
@@ -577,9 +676,9 @@ def advise(run):
                             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets that memory be used")
                 items.append((("torch-frag",), rv / al, s, fig, render))
 
-        # memshim's own pool: reserved well above allocated at an epoch's peak
+        # fragmentation in memshim's own pool: reserved well above allocated at an epoch's peak
         cand = [r for r in s["epochs"] if r["alloc_peak"]] or [r for r in s["recs"] if r["alloc_peak"]]
-        if cand:
+        if cand and not small:
             r = max(cand, key=lambda x: x["resv_peak"] - x["alloc_peak"])
             rv, al, tp = r["resv_peak"], r["alloc_peak"], r["touched_peak"]
             if rv >= FRAG_RATIO * al and rv - al >= FRAG_MIN_BYTES:
@@ -595,14 +694,15 @@ def advise(run):
                 if defrag == "0":
                     fix = "; MEMSHIM_DEFRAG=1 (now 0) lets the pool reclaim and remap cached pages under pressure"
                 else:
-                    fix = ("; the pool reclaims cached pages when memory runs short (MEMSHIM_DEFRAG=" +
-                           (defrag or "n/a") + ")")
+                    fix = ("; the pool reclaims cached pages itself when memory runs short (MEMSHIM_DEFRAG=" +
+                           (defrag or "n/a") + "), and MEMSHIM_EMPTY_CACHE=epoch gives them back to the driver at "
+                           "each epoch for other processes")
                 if r["mode"] == "segment":
                     fix += ("; in segment mode PyTorch's caching allocator chooses the segments: tensor mode or "
                             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
 
                 def render(on, r=r, rv=rv, al=al, parts=parts, fix=fix):
-                    return (f"memory held above the live peak{on}: memshim held {mib(rv)} MiB at the peak of epoch "
+                    return (f"fragmentation{on}: memshim held {mib(rv)} MiB at the peak of epoch "
                             f"{r['epoch']} for {mib(al)} MiB live ({rv / al:.2f}x){parts}{fix}")
                 items.append((("pool-frag", r["mode"], defrag), rv / al, s, fig, render))
 
@@ -630,7 +730,7 @@ def advise(run):
                     elif defrag == "0":
                         t += "; MEMSHIM_DEFRAG=1 (now 0)"
                 elif o["cause"] == "capacity":
-                    t += ": the live set does not fit; a smaller batch or activation checkpointing lowers the peak"
+                    t += ": capacity, the live set does not fit; a smaller batch or activation checkpointing lowers the peak"
                 return t
             items.append((("oom", s["label"]), n_oom, s, fig, render))
 
@@ -639,7 +739,8 @@ def advise(run):
         peaks = [s["alloc_peak"] for s in run["streams"]]
         med = statistics.median(peaks)
         top = max(run["streams"], key=lambda s: (s["alloc_peak"], -(s["rank"] or 0)))
-        if med and top["alloc_peak"] >= IMBALANCE_RATIO * med and top["alloc_peak"] - med >= IMBALANCE_MIN_BYTES:
+        if med and top["alloc_peak"] >= IMBALANCE_RATIO * med and top["alloc_peak"] - med >= IMBALANCE_MIN_BYTES \
+                and not tiny(top):
             fig = {"rank": top["rank"], "allocated_peak_bytes": top["alloc_peak"], "median_bytes": med,
                    "ratio": top["alloc_peak"] / med}
 
@@ -648,6 +749,19 @@ def advise(run):
                         f"{top['alloc_peak'] / med:.2f}x the median rank ({mib(med)} MiB); the job's memory need "
                         "is set by this rank")
             items.append((("imbalance",), top["alloc_peak"] / med, top, fig, render))
+
+    # ranks the run has but that wrote nothing
+    if run["ranked"]:
+        rk = {s["rank"] for s in run["streams"]}
+        missing = sorted(set(range(max(rk) + 1)) - rk)
+        if missing:
+            fig = {"missing_ranks": missing, "ranks_reported": sorted(rk)}
+
+            def render(on, missing=missing, rk=rk):
+                return (f"unreported rank{'s' if len(missing) > 1 else ''}: no reports from rank"
+                        f"{'s' if len(missing) > 1 else ''} {ranges(missing)} (the run has reports from ranks "
+                        f"{ranges(rk)}): they ran without MEMSHIM_REPORT_DIR or ended before their first report")
+            items.append((("unreported",), len(missing), run["streams"][0], fig, render))
 
     # merge per subject
     merged, order = {}, []
@@ -661,7 +775,9 @@ def advise(run):
         grp = merged[key]
         sev, s, fig, render = max(grp, key=lambda x: x[0])
         labels = [x[1] for x in grp]
-        if len(grp) > 1 and all(x["rank"] is not None for x in labels):
+        if key[0] == "unreported":
+            on = ""
+        elif len(grp) > 1 and all(x["rank"] is not None for x in labels):
             on = f" on ranks {ranges([x['rank'] for x in labels])} (figures of {who(s, run)}, the worst)"
         elif len(grp) > 1:
             on = " on devices " + ranges([x["device"] for x in labels]) + f" (figures of {who(s, run)}, the worst)"
@@ -671,7 +787,7 @@ def advise(run):
         fig = dict(fig, rank=s["rank"], device=s["device"],
                    ranks=sorted(x["rank"] for x in labels if x["rank"] is not None))
         out.append({"kind": key[0], "text": render(on), "figures": fig})
-    if not out:
+    if not [a for a in out if a["kind"] not in ("unfinished", "interrupted", "unreported")]:
         worst = max(run["streams"], key=lambda s: ratio(s["resv_peak"], s["alloc_peak"]) or 0)
         r = ratio(worst["resv_peak"], worst["alloc_peak"])
         verdicts = {s["trend"]["verdict"] for s in run["streams"]}
@@ -679,24 +795,21 @@ def advise(run):
         trend = ("too few epochs for a trend (at most %d)" % epochs if verdicts == {"too few epochs"}
                  else "no growth of allocated memory at every epoch")
         w = who(worst, run)
-        text = (f"nothing to change: peak reserved {mib(worst['resv_peak'])} MiB is "
+        sh = share_of(worst, worst["resv_peak"])
+        of = (f" ({pct(sh)} of the {mib(worst['capacity'])} MiB "
+              f"{'limit' if worst['capacity_name'] == 'MEMSHIM_LIMIT' else 'device'})" if sh is not None else "")
+        text = (f"nothing to change: peak reserved {mib(worst['resv_peak'])} MiB{of} is "
                 f"{fnum(r, 2)}x peak allocated {mib(worst['alloc_peak'])} MiB{' on ' + w if w else ''}"
                 f"{' (the highest ratio of the run)' if len(run['streams']) > 1 else ''}, {trend}, no failed request")
         out.append({"kind": "none", "text": text,
                     "figures": {"rank": worst["rank"], "device": worst["device"],
                                 "reserved_peak_bytes": worst["resv_peak"], "allocated_peak_bytes": worst["alloc_peak"],
-                                "ratio": r, "epochs": epochs}})
+                                "ratio": r, "epochs": epochs, "capacity_bytes": worst["capacity"], "share": sh}})
     return out
 
 
 def run_notes(run):
     notes = []
-    if run["ranked"]:
-        rk = {s["rank"] for s in run["streams"]}
-        missing = sorted(set(range(max(rk) + 1)) - rk)
-        if missing:
-            notes.append(f"no reports from rank{'s' if len(missing) > 1 else ''} {ranges(missing)} "
-                         f"(the run has ranks {ranges(rk)})")
     seg = [s for s in run["streams"] if "segment" in s["modes"]]
     if seg and not any(r["torch"] for s in seg for r in s["recs"]):
         notes.append("segment mode: PyTorch's memory_stats() figures are n/a in these reports, so fragmentation "
@@ -704,6 +817,13 @@ def run_notes(run):
     if 1 in run["schemas"]:
         notes.append("schema 1 reports: sites, growing sites, latency percentiles, versions and PyTorch's "
                      "memory_stats() are n/a")
+    other = sorted({x for s in run["streams"] for x in s["reasons"] if x not in KNOWN_REASONS})
+    if other:
+        notes.append(f"epoch reason{'s' if len(other) > 1 else ''} {', '.join(repr(x) for x in other)}: not one this "
+                     "tool knows (a newer memshim?); those reports are read as epochs")
+    if all(s["capacity"] is None for s in run["streams"]):
+        notes.append("the reports carry no device size (memory.device_total_bytes), so no advice judges the peak "
+                     "against the device")
     return notes
 
 
@@ -777,6 +897,16 @@ CSV_COLUMNS = ["run", "file", "schema_version", "host", "pid", "rank", "device",
                "torch_num_ooms", "driver_modelled_seconds", "top_site", "top_site_bytes"]
 
 
+def csv_cell(v):
+    """A CSV cell for people: integers exact (bytes), other numbers to 6 significant digits
+    (0.00048052, not 0.00048051999999999996), n/a where absent."""
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.6g}" if math.isfinite(v) else "n/a"
+    return v
+
+
 def write_csv(runs, out):
     w = csv.writer(out, lineterminator="\n")
     w.writerow(CSV_COLUMNS)
@@ -797,7 +927,7 @@ def write_csv(runs, out):
                 top = max(r["sites"], key=lambda x: x["bytes"]) if r["sites"] else None
                 j["top_site"] = f"{top['file']}:{top['line']}:{top['function']}" if top else None
                 j["top_site_bytes"] = top["bytes"] if top else None
-                w.writerow(["n/a" if j[c] is None else j[c] for c in CSV_COLUMNS])
+                w.writerow([csv_cell(j[c]) for c in CSV_COLUMNS])
 
 
 # ---- text ---------------------------------------------------------------------------------------
@@ -885,6 +1015,11 @@ def sites_lines(s, who_):
     return lines
 
 
+def no_growth(run):
+    what = "rank" if run["ranked"] else "device"
+    return (f"on no {what} (no {what}'s allocated memory at epoch end rose at every epoch boundary)")
+
+
 def text_report(runs, args, nrecs, nfiles_skipped):
     out = []
     out.append(f"{PROG}: {nrecs} report{'s' if nrecs != 1 else ''} in {len(runs)} run{'s' if len(runs) != 1 else ''}"
@@ -936,7 +1071,7 @@ def text_report(runs, args, nrecs, nfiles_skipped):
                     out.append(f"memory grows: {who(s, run)} (host {s['host']}, pid {s['pid']}): {trend_text(s)}")
                     out.append(f"  growing sites: {growing_sites_text(s)}")
             else:
-                out.append(f"memory grows: on no {'rank' if run['ranked'] else 'device'} at every epoch")
+                out.append(f"memory grows: {no_growth(run)}")
         if not multi or args.per_process:
             out.append("")
             rows = [detail_row(r) for s in run["streams"] for r in s["recs"]]
@@ -948,9 +1083,10 @@ def text_report(runs, args, nrecs, nfiles_skipped):
         out.append("")
         h = run["highest"]
         out += sites_lines(h, f" of {who(h, run)}" if multi else "")
-        out.append("")
-        out.append("advice:")
-        out += [f"  - {a['text']}" for a in run["advice"]]
+        if run["advice"]:
+            out.append("")
+            out.append("advice:")
+            out += [f"  - {a['text']}" for a in run["advice"]]
         if run["notes"]:
             out.append("notes:")
             out += [f"  - {n}" for n in run["notes"]]
@@ -1260,15 +1396,16 @@ def to_html(runs, paths, nrecs, skipped):
         out.append(f"<p>Recognised by: {e(run['why'])}. Mode {e('/'.join(run['modes']) or 'n/a')}, schema "
                    f"{e('/'.join(map(str, run['schemas'])))}.</p>")
         out.append("<p>" + "<br>".join(e(v) for v in versions_line(run)) + "</p>")
-        out.append('<h3>Advice</h3><ul class="advice">' + "".join(f"<li>{e(a['text'])}</li>" for a in run["advice"])
-                   + "</ul>")
+        if run["advice"]:
+            out.append('<h3>Advice</h3><ul class="advice">' + "".join(f"<li>{e(a['text'])}</li>" for a in run["advice"])
+                       + "</ul>")
         if run["notes"]:
             out.append('<ul class="notes">' + "".join(f"<li>{e(n)}</li>" for n in run["notes"]) + "</ul>")
         h = run["highest"]
         out.append(f"<p>Highest peak: {e(who(h, run) or 'device ' + str(h['device']))}, "
                    f"{e(mib(h['alloc_peak']))} MiB allocated, {e(mib(h['resv_peak']))} MiB reserved. Memory grows: "
                    + (e("; ".join(f"{who(s, run) or 'device ' + str(s['device'])}: {trend_text(s)}"
-                                  for s in run["growing"])) if run["growing"] else "nowhere at every epoch") + ".</p>")
+                                  for s in run["growing"])) if run["growing"] else e(no_growth(run))) + ".</p>")
         out.append("<h3>Per rank</h3>" if run["ranked"] else "<h3>Per device</h3>")
         rows = [[s["label"], s["host"], str(s["pid"]), str(s["device"]), str(len(s["epochs"])), mib(s["alloc_peak"]),
                  mib(s["resv_peak"]), fnum(ratio(s["resv_peak"], s["alloc_peak"])), fnum(s["frag_max"]),
