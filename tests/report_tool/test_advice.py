@@ -222,7 +222,153 @@ def main():
         page = open(out, encoding="utf-8").read() if os.path.exists(out) else ""
         case("HTML: no 'Memory grows: nowhere at every epoch'; it says on no device",
              p.returncode == 0 and "nowhere" not in page and "Memory grows: on no device" in page, page[-300:])
+
+        check_charts(tmp, D)
     finish()
+
+
+# ---- charts ----------------------------------------------------------------------------------------
+
+def load_tool_module():
+    """The tool as a module (its renderers): the file MSH_REPORT_TOOL names, else memshim.report."""
+    import importlib.machinery
+    import importlib.util
+    path = os.environ.get("MSH_REPORT_TOOL") or os.path.join(ROOT, "hooks", "python", "memshim", "report.py")
+    loader = importlib.machinery.SourceFileLoader("memshim_report_under_test", path)
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def png_rows(data):
+    """RGB rows of a PNG written with filter 0 on every row (the built-in writer), CRCs checked."""
+    import struct
+    import zlib
+    pos, idat = 8, b""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    while pos < len(data):
+        n, tag = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + n]
+        assert zlib.crc32(tag + body) & 0xFFFFFFFF == struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0]
+        if tag == b"IHDR":
+            w, h = struct.unpack(">II", body[:8])
+        elif tag == b"IDAT":
+            idat += body
+        pos += 12 + n
+    raw = zlib.decompress(idat)
+    stride = 3 * w + 1
+    assert all(raw[y * stride] == 0 for y in range(h)), "a row with a filter other than 0"
+    return w, h, [raw[y * stride + 1:(y + 1) * stride] for y in range(h)]
+
+
+def check_charts(tmp, D):
+    mod = load_tool_module()
+    # the bitmap font of the built-in PNG: lower case is not upper case
+    def ink(text):
+        r = mod.Raster(len(text) * mod.CHAR_W, mod.CHAR_H)
+        r.text(0, 0, text, b"\x00\x00\x00", "start")
+        return bytes(r.px)
+    case("built-in PNG font: `vm` is drawn in lower case, not as `VM`", ink("vm") != ink("VM"))
+    glyphs = {c: ink(c) for c in "abcdefghijklmnopqrstuvwxyz"}
+    case("built-in PNG font: every lower-case letter has its own glyph (none drawn as '?' or as its capital)",
+         all(g != ink("?") and g != ink(c.upper()) for c, g in glyphs.items()) and len(set(glyphs.values())) == 26,
+         [c for c, g in glyphs.items() if g in (ink("?"), ink(c.upper()))])
+
+    # a series equal to another: tensor mode's reserved == allocated at every epoch
+    write_run(D("equal"), [(GiB, 2 * GiB, 2 * GiB), (GiB, 3 * GiB, 3 * GiB), (GiB, 2 * GiB, 2 * GiB)],
+              total=8 * GiB)
+    png = os.path.join(tmp, "equal-builtin.png")
+    p = tool(D("equal"), "--plot", png, "--plot-engine", "builtin")
+    if p.returncode != 0 and "plot-engine" in p.stderr:  # a tool without the flag draws built-in anyway
+        p = tool(D("equal"), "--plot", png)
+    try:
+        w, h, rows = png_rows(open(png, "rb").read())
+        top = 12 + mod.RUN_HEAD + mod.PANEL_PAD_T
+        a, r = (bytes.fromhex(c[1:]) for c in mod.PALETTE[:2])
+        seen = {a: 0, r: 0}
+        for y in range(top, top + mod.PLOT_H):
+            row = rows[y]
+            for x in range(mod.MARGIN_L, mod.MARGIN_L + mod.PLOT_W):
+                px = bytes(row[3 * x:3 * x + 3])
+                if px in seen:
+                    seen[px] += 1
+        case("built-in PNG: allocated equal to reserved at every epoch, both lines visible in the chart",
+             seen[a] > 50 and seen[r] > 50, seen)
+    except (OSError, AssertionError, ValueError) as e:
+        case("built-in PNG: allocated equal to reserved, both visible", False, repr(e))
+    svg = os.path.join(tmp, "equal-builtin.svg")
+    tool(D("equal"), "--plot", svg, "--plot-engine", "builtin")
+    text = open(svg, encoding="utf-8").read() if os.path.exists(svg) else ""
+    widths = dict(re.findall(r'stroke="(#[0-9a-f]{6})" stroke-width="(\d+)"[^>]*class="series" data-label="'
+                             r'(?:allocated|reserved)"', text))
+    case("built-in SVG: the equal series differ in width, the legend says reserved (= allocated)",
+         len(set(widths.values())) == 2 and re.search(r">reserved</text>\n<text [^>]*>\(= allocated\)</text>", text),
+         widths)
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        for what in ("PNG", "SVG", "fallback"):
+            skip_ = __import__("pyharness").skip
+            skip_(f"--plot with matplotlib ({what})", "matplotlib is not importable (scripts/setup.sh --with-torch)")
+    else:
+        svg = os.path.join(tmp, "equal-mpl.svg")
+        p = tool(D("equal"), "--plot", svg)
+        text = open(svg, encoding="utf-8").read() if os.path.exists(svg) else ""
+        strokes = [(re.search(r"stroke: (#[0-9a-f]{6})", st).group(1), re.search(r"stroke-width: ([\d.]+)", st).group(1))
+                   for st in re.findall(r'style="([^"]*)"', text) if "stroke: #" in st and "stroke-width" in st]
+        a_w = {float(w) for c, w in strokes if c == mod.PALETTE[0]}
+        r_w = {float(w) for c, w in strokes if c == mod.PALETTE[1]}
+        case("--plot OUT.svg with matplotlib: drawn by matplotlib, text as text (host in lower case)",
+             p.returncode == 0 and "Matplotlib" in text and "host node1" in text, p.stderr[-300:])
+        case("matplotlib: the equal series stay distinguishable (different widths), legend (= allocated)",
+             a_w and r_w and max(a_w) != max(r_w) and "reserved (= allocated)" in text, (a_w, r_w))
+        png = os.path.join(tmp, "equal-mpl.png")
+        p = tool(D("equal"), "--plot", png)
+        data = open(png, "rb").read() if os.path.exists(png) else b""
+        case("--plot OUT.png with matplotlib: a PNG matplotlib wrote", p.returncode == 0 and data[:8] ==
+             b"\x89PNG\r\n\x1a\n" and b"Matplotlib" in data[:400], p.stderr[-300:])
+        env_s = subprocess.run([sys.executable, "-S", "-s", TOOL, D("equal"), "--plot", os.path.join(tmp, "s.png")],
+                               capture_output=True, text=True, timeout=120)
+        data = open(os.path.join(tmp, "s.png"), "rb").read() if os.path.exists(os.path.join(tmp, "s.png")) else b""
+        case("without matplotlib importable (python -S): the built-in PNG, exit 0",
+             env_s.returncode == 0 and data[:8] == b"\x89PNG\r\n\x1a\n" and b"Matplotlib" not in data[:400],
+             env_s.stderr[-300:])
+
+    check_tensorboard(tmp, D)
+
+
+def check_tensorboard(tmp, D):
+    from pyharness import skip
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        skip("--tensorboard LOGDIR", "tensorboard is not importable (scripts/setup.sh --with-torch installs it)")
+        return
+    logdir = os.path.join(tmp, "tb")
+    for rk in (0, 1):
+        write_run(D("tbjob"), [(GiB * (1 + e), 2 * GiB + e * MiB, 3 * GiB) for e in range(4)], total=8 * GiB,
+                  rank=rk)
+    p = tool(D("tbjob"), "--tensorboard", logdir)
+    runs = sorted(os.listdir(logdir)) if os.path.isdir(logdir) else []
+    case("--tensorboard LOGDIR: one TensorBoard run per rank", p.returncode == 0 and runs == ["run1-r0", "run1-r1"],
+         (runs, p.stderr[-300:]))
+    if not runs:
+        return
+    acc = EventAccumulator(os.path.join(logdir, runs[0]))
+    acc.Reload()
+    tags = acc.Tags().get("scalars", [])
+    pk = [(e.step, e.value) for e in acc.Scalars("memshim/allocated_peak_mib")] if tags else []
+    end = [(e.step, e.value) for e in acc.Scalars("memshim/allocated_end_mib")] if tags else []
+    case("--tensorboard: memshim/ scalars per epoch with the reports' figures (step = epoch, MiB)",
+         {"memshim/allocated_peak_mib", "memshim/reserved_peak_mib", "memshim/fragmentation",
+          "memshim/oom_events"} <= set(tags) and pk == [(e, 2048.0 + e) for e in range(4)]
+         and end == [(e, 1024.0 * (1 + e)) for e in range(4)], (tags, pk, end))
+    ev = sorted(os.listdir(os.path.join(logdir, runs[0])))[0]
+    q = tool(D("tbjob"), "--tensorboard", os.path.join(logdir, runs[0], ev, "no"))
+    case("--tensorboard into a path that cannot be a directory: exit 1, said, the table still printed",
+         q.returncode == 1 and "cannot write" in q.stderr and "== run 1" in q.stdout, q.stderr[-300:])
 
 
 if __name__ == "__main__":

@@ -659,7 +659,9 @@ def check_ranks(tmp, d, run1, run2, solo):
 
     # charts: PNG decoded, SVG parsed, both the same size; per-rank lines in the rank colours
     png, svg, page = (os.path.join(tmp, n) for n in ("job.png", "job.svg", "job.html"))
-    a, b = tool(d, "--plot", png), tool(d, "--plot", svg, "--html", page)
+    # the built-in drawing (matplotlib draws --plot when it is importable: tests/report_tool/test_advice.py)
+    a, b = tool(d, "--plot", png, "--plot-engine", "builtin"), tool(d, "--plot", svg, "--plot-engine", "builtin",
+                                                                     "--html", page)
     case("--plot OUT.png / OUT.svg / --html write their files", a.returncode == 0 and b.returncode == 0
          and all(os.path.getsize(p) > 1000 for p in (png, svg, page)), a.stderr + b.stderr)
     try:
@@ -742,7 +744,7 @@ def check_schema2(tmp, steady, leak, job):
            or r["top_site"] != "train.py:42:forward" or r["driver_modelled_seconds"] != "0.25"]
     case("synthetic schema 2: --csv carries latency, top site and driver time", c and not bad, bad[:2])
     png, page = os.path.join(tmp, "s2.png"), os.path.join(tmp, "s2.html")
-    tool(d, "--plot", png, "--html", page)
+    tool(d, "--plot", png, "--plot-engine", "builtin", "--html", page)
     try:
         w, h, colours = decode_png(open(png, "rb").read())
         case("synthetic schema 2: PNG decodes, 1000 px wide, pixels vary", w == 1000 and h > 600 and len(colours) > 5,
@@ -964,7 +966,8 @@ def check_mutations(tmp, steady):
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 for args in ([d], [d, "--json"], [d, "--csv"], [d, "--html", os.path.join(tmp, "m.html"), "--plot",
-                                                                  os.path.join(tmp, "m.svg")]):
+                                                                  os.path.join(tmp, "m.svg"), "--plot-engine",
+                                                                  "builtin"]):
                     rc = mod.main(args)
                     if rc != 0:
                         raise RuntimeError(f"exit {rc}")

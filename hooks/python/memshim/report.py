@@ -1,7 +1,7 @@
 """memshim-report: what memshim's JSON reports say, for people and for machines.
 
-usage: memshim-report [--json | --csv] [--plot OUT.png|OUT.svg] [--html OUT.html] [--per-process]
-                      PATH [PATH ...]
+usage: memshim-report [--json | --csv] [--plot OUT.png|OUT.svg] [--plot-engine auto|matplotlib|builtin]
+                      [--html OUT.html] [--tensorboard LOGDIR] [--per-process] PATH [PATH ...]
 
 PATH is a report directory (searched, with its subdirectories, for memshim-*.json) or report
 files. Reports of schema 1 and 2 are read (docs/reports.md); a field a report does not carry is
@@ -15,25 +15,32 @@ a process starts more than 60 s after every process of the run has ended, which 
 run.
 
 For each run it prints one row per epoch (per-rank columns when the run has several processes),
-the trend verdict with the growing sites, the sites at the peak, and advice drawn from the
-figures: memory held well above the live peak (tensor mode, expandable segments, defrag), one
-site holding most of the peak (that site: activation checkpointing or a smaller batch), growth at
-every epoch (a leak, at the sites that grow), one rank far above the others, OOMs.
+the trend verdict with the growing sites, the sites at the peak, and advice, each item from one
+documented rule on the figures (docs/reports.md, "Advice"): a leak (growth at every epoch, at
+the sites that grow), capacity (the peak near the device or MEMSHIM_LIMIT, with the site that
+holds most of it), fragmentation (memory held well above the live peak: what helps), OOMs, one
+rank far above the others, runs that did not finish or were interrupted, ranks without reports.
 
   --json          one JSON document (shape in docs/reports.md, "memshim-report")
-  --csv           one CSV row per report (bytes as integers; n/a where a field is absent)
+  --csv           one CSV row per report (bytes as integers; other numbers to 6 significant
+                  digits; n/a where a field is absent)
   --plot OUT      per-epoch peak allocated and reserved, fragmentation and allocated memory at
-                  epoch end, one line per rank: OUT.svg or OUT.png (both drawn by this script)
+                  epoch end, one line per rank: OUT.png or OUT.svg, drawn with matplotlib when it
+                  is importable, else by this script (--plot-engine builtin: always by this script)
   --html OUT      one self-contained page: charts (inline SVG), tables, sites, advice
+  --tensorboard LOGDIR  the per-epoch figures as TensorBoard scalars (memshim/...), one
+                  TensorBoard run per process and device (needs the tensorboard package)
   --per-process   in runs of several processes, also print every process's epoch rows
 
-Exit status: 0 when reports were read, 1 when none were (or an output file could not be
-written), 2 for a usage error. Standard library only.
+Exit status: 0 when reports were read, 1 when none were (or an output could not be written),
+2 for a usage error. Python's standard library is enough; matplotlib and tensorboard are used
+when they are importable.
 """
-# This script turns report files into tables, JSON, CSV, SVG, PNG and HTML. It must never write
-# into the report directory, never stop on one bad file (it names it and goes on), never say a
-# thing it cannot back with a figure from the reports, and never need more than Python's standard
-# library: users run it on login nodes and laptops where nothing else is installed.
+# This module turns report files into tables, JSON, CSV, SVG, PNG, HTML and TensorBoard events.
+# It must never write into the report directory, never stop on one bad file (it names it and goes
+# on), never say a thing it cannot back with a figure from the reports, and never need more than
+# Python's standard library: users run it on login nodes and laptops where nothing else is
+# installed (matplotlib and tensorboard are used only when they import).
 import argparse
 import csv
 import html
@@ -1181,21 +1188,33 @@ def panel(fig, top, title, unit, series, zero_based, fixed=None):
             continue
         p = [(X(e), Y(v)) for e, v in s["points"]]
         meta = {"label": s["label"], "epochs": [e for e, _ in s["points"]], "values": [v for _, v in s["points"]]}
-        fig.line(p, s["color"], 2, s["dash"], meta)
+        # a series another one equals is drawn wide underneath it: both stay visible
+        wide = s.get("under", False)
+        fig.line(p, s["color"], 6 if wide else 2, s["dash"], meta)
+        m = 9 if wide else 5
         for x, y in p:
-            fig.rect(x - 2.5, y - 2.5, 5, 5, s["color"])
+            fig.rect(x - m / 2, y - m / 2, m, m, s["color"])
     # legend: colour keys right of the plot
     lx, ly = x0 + PLOT_W + 14, y0
-    keys = [(s["label"], s["color"], s["dash"]) for s in series if s.get("legend", True)]
+    keys = [(s.get("legend_label", s["label"]), s["color"], s["dash"]) for s in series if s.get("legend", True)]
     keys += [(k, FRAME, d) for k, d in (series[0].get("style_keys") or [])]
     room = PLOT_H // 18
     if len(keys) > room:
         keys = keys[:room - 1] + [(f"+{len(keys) - room + 1} more", None, False)]
+    width = (MARGIN_R - 46) // CHAR_W
     for label, color, dash in keys:
         if color:
             fig.line([(lx, ly + 7), (lx + 24, ly + 7)], color, 3, dash)
-        fig.text(lx + 32, ly, label[:(MARGIN_R - 46) // CHAR_W])
-        ly += 18
+        # a long label ("reserved (= allocated)") goes on two lines, broken before "(" or at a space
+        parts = [label]
+        if len(label) > width:
+            cut = label.find(" (")
+            cut = cut if 0 < cut <= width else label.rfind(" ", 0, width + 1)
+            if cut > 0:
+                parts = [label[:cut], label[cut + 1:]]
+        for part in parts:
+            fig.text(lx + 32, ly, part[:width])
+            ly += 18
     fig.end_group()
 
 
@@ -1203,9 +1222,22 @@ def run_height(run):
     return RUN_HEAD + 3 * PANEL_H
 
 
-def draw_run(fig, run, top):
-    fig.text(12, top + 10, f"run {run['index']}: {run['what']}"[:(FIG_W - 24) // CHAR_W])
-    top += RUN_HEAD
+def mark_equal(series):
+    """A series whose points equal an earlier one's in the same panel would be drawn exactly over
+    it (tensor mode: reserved often equals allocated). The earlier one is drawn wide underneath
+    (`under`) and each legend says what it equals, so both stay visible."""
+    for i, s in enumerate(series):
+        for t in series[:i]:
+            if s["points"] and s["points"] == t["points"]:
+                t["under"] = True
+                s["legend_label"] = f"{s['label']} (= {t['label']})"
+                t.setdefault("legend_label", f"{t['label']} (= {s['label']})")
+                break
+    return series
+
+
+def run_panels(run):
+    """The three charts of a run, for every renderer: (title, unit, series, zero_based, fixed)."""
     streams = run["streams"]
     one = len(streams) == 1
     colors = {id(s): PALETTE[i % len(PALETTE)] for i, s in enumerate(streams)}
@@ -1221,16 +1253,23 @@ def draw_run(fig, run, top):
             mem.append({"label": s["label"] + " reserved", "color": colors[id(s)], "dash": True,
                         "points": pts(s, "resv_peak"), "legend": False})
         mem[0]["style_keys"] = [("allocated", False), ("reserved", True)]
-    panel(fig, top, "peak allocated and reserved per epoch (MiB)", "MiB", mem, True)
-    top += PANEL_H
     frag = [{"label": "fragmentation" if one else s["label"], "color": PALETTE[2] if one else colors[id(s)],
              "dash": False, "points": [(r["epoch"], r["frag"]) for r in s["epochs"] if r["frag"] is not None]}
             for s in streams]
-    panel(fig, top, "fragmentation: 1 - largest free extent / free bytes in mapped pages", "", frag, True, (0.0, 1.0))
-    top += PANEL_H
     end = [{"label": "at epoch end" if one else s["label"], "color": PALETTE[3] if one else colors[id(s)],
             "dash": False, "points": [(r["epoch"], r["alloc_end"] / MiB) for r in s["epochs"]]} for s in streams]
-    panel(fig, top, "allocated at epoch end (MiB; a line rising every epoch is a leak)", "MiB", end, False)
+    return [("peak allocated and reserved per epoch (MiB)", "MiB", mark_equal(mem), True, None),
+            ("fragmentation: 1 - largest free extent / free bytes in mapped pages", "", mark_equal(frag), True,
+             (0.0, 1.0)),
+            ("allocated at epoch end (MiB; a line rising every epoch is a leak)", "MiB", mark_equal(end), False, None)]
+
+
+def draw_run(fig, run, top):
+    fig.text(12, top + 10, f"run {run['index']}: {run['what']}"[:(FIG_W - 24) // CHAR_W])
+    top += RUN_HEAD
+    for title, unit, series, zero_based, fixed in run_panels(run):
+        panel(fig, top, title, unit, series, zero_based, fixed)
+        top += PANEL_H
 
 
 def figure_for(runs):
@@ -1275,8 +1314,8 @@ def to_svg(fig, standalone=True):
     return "\n".join(out) + "\n"
 
 
-# A 5x7 bitmap font for the PNG: each glyph is seven rows, bit 4 the leftmost column. Lower case
-# is drawn as upper case; anything else as '?'.
+# A 5x7 bitmap font for the PNG drawn without matplotlib: each glyph is seven rows, bit 4 the
+# leftmost column; lower case has its own glyphs (a host `vm` is not `VM`); anything else is '?'.
 FONT = {
     "0": (14, 17, 19, 21, 25, 17, 14), "1": (4, 12, 4, 4, 4, 4, 14), "2": (14, 17, 1, 2, 4, 8, 31),
     "3": (31, 2, 4, 2, 1, 17, 14), "4": (2, 6, 10, 18, 31, 2, 2), "5": (31, 16, 30, 1, 1, 17, 14),
@@ -1296,6 +1335,17 @@ FONT = {
     "%": (24, 25, 2, 4, 8, 19, 3), "_": (0, 0, 0, 0, 0, 0, 31), "=": (0, 0, 31, 0, 31, 0, 0),
     "<": (2, 4, 8, 16, 8, 4, 2), ">": (8, 4, 2, 1, 2, 4, 8), "[": (14, 8, 8, 8, 8, 8, 14),
     "]": (14, 2, 2, 2, 2, 2, 14), "'": (4, 4, 8, 0, 0, 0, 0), "?": (14, 17, 1, 2, 4, 0, 4),
+    "!": (4, 4, 4, 4, 4, 0, 4), "*": (0, 4, 21, 14, 21, 4, 0), "#": (10, 10, 31, 10, 31, 10, 10),
+    "&": (12, 18, 20, 8, 21, 18, 13), '"': (10, 10, 0, 0, 0, 0, 0), "|": (4, 4, 4, 4, 4, 4, 4),
+    "a": (0, 0, 14, 1, 15, 17, 15), "b": (16, 16, 22, 25, 17, 17, 30), "c": (0, 0, 14, 16, 16, 17, 14),
+    "d": (1, 1, 13, 19, 17, 17, 15), "e": (0, 0, 14, 17, 31, 16, 14), "f": (6, 9, 8, 28, 8, 8, 8),
+    "g": (0, 15, 17, 17, 15, 1, 14), "h": (16, 16, 22, 25, 17, 17, 17), "i": (4, 0, 12, 4, 4, 4, 14),
+    "j": (2, 0, 6, 2, 2, 18, 12), "k": (16, 16, 18, 20, 24, 20, 18), "l": (12, 4, 4, 4, 4, 4, 14),
+    "m": (0, 0, 26, 21, 21, 17, 17), "n": (0, 0, 22, 25, 17, 17, 17), "o": (0, 0, 14, 17, 17, 17, 14),
+    "p": (0, 0, 30, 17, 30, 16, 16), "q": (0, 0, 13, 19, 15, 1, 1), "r": (0, 0, 22, 25, 16, 16, 16),
+    "s": (0, 0, 14, 16, 14, 1, 30), "t": (8, 8, 28, 8, 8, 9, 6), "u": (0, 0, 17, 17, 17, 19, 13),
+    "v": (0, 0, 17, 17, 17, 10, 4), "w": (0, 0, 17, 17, 21, 21, 10), "x": (0, 0, 17, 10, 4, 10, 17),
+    "y": (0, 0, 17, 17, 15, 1, 14), "z": (0, 0, 31, 2, 4, 8, 31),
 }
 
 
@@ -1335,7 +1385,7 @@ class Raster:
         w = len(s) * CHAR_W
         x -= w if anchor == "end" else w / 2 if anchor == "middle" else 0
         for i, ch in enumerate(s):
-            glyph = FONT.get(ch.upper(), FONT["?"])
+            glyph = FONT.get(ch) or FONT["?"]
             for r, bits in enumerate(glyph):
                 for col in range(5):
                     if bits & (16 >> col):
@@ -1358,6 +1408,121 @@ def to_png(fig):
         return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", ras.w, ras.h, 8, 2, 0, 0, 0))
             + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+
+
+# ---- charts with matplotlib (when it is importable) -----------------------------------------------
+
+def matplotlib_version():
+    """matplotlib's version when it can be imported, else None (the built-in drawing is used)."""
+    try:
+        import matplotlib
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
+        from matplotlib.figure import Figure as _F  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure: draw without it
+        return None
+    return matplotlib.__version__
+
+
+def to_matplotlib(runs, fmt):
+    """The same charts as the built-in drawing (run_panels), drawn with matplotlib's object API (no
+    pyplot, no display): bytes of a PNG or an SVG (text kept as text)."""
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure as MplFigure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+    panels = [(run, p) for run in runs for p in run_panels(run)]
+    fig = MplFigure(figsize=(11, 3.1 * len(panels)), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    for i, (ax, (run, (title, unit, series, zero_based, fixed))) in enumerate(zip(axes, panels)):
+        head = f"run {run['index']}: {run['what']}\n" if i % 3 == 0 else ""
+        ax.set_title(head + title, loc="left", fontsize=10)
+        ax.grid(True, color=GRID, linewidth=0.8)
+        ax.set_xlabel("epoch")
+        if unit:
+            ax.set_ylabel(unit)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if not any(sr["points"] for sr in series):
+            ax.text(0.5, 0.5, "no epoch reports", ha="center", va="center", transform=ax.transAxes, color=FRAME)
+            continue
+        handles = []
+        for sr in series:
+            if not sr["points"]:
+                continue
+            xs, ys = zip(*sr["points"])
+            wide = sr.get("under", False)
+            (ln,) = ax.plot(xs, ys, color=sr["color"], linestyle="--" if sr["dash"] else "-",
+                            linewidth=5.5 if wide else 1.8, alpha=0.45 if wide else 1.0, marker="o" if wide else "s",
+                            markersize=8 if wide else 4, zorder=1 if wide else 2,
+                            label=sr.get("legend_label", sr["label"]))
+            if sr.get("legend", True):
+                handles.append(ln)
+        for label, dash in series[0].get("style_keys") or []:
+            handles.append(Line2D([], [], color=FRAME, linestyle="--" if dash else "-", label=label))
+        if len(handles) > 16:
+            more = Line2D([], [], color="none", label=f"+{len(handles) - 15} more")
+            handles = handles[:15] + [more]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+        if fixed:
+            ax.set_ylim(*fixed)
+        elif zero_based:
+            top = max(v for sr in series for _, v in sr["points"])
+            ax.set_ylim(0, top * 1.08 if top > 0 else 1)
+    buf = io.BytesIO()
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "memshim"}):
+        fig.savefig(buf, format=fmt, dpi=100, metadata={"Date": None} if fmt == "svg" else None)
+    return buf.getvalue()
+
+
+# ---- TensorBoard ----------------------------------------------------------------------------------
+
+TB_SCALARS = (  # tag, what (from an epoch row)
+    ("memshim/allocated_peak_mib", lambda r: r["alloc_peak"] / MiB),
+    ("memshim/reserved_peak_mib", lambda r: r["resv_peak"] / MiB),
+    ("memshim/allocated_end_mib", lambda r: r["alloc_end"] / MiB),
+    ("memshim/reserved_over_allocated", lambda r: ratio(r["resv_peak"], r["alloc_peak"])),
+    ("memshim/fragmentation", lambda r: r["frag"]),
+    ("memshim/oom_events", lambda r: r["ooms"]),
+    ("memshim/oom_rescues", lambda r: None if all(v is None for v in r["rescued"].values())
+     else sum(v or 0 for v in r["rescued"].values())),
+)
+
+
+def tb_run_name(run, s):
+    return f"run{run['index']}-{s['label']}"
+
+
+def to_tensorboard(runs, logdir):
+    """One TensorBoard run (a subdirectory of logdir) per process and device, a scalar per figure
+    and epoch (step = epoch, wall time = the report's). Returns (ok, message)."""
+    try:
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    except Exception as e:  # noqa: BLE001 - any failure: no TensorBoard here
+        return False, (f"--tensorboard: the tensorboard package cannot be imported ({type(e).__name__}: {e}); "
+                       "pip install tensorboard")
+    n = 0
+    try:
+        for run in runs:
+            for s in run["streams"]:
+                d = os.path.join(logdir, tb_run_name(run, s))
+                os.makedirs(d, exist_ok=True)
+                if any(f.startswith("events.out.tfevents") for f in os.listdir(d)):
+                    note(f"--tensorboard: {d} already holds event files (an earlier export?); TensorBoard shows both")
+                w = EventFileWriter(d)
+                for r in s["epochs"]:
+                    vals = [summary_pb2.Summary.Value(tag=tag, simple_value=float(v))
+                            for tag, fn in TB_SCALARS for v in [fn(r)] if v is not None]
+                    ev = event_pb2.Event(wall_time=float(r["wall"] or 0), step=r["epoch"],
+                                         summary=summary_pb2.Summary(value=vals))
+                    w.add_event(ev)
+                    n += len(vals)
+                w.flush()
+                w.close()
+    except OSError as e:
+        return False, f"--tensorboard: cannot write {logdir}: {e.strerror or e}"
+    return True, f"wrote {n} scalars to {logdir} (tensorboard --logdir {logdir})"
 
 
 # ---- HTML ---------------------------------------------------------------------------------------
@@ -1462,7 +1627,9 @@ def main(argv):
     g.add_argument("--json", action="store_true")
     g.add_argument("--csv", action="store_true")
     ap.add_argument("--plot", metavar="OUT")
+    ap.add_argument("--plot-engine", choices=("auto", "matplotlib", "builtin"), default="auto")
     ap.add_argument("--html", metavar="OUT")
+    ap.add_argument("--tensorboard", metavar="LOGDIR")
     ap.add_argument("--per-process", action="store_true")
     args = ap.parse_args(argv)
     if args.help:
@@ -1491,10 +1658,26 @@ def main(argv):
         sys.stdout.write(text_report(runs, args, len(recs), len([s for s in skipped])))
     ok = True
     if args.plot:
-        fig = figure_for(runs)
-        ok &= write_out(args.plot, to_png(fig) if args.plot.lower().endswith(".png") else to_svg(fig))
+        fmt = "png" if args.plot.lower().endswith(".png") else "svg"
+        mpl = matplotlib_version() if args.plot_engine != "builtin" else None
+        if args.plot_engine == "matplotlib" and not mpl:
+            note("--plot-engine matplotlib: matplotlib cannot be imported here; drawing with the built-in renderer")
+        data = None
+        if mpl:
+            try:
+                data = to_matplotlib(runs, fmt)
+            except Exception as e:  # noqa: BLE001 - a matplotlib failure must not lose the chart
+                note(f"matplotlib {mpl} failed ({type(e).__name__}: {e}); drawing with the built-in renderer")
+        if data is None:
+            fig = figure_for(runs)
+            data = to_png(fig) if fmt == "png" else to_svg(fig)
+        ok &= write_out(args.plot, data)
     if args.html:
         ok &= write_out(args.html, to_html(runs, args.paths, len(recs), skipped))
+    if args.tensorboard:
+        done, msg = to_tensorboard(runs, args.tensorboard)
+        note(msg)
+        ok &= done
     return 0 if ok else 1
 
 
