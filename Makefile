@@ -145,7 +145,11 @@ $(DOUBLE_DIR)/libcudart.so.13: tests/cudadouble/cudart_double.c
 	ln -sf libcudart.so.13 $(DOUBLE_DIR)/libcudart.so
 
 # ---- tests -------------------------------------------------------------------------------------
-tests: all $(UNIT_BIN) $(PRELOAD_BIN) $(TORCH_TESTS)
+tests: all $(UNIT_BIN) $(PRELOAD_BIN) $(TORCH_TESTS) $(BUILD)/gpu-vmm-cost
+
+# The GPU check's VMM cost probe (tests/gpu/run_gpu_checks.sh): the driver by dlopen, glibc only.
+$(BUILD)/gpu-vmm-cost: tests/gpu/vmm_cost.c policy/drvcost.c policy/drvcost.h
+	$(CC) $(CFLAGS) -o $@ tests/gpu/vmm_cost.c policy/drvcost.c $(LDFLAGS) $(LIBS)
 
 # A Python extension whose one function calls the glue inside PyTorch's HANDLE_TH_ERRORS, so the
 # OOM test goes through PyTorch's own C++ -> Python error translation.

@@ -67,6 +67,8 @@ quick|all)
         run_suite "pytorch (allocator API; GPU parts)" env BUILD="$BUILD" python3 tests/gpu/test_torch.py
         run_suite "pytorch on CPU (hook, tensor mode, epochs)" env BUILD="$BUILD" python3 tests/torch/test_torch_cpu.py
         run_suite "pip package (venv, memshim command)" env BUILD="$BUILD" python3 tests/package/test_package.py
+        run_suite "GPU check --dry-run (every step, double)" bash -c \
+            'bash tests/gpu/run_gpu_checks.sh --prepare >/tmp/memshim-gpu-prepare.log 2>&1 || { tail -20 /tmp/memshim-gpu-prepare.log; exit 1; }; env -u OUT bash tests/gpu/run_gpu_checks.sh --dry-run'
         # issue 5: each parser fuzzed "a minute or so" in CI (all targets at once, 2 cores)
         run_suite "fuzz (libFuzzer, ${FUZZ_SECONDS:-60} s per target)" env FUZZ_SECONDS="${FUZZ_SECONDS:-60}" \
             bash tests/fuzz/run_fuzz.sh
