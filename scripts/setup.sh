@@ -17,6 +17,7 @@ done
 need=()
 have() { command -v "$1" >/dev/null 2>&1; }
 have gcc || need+=(gcc)
+have g++ || need+=(g++)   # the PyTorch glue (libmemshim_torch.so) is C++
 have make || need+=(make)
 have clang || need+=(clang)
 have readelf || need+=(binutils)

@@ -26,6 +26,9 @@ import zipfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+# Each check here waits for processes that import PyTorch (seconds each, a minute on a loaded CI
+# machine): 300 s per check unless MSH_TEST_TIMEOUT says otherwise.
+os.environ.setdefault("MSH_TEST_TIMEOUT", "300")
 from pyharness import BUILD, ROOT, case, finish, skip, step  # noqa: E402
 
 DOUBLE = os.path.join(BUILD, "double")
@@ -243,6 +246,14 @@ def check_venv(tmp, hdr_env, info):
         cfg = json.load(open(os.path.join(away, "rep", reps[-1]))).get("config", {})
         case("the flags reached the job as settings (MEMSHIM_LIMIT from --limit)",
              str(cfg.get("MEMSHIM_LIMIT", {}).get("value", "")).startswith("4"), cfg.get("MEMSHIM_LIMIT"))
+    # every rank of a launcher inherits it through the environment: torchrun with 2 ranks
+    step("memshim run -- torchrun (2 ranks)", timeout=300)
+    rc, so, se = sh([memshim, "run", "--report-dir", "rep-ranks", "--", py, "-m", "torch.distributed.run",
+                     "--standalone", "--nproc-per-node", "2", "train.py"], dbl, cwd=away, timeout=300)
+    got = sorted(os.listdir(os.path.join(away, "rep-ranks"))) if os.path.isdir(os.path.join(away, "rep-ranks")) else []
+    case("memshim run -- torchrun --nproc-per-node 2: both ranks write their reports (rank0 and rank1 summaries)",
+         rc == 0 and [f for f in got if f.endswith("-summary.json") and "-rank0-" in f]
+         and [f for f in got if f.endswith("-summary.json") and "-rank1-" in f], (rc, got, se[-600:]))
     probe = ("import os, sys, torch\ntry:\n    torch.empty(1, device='cuda')\nexcept Exception:\n    pass\n"
              "from memshim import _torch as mt\nprint('PROBE', os.environ['LD_PRELOAD'], mt.state.tensor)")
     rc, so, se = sh([memshim, "run", "--", py, "-c", probe], dict(dbl, LD_PRELOAD="libm.so.6"), cwd=away)
