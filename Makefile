@@ -12,15 +12,46 @@ SAN     ?=
 OPT     ?= -O2
 
 CUDA_HOME ?= $(firstword $(wildcard /usr/local/cuda) $(wildcard /usr/local/cuda-*))
-CUDA_INC  := $(CUDA_HOME)/include
+CUDA_INC  ?= $(CUDA_HOME)/include
 ifeq ($(wildcard $(CUDA_INC)/cuda.h),)
   $(error CUDA headers not found (looked for cuda.h in '$(CUDA_INC)'). Set CUDA_HOME to a CUDA toolkit, or install one (Debian: apt-get install nvidia-cuda-toolkit-headers, or the NVIDIA CUDA toolkit). Only the headers are needed to build)
+endif
+# Directories searched after CUDA_INC: PyTorch's CUDA wheels split the headers (torch 2.15's
+# nvidia/cu13/include has cuda_runtime_api.h but not the crt/host_defines.h it includes; triton's
+# copy has it). Set by the pip build (docs/install.md).
+CUDA_INC_AFTER ?=
+CUDA_CPPFLAGS := -I$(CUDA_INC) $(addprefix -idirafter ,$(CUDA_INC_AFTER))
+# The Python that scripts/torch_flags.py runs with: the one whose PyTorch the glue is built for.
+PYTHON ?= python3
+
+# jansson for the JSON reports. dlopen (the default): libjansson.so.4 is loaded at run time when
+# the machine has it. static: libjansson.a is linked into libmemshim.so (its symbols stay local:
+# shim/exports.map) and into memshim-replay, so reports need nothing on the machine and NEEDED is
+# still glibc only; the pip package and the GPU check are built so. A change of mode rebuilds.
+JANSSON ?= dlopen
+JANSSON_A ?= $(shell $(CC) -print-file-name=libjansson.a)
+ifeq ($(JANSSON),static)
+  ifeq ($(wildcard $(JANSSON_A)),)
+    $(error JANSSON=static: libjansson.a not found (Debian: apt-get install libjansson-dev; or set JANSSON_A))
+  endif
+  JANSSON_CFLAGS := -DMSH_JANSSON_STATIC
+  JANSSON_LIB    := $(JANSSON_A)
+  TOOL_JANSSON   := $(JANSSON_A) $(or $(wildcard $(shell $(CC) -print-file-name=libz.a)),-lz)
+else ifeq ($(JANSSON),dlopen)
+  JANSSON_CFLAGS :=
+  JANSSON_LIB    :=
+  TOOL_JANSSON   := -ljansson -lz
+else
+  $(error JANSSON=$(JANSSON): use dlopen or static)
+endif
+ifeq ($(filter clean,$(MAKECMDGOALS)),)
+  $(shell mkdir -p $(BUILD) && { [ "$$(cat $(BUILD)/jansson.mode 2>/dev/null)" = "$(JANSSON)" ] || echo $(JANSSON) > $(BUILD)/jansson.mode; })
 endif
 
 SANFLAGS := $(if $(SAN),-fsanitize=$(SAN) -fno-omit-frame-pointer -fno-sanitize-recover=undefined,)
 CFLAGS  ?= $(OPT) -g
 CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -fPIC -pthread \
-           -fvisibility=hidden -Ishim -Ipolicy -Ipolicy/models -Ireport -Ireport/trace -I$(CUDA_INC) $(SANFLAGS)
+           -fvisibility=hidden -Ishim -Ipolicy -Ipolicy/models -Ireport -Ireport/trace $(CUDA_CPPFLAGS) $(JANSSON_CFLAGS) $(SANFLAGS)
 # TLS descriptors (x86-64 GCC; arm64 has them by default): a thread-local in the preloaded
 # library then costs a load, not a call to __tls_get_addr; the allocation path reads several.
 TLS_DIALECT := $(shell $(CC) -mtls-dialect=gnu2 -fPIC -x c -c /dev/null -o /dev/null 2>/dev/null && echo -mtls-dialect=gnu2)
@@ -58,24 +89,29 @@ endif
 endif
 $(TORCH_MK): scripts/torch_flags.py
 	@mkdir -p $(dir $@)
-	python3 scripts/torch_flags.py $@ > $@.tmp 2>/dev/null && mv $@.tmp $@
+	$(PYTHON) scripts/torch_flags.py $@ > $@.tmp 2>/dev/null && mv $@.tmp $@
 GLUE := $(if $(filter 1,$(TORCH_OK)),$(BUILD)/libmemshim_torch.so,)
 TORCH_TESTS := $(if $(filter 1,$(TORCH_OK)),$(BUILD)/tests/torch/memshim_oom_probe$(TORCH_PYEXT),)
 
-.PHONY: all lib double tests check check-asan check-tsan bench demo install install-python clean mutants
+.PHONY: all lib native double tests check check-asan check-tsan bench demo install install-python clean mutants
 all: $(BUILD)/libmemshim.so $(TOOLS) double $(GLUE)
 
 lib: $(BUILD)/libmemshim.so
+
+# What the pip package carries (setup.py: make BUILD=build/pip/make JANSSON=static native).
+native: $(BUILD)/libmemshim.so $(BUILD)/memshim-replay $(BUILD)/memshim-options $(GLUE)
 
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
 
-$(BUILD)/libmemshim.so: $(LIB_OBJ) shim/exports.map
-	$(CC) -shared -o $@ $(LIB_OBJ) $(LDFLAGS) -Wl,--version-script=shim/exports.map $(if $(SAN),,-Wl,-z,defs) -Wl,-z,nodelete $(LIBS)
+$(BUILD)/obj/report/report.o: $(BUILD)/jansson.mode
+
+$(BUILD)/libmemshim.so: $(LIB_OBJ) shim/exports.map $(BUILD)/jansson.mode
+	$(CC) -shared -o $@ $(LIB_OBJ) $(JANSSON_LIB) $(LDFLAGS) -Wl,--version-script=shim/exports.map $(if $(SAN),,-Wl,-z,defs) -Wl,-z,nodelete $(LIBS)
 
 $(BUILD)/libmemshim_torch.so: shim/torch_glue.cpp $(TORCH_MK)
-	$(CXX) -std=c++17 $(OPT) -g -fPIC -shared -fvisibility=hidden -Wall -Wextra $(TORCH_CXXFLAGS) -I$(CUDA_INC) \
+	$(CXX) -std=c++17 $(OPT) -g -fPIC -shared -fvisibility=hidden -Wall -Wextra $(TORCH_CXXFLAGS) $(CUDA_CPPFLAGS) \
 	    -DMSH_TORCH_VERSION='"$(TORCH_VERSION)"' -o $@ $< -L$(TORCH_LIBDIR) -Wl,-rpath,$(TORCH_LIBDIR) -lc10 -ldl
 
 $(BUILD)/libmemshim_core.a: $(CORE_OBJ)
@@ -86,7 +122,7 @@ $(BUILD)/libmemshim_trace.a: $(TRACE_OBJ)
 
 # ---- tools -----------------------------------------------------------------------------------
 $(BUILD)/memshim-replay: $(BUILD)/obj/report/replay/main.o $(BUILD)/libmemshim_trace.a $(BUILD)/libmemshim_core.a
-	$(CC) -o $@ $^ $(LDFLAGS) -ljansson -lz $(LIBS)
+	$(CC) -o $@ $^ $(LDFLAGS) $(TOOL_JANSSON) $(LIBS)
 
 $(BUILD)/memshim-options: $(BUILD)/obj/tests/tools/options_main.o $(BUILD)/libmemshim_core.a
 	$(CC) -o $@ $^ $(LDFLAGS) $(LIBS)
@@ -109,13 +145,17 @@ $(DOUBLE_DIR)/libcudart.so.13: tests/cudadouble/cudart_double.c
 	ln -sf libcudart.so.13 $(DOUBLE_DIR)/libcudart.so
 
 # ---- tests -------------------------------------------------------------------------------------
-tests: all $(UNIT_BIN) $(PRELOAD_BIN) $(TORCH_TESTS)
+tests: all $(UNIT_BIN) $(PRELOAD_BIN) $(TORCH_TESTS) $(BUILD)/gpu-vmm-cost
+
+# The GPU check's VMM cost probe (tests/gpu/run_gpu_checks.sh): the driver by dlopen, glibc only.
+$(BUILD)/gpu-vmm-cost: tests/gpu/vmm_cost.c policy/drvcost.c policy/drvcost.h
+	$(CC) $(CFLAGS) -o $@ tests/gpu/vmm_cost.c policy/drvcost.c $(LDFLAGS) $(LIBS)
 
 # A Python extension whose one function calls the glue inside PyTorch's HANDLE_TH_ERRORS, so the
 # OOM test goes through PyTorch's own C++ -> Python error translation.
 $(BUILD)/tests/torch/memshim_oom_probe$(TORCH_PYEXT): tests/torch/oom_probe.cpp $(TORCH_MK)
 	@mkdir -p $(dir $@)
-	$(CXX) -std=c++20 -O1 -fPIC -shared $(TORCH_CXXFLAGS) -I$(TORCH_PYINC) -I$(CUDA_INC) -o $@ $< \
+	$(CXX) -std=c++20 -O1 -fPIC -shared $(TORCH_CXXFLAGS) -I$(TORCH_PYINC) $(CUDA_CPPFLAGS) -o $@ $< \
 	    -L$(TORCH_LIBDIR) -Wl,-rpath,$(TORCH_LIBDIR) -ltorch_python -lc10 -ldl
 
 $(BUILD)/tests/%: tests/unit/%.c $(BUILD)/libmemshim_trace.a $(BUILD)/libmemshim_core.a double tests/harness.h

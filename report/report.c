@@ -66,6 +66,28 @@ static char host[64];
  * step): every rank of one job carries the same, so memshim-report groups runs by it exactly. */
 static char run_id[80];
 
+#ifdef MSH_JANSSON_STATIC
+/* `make JANSSON=static` (the pip package, the GPU check): jansson is linked into the library,
+ * its symbols local to it (shim/exports.map), so reports need no libjansson on the machine and
+ * NEEDED stays glibc only. */
+static bool load_jansson(void)
+{
+    J.h = &J;
+    J.object = json_object;
+    J.array = json_array;
+    J.integer = json_integer;
+    J.real = json_real;
+    J.string = json_string;
+    J.boolean_true = json_true;
+    J.boolean_false = json_false;
+    J.object_set_new = json_object_set_new;
+    J.array_append_new = json_array_append_new;
+    J.null = json_null;
+    J.dumps = json_dumps;
+    J.del = json_delete;
+    return true;
+}
+#else
 static bool load_jansson(void)
 {
     J.h = dlopen("libjansson.so.4", RTLD_NOW | RTLD_LOCAL);
@@ -86,6 +108,25 @@ static bool load_jansson(void)
 #undef SYM
     return J.object && J.array && J.integer && J.real && J.string && J.boolean_true &&
            J.boolean_false && J.object_set_new && J.array_append_new && J.dumps && J.del && J.null;
+}
+#endif
+
+/* For `memshim doctor`: where this library gets its JSON writer ("built in" when jansson is
+ * linked in, else the libjansson file it loads), or NULL when it has none and writes no reports. */
+MSH_EXPORT const char *memshim_report_writer(void)
+{
+#ifdef MSH_JANSSON_STATIC
+    return "built in";
+#else
+    static char where[PATH_MAX];
+    pthread_mutex_lock(&report_lock);
+    bool ok = J.h || load_jansson();
+    Dl_info di;
+    if (ok && !where[0] && dladdr((void *)J.dumps, &di) && di.dli_fname)
+        snprintf(where, sizeof where, "%s", di.dli_fname);
+    pthread_mutex_unlock(&report_lock);
+    return ok ? (where[0] ? where : "libjansson.so.4") : NULL;
+#endif
 }
 
 /* json_decref is an inline that calls json_delete by symbol; ours goes through the table. */

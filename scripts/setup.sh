@@ -3,7 +3,8 @@
 # Safe to run again: it checks before it installs. Needs root (or sudo) only to install.
 #   --with-torch   also pip-install PyTorch (for tests/torch and tests/gpu; about 3.5 GB with its
 #                  CUDA libraries) when `import torch` fails, and PyTorch Lightning, transformers and
-#                  accelerate (the framework epoch tests) when they install; their tests skip without
+#                  accelerate (the framework epoch tests) and matplotlib and tensorboard (memshim-report's
+#                  optional outputs) when they install; their tests skip without
 set -euo pipefail
 with_torch=0
 for a in "$@"; do
@@ -16,6 +17,7 @@ done
 need=()
 have() { command -v "$1" >/dev/null 2>&1; }
 have gcc || need+=(gcc)
+have g++ || need+=(g++)   # the PyTorch glue (libmemshim_torch.so) is C++
 have make || need+=(make)
 have clang || need+=(clang)
 have readelf || need+=(binutils)
@@ -43,6 +45,14 @@ if ! python3 -c 'import jsonschema' >/dev/null 2>&1; then
     fi
 fi
 
+# The pip package (pyproject.toml, docs/install.md) builds with setuptools >= 70.1; the package
+# test builds it with --no-build-isolation, so it must be installed (no network in that test).
+if ! python3 -c 'import setuptools, sys; sys.exit(tuple(map(int, setuptools.__version__.split(".")[:2])) < (70, 1))' \
+        >/dev/null 2>&1; then
+    echo "setup: installing setuptools >= 70.1 for python3 (the pip package's build backend)"
+    python3 -m pip install --quiet "setuptools>=70.1" || echo "setup: warning: setuptools could not be installed; the pip package test will skip" >&2
+fi
+
 cuda_home="${CUDA_HOME:-}"
 if [ -z "$cuda_home" ]; then
     for d in /usr/local/cuda /usr/local/cuda-*; do
@@ -66,6 +76,16 @@ if [ "$with_torch" = 1 ] && python3 -c 'import torch' >/dev/null 2>&1; then
             echo "setup: installing ${pkg%%:*} with pip (framework epoch tests)"
             python3 -m pip install --quiet "${pkg%%:*}" "torch==$(python3 -c 'import torch; print(torch.__version__.split("+")[0])')" \
                 || echo "setup: note: ${pkg%%:*} could not be installed; its tests will skip" >&2
+        fi
+    done
+fi
+if [ "$with_torch" = 1 ]; then
+    # memshim-report's optional parts (their tests skip without them): plots drawn with matplotlib,
+    # --tensorboard with TensorBoard's event writer.
+    for pkg in matplotlib:matplotlib tensorboard:tensorboard; do
+        if ! python3 -c "import ${pkg#*:}" >/dev/null 2>&1; then
+            echo "setup: installing ${pkg%%:*} with pip (memshim-report's optional ${pkg%%:*} output)"
+            python3 -m pip install --quiet "${pkg%%:*}" || echo "setup: note: ${pkg%%:*} could not be installed; its tests will skip" >&2
         fi
     done
 fi

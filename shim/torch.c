@@ -52,8 +52,9 @@ MSH_EXPORT const char *memshim_library_path(void)
     return lib_path;
 }
 
-/* The directory with sitecustomize.py: installed beside the library (lib/memshim-python), or in
- * the source tree above a build directory (build/../hooks/python). */
+/* The directory with sitecustomize.py: installed beside the library (lib/memshim-python), in the
+ * source tree above a build directory (build/../hooks/python), or in the pip package
+ * (memshim/_lib/libmemshim.so -> memshim/_startup; docs/install.md). */
 static int find_python_dir(char *out, size_t len)
 {
     if (!lib_path[0]) find_lib_path();
@@ -63,7 +64,7 @@ static int find_python_dir(char *out, size_t len)
     char *slash = strrchr(dir, '/');
     if (!slash) return ENOENT;
     *slash = 0;
-    const char *cands[] = {"%s/memshim-python", "%s/../hooks/python"};
+    const char *cands[] = {"%s/memshim-python", "%s/../hooks/python", "%s/../_startup"};
     for (size_t i = 0; i < sizeof cands / sizeof *cands; i++) {
         char cand[PATH_MAX], site[PATH_MAX + 32], real[PATH_MAX];
         if (snprintf(cand, sizeof cand, cands[i], dir) >= (int)sizeof cand) continue;

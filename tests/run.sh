@@ -59,6 +59,7 @@ quick|all)
         run_suite "reports (figures vs ground truth)" env BUILD="$BUILD" python3 tests/reports/test_report_truth.py
         run_suite "demo (main job, reports)" env BUILD="$BUILD" bash tests/replay/run_demo.sh
         run_suite "report tool (memshim-report)" env BUILD="$BUILD" python3 tests/report_tool/test_report_tool.py
+        run_suite "report tool (advice rules, charts)" env BUILD="$BUILD" python3 tests/report_tool/test_advice.py
         run_suite "python GC step (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_pygc.py
         run_suite "allocation sites (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_sites.py
         run_suite "PyTorch snapshots (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_snapshot.py
@@ -66,6 +67,9 @@ quick|all)
         run_suite "pytorch (allocator API; GPU parts)" env BUILD="$BUILD" python3 tests/gpu/test_torch.py
         run_suite "pytorch on CPU (hook, tensor mode, epochs)" env BUILD="$BUILD" python3 tests/torch/test_torch_cpu.py
         run_suite "scenarios (real jobs: signals, chdir, loops, torchrun)" env BUILD="$BUILD" python3 tests/scenarios/run_scenarios.py
+        run_suite "pip package (venv, memshim command)" env BUILD="$BUILD" python3 tests/package/test_package.py
+        run_suite "GPU check --dry-run (every step, double)" bash -c \
+            'bash tests/gpu/run_gpu_checks.sh --prepare >/tmp/memshim-gpu-prepare.log 2>&1 || { tail -20 /tmp/memshim-gpu-prepare.log; exit 1; }; env -u OUT bash tests/gpu/run_gpu_checks.sh --dry-run'
         # issue 5: each parser fuzzed "a minute or so" in CI (all targets at once, 2 cores)
         run_suite "fuzz (libFuzzer, ${FUZZ_SECONDS:-60} s per target)" env FUZZ_SECONDS="${FUZZ_SECONDS:-60}" \
             bash tests/fuzz/run_fuzz.sh

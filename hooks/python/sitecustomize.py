@@ -46,7 +46,23 @@ def _memshim_start():
                       file=sys.stderr)
 
     try:
-        import memshim  # noqa: F401  (arms the hook on `import torch`)
+        pkg = os.path.dirname(here)
+        if (os.path.basename(here) == "_startup" and os.path.isfile(os.path.join(pkg, "_boot.py"))
+                and "memshim" not in sys.modules):
+            # The pip package (docs/install.md): this directory is memshim/_startup inside the very
+            # package it boots, which the program's interpreter may not have on its path (a python
+            # from another environment): import that package by its location.
+            spec = importlib.util.spec_from_file_location("memshim", os.path.join(pkg, "__init__.py"),
+                                                          submodule_search_locations=[pkg])
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules["memshim"] = mod
+            try:
+                spec.loader.exec_module(mod)  # arms the hook on `import torch`
+            except BaseException:
+                sys.modules.pop("memshim", None)
+                raise
+        else:
+            import memshim  # noqa: F401  (arms the hook on `import torch`)
     except Exception as exc:  # noqa: BLE001
         print(f"memshim: the Python hook could not start ({type(exc).__name__}: {exc}); memshim stays in "
               "segment mode", file=sys.stderr)

@@ -56,4 +56,21 @@ def reset_peak(device=None):
     _lib().memshim_torch_reset_peak(-1 if device is None else int(device))
 
 
-_boot.arm()
+def _tool_process():
+    """The `memshim` command or memshim-report (console scripts, `python -m memshim`): tools with
+    nothing to hook, which must not load libmemshim.so into themselves."""
+    import os
+    import sys
+    if os.path.basename(sys.argv[0] if sys.argv else "") in ("memshim", "memshim-report"):
+        return True
+    orig = list(getattr(sys, "orig_argv", []))
+    for i, a in enumerate(orig[1:], 1):
+        if a == "-m" or a.startswith("-m"):
+            return (a[2:] or (orig[i + 1] if i + 1 < len(orig) else "")) == "memshim"
+        if not a.startswith("-"):
+            return False
+    return False
+
+
+if not _tool_process():
+    _boot.arm()

@@ -268,7 +268,8 @@ def _why_not(mode):
     lib_dir = os.path.dirname(_boot.lib_path() or "")
     glue_path = os.path.join(lib_dir, "libmemshim_torch.so")
     if not os.path.exists(glue_path):
-        return (f"{glue_path} is missing (it is built only where python3 can import torch: run make there)")
+        return (f"{glue_path} is missing (it is built only where python3 can import torch: run make there, or "
+                "`memshim build-glue` for the pip package)")
     try:
         glue = ctypes.CDLL(glue_path)
         glue.memshim_glue_torch_version.restype = ctypes.c_char_p
@@ -276,7 +277,8 @@ def _why_not(mode):
     except (OSError, AttributeError) as exc:
         return f"cannot load {glue_path} ({exc})"
     if built.split("+")[0] != torch.__version__.split("+")[0]:
-        return f"{glue_path} was built for PyTorch {built}, this is {torch.__version__} (rebuild with make)"
+        return (f"{glue_path} was built for PyTorch {built}, this is {torch.__version__} (rebuild with make, or "
+                "`memshim build-glue` for the pip package)")
     if not glue.memshim_glue_ready():
         return f"{glue_path} cannot find libmemshim.so's entry points"
     state.glue = (glue_path, glue)

@@ -1,0 +1,317 @@
+#!/usr/bin/env python3
+"""The GPU check in one go (issue 17 item 6; docs/testing.md, "The GPU check"). Run through
+tests/gpu/run_gpu_checks.sh:
+
+  --prepare   here: build build-gpu/ (make BUILD=build-gpu JANSSON=static: jansson inside the
+              library, so reports need no libjansson there), the VMM cost probe, the audit module
+              that hides libjansson, then drop what the run does not need (objects, archives): the
+              folder a device run carries (a few MB). No network, nothing installed.
+  (none)      on the lent GPU machine, from the checkout with build-gpu/ carried: every step on the
+              real driver, nothing installed, each step with its own timeout, all within --budget
+              (default 470 s, under 8 minutes), results as JSON under $OUT (gpu-checks.json, one
+              file per step).
+  --dry-run   here (make check): the same steps on the CUDA driver double and PyTorch on the CPU,
+              with libjansson made unreachable as on the GPU machine, so no step can fail there on
+              a typo.
+
+Steps, in order: machine (nvidia-smi, PyTorch, CUDA), vmm-costs (build-gpu/gpu-vmm-cost: probes the
+VMM calls, then times them at 2 MiB and larger handles against policy/drvcost.c's table), glue
+(the carried glue is for this checkout's PyTorch; for another version `memshim build-glue`
+rebuilds it there, with the machine's g++ and CUDA headers), doctor (`python3 -m memshim doctor
+--json`), demo (the C training-loop workload on the real driver under LD_PRELOAD, reports without
+libjansson), torch (tests/gpu/test_torch.py with what is left of the budget: native, expandable
+segments and tensor mode side by side, OOM, CUDA graphs sharing a pool, torch.compile, the largest
+batch under 24 GiB), report (memshim-report over every report written). A step whose inputs
+failed is skipped with the reason (no VMM: the memshim steps; no PyTorch: torch). Ends with
+"N passed, N failed, N skipped" (one per step).
+"""
+import argparse
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = "build-gpu"
+B = os.path.join(ROOT, BUILD)
+BUDGET_S = 470
+KEEP = ("libmemshim.so", "libmemshim_torch.so", "memshim-replay", "memshim-options", "memshim-train-demo",
+        "gpu-vmm-cost", "hide_jansson.so", "double", "torch-flags.mk", "jansson.mode",
+        "prepared.json")
+
+
+def say(msg):
+    print(f"gpu-checks: {msg}", flush=True)
+
+
+def sh(argv, timeout, env=None, cwd=ROOT, out_path=None):
+    """Run argv in its own process group; kill the group at the timeout. (rc, stdout, stderr, s, timed_out)."""
+    t0 = time.time()
+    p = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=max(1, timeout))
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        timed_out = True
+    if out_path:
+        with open(out_path, "w") as f:
+            f.write(out + ("\n--- stderr ---\n" + err if err else ""))
+    return (124 if timed_out else p.returncode), out, err, round(time.time() - t0, 1), timed_out
+
+
+# ---- --prepare ----------------------------------------------------------------------------------
+
+def prepare():
+    jobs = os.environ.get("JOBS", "2")
+    targets = [f"{BUILD}/{t}" for t in ("libmemshim.so", "memshim-replay", "memshim-options", "memshim-train-demo",
+                                        "gpu-vmm-cost")] + [f"BUILD={BUILD}", "JANSSON=static", "double"]
+    rc = subprocess.run(["make", f"-j{jobs}", *targets], cwd=ROOT).returncode
+    if rc != 0:
+        say("make failed")
+        return 1
+    try:  # the glue, where this machine has PyTorch (the run rebuilds it for another version)
+        subprocess.run(["make", f"-j{jobs}", f"BUILD={BUILD}", "JANSSON=static", f"{BUILD}/libmemshim_torch.so"],
+                       cwd=ROOT, check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as e:
+        say(f"no glue built here ({(e.stderr or '').strip().splitlines()[-1:] or ['no PyTorch']}); the run builds it")
+    cc = os.environ.get("CC", "cc")
+    if subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", os.path.join(B, "hide_jansson.so"),
+                       os.path.join(ROOT, "tests", "package", "hide_jansson.c")]).returncode != 0:
+        return 1
+    for n in os.listdir(B):
+        if n not in KEEP:
+            p = os.path.join(B, n)
+            shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
+    nd = subprocess.run(["readelf", "-d", os.path.join(B, "libmemshim.so")], capture_output=True, text=True).stdout
+    needed = [ln.split("[")[1].rstrip("]") for ln in nd.splitlines() if "(NEEDED)" in ln]
+    size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(B) for f in fs
+               if not os.path.islink(os.path.join(r, f)))
+    info = {"prepared_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "needed": needed, "bytes": size,
+            "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                     text=True).stdout.strip()}
+    with open(os.path.join(B, "prepared.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    say(f"{BUILD}/ ready: {size / 2**20:.1f} MiB, libmemshim.so NEEDs {', '.join(needed)}; carry it: "
+        f"run(command='bash tests/gpu/run_gpu_checks.sh', carry=['{BUILD}'])")
+    return 0
+
+
+# ---- the run -------------------------------------------------------------------------------------
+
+class Run:
+    def __init__(self, out, dry, budget):
+        self.out, self.dry, self.budget, self.t0 = out, dry, budget, time.time()
+        self.steps, self.facts = [], {}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("MEMSHIM_", "_MEMSHIM_"))
+               and k not in ("LD_PRELOAD", "PYTHONPATH")}
+        env.update(BUILD=BUILD, OUT=out, MSH_TEST_TIMEOUT="86400")
+        if dry:
+            env.update(LD_LIBRARY_PATH=os.path.join(B, "double"), CUDBL_CAPACITY="16G",
+                       LD_AUDIT=os.path.join(B, "hide_jansson.so"))
+        self.env = env
+
+    def left(self):
+        return self.budget - (time.time() - self.t0)
+
+    def step(self, name, fn, timeout, needs=()):
+        missing = [n for n in needs if not self.facts.get(n)]
+        rec = {"name": name, "ok": None, "seconds": 0.0, "timed_out": False}
+        if missing:
+            rec["skipped"] = f"needs {', '.join(missing)}"
+        elif self.left() < 15:
+            rec["skipped"] = f"the budget ({self.budget:.0f} s) is spent"
+        if "skipped" in rec:
+            say(f"{name}: skipped ({rec['skipped']})")
+            self.steps.append(rec)
+            return
+        limit = max(10, min(timeout, self.left() - 10))
+        say(f"{name} (up to {limit:.0f} s)")
+        t0 = time.time()
+        try:
+            ok, detail = fn(limit)
+        except Exception as e:  # noqa: BLE001 - a broken step is a failed step, the others still run
+            ok, detail = False, {"error": f"{type(e).__name__}: {e}"}
+        rec.update(ok=bool(ok), seconds=round(time.time() - t0, 1), **(detail or {}))
+        say(f"{name}: {'ok' if ok else 'FAILED'} in {rec['seconds']} s")
+        self.steps.append(rec)
+
+    def py(self, *argv):
+        return [sys.executable, *argv]
+
+    def memshim_cmd(self, *args):
+        return self.py("-m", "memshim", *args)
+
+    def memshim_env(self):
+        e = dict(self.env, PYTHONPATH=os.path.join(ROOT, "hooks", "python"))
+        return e
+
+    # -- steps --
+    def machine(self, limit):
+        d = {}
+        if shutil.which("nvidia-smi"):
+            rc, out, err, s, to = sh(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                      "--format=csv,noheader"], min(limit, 30), self.env)
+            d["nvidia_smi"] = out.strip() or err.strip()[-300:]
+        else:
+            d["nvidia_smi"] = None
+        rc, out, err, s, to = sh(self.py("-c", "import json, torch; print(json.dumps({'torch': torch.__version__, "
+                                         "'cuda': torch.version.cuda, 'gpu': torch.cuda.is_available(), "
+                                         "'devices': torch.cuda.device_count() if torch.cuda.is_available() else 0}))"),
+                                 limit, self.env)
+        try:
+            d.update(json.loads(out.strip().splitlines()[-1]))
+            self.facts["torch"] = True
+        except (ValueError, IndexError):
+            d["torch_error"] = (err or out).strip()[-400:]
+        d["python"] = sys.version.split()[0]
+        try:
+            d["prepared"] = json.load(open(os.path.join(B, "prepared.json")))
+        except (OSError, ValueError):
+            pass
+        self.facts["gpu"] = bool(d.get("gpu"))
+        return (self.dry or self.facts["gpu"]), d
+
+    def vmm_costs(self, limit):
+        args = ["--sizes-mib", "2,20,64", "--iters", "5", "--budget-s", "10"] if self.dry else \
+            ["--sizes-mib", "2,20,64,512,2048", "--iters", "30", "--budget-s", str(max(10, limit - 15))]
+        path = os.path.join(self.out, "vmm-costs.json")
+        rc, out, err, s, to = sh([os.path.join(B, "gpu-vmm-cost"), *args], limit, self.env)
+        try:
+            d = json.loads(out)
+        except ValueError:
+            return False, {"rc": rc, "stderr": err[-400:], "stdout": out[-400:]}
+        with open(path, "w") as f:
+            json.dump(d, f, indent=1)
+        self.facts["vmm"] = bool(d.get("vmm_ok"))
+        summary = {}
+        for sz in d.get("sizes", []):
+            summary[f"{sz['handle_mib']:g} MiB"] = {k: {"p50_us": v["p50_us"], "table_us": v["table_us"],
+                                                        "p50_over_table": v["p50_over_table"]}
+                                                    for k, v in sz["calls"].items()}
+        return d.get("vmm_ok") and rc == 0, {"file": path, "vmm_ok": d.get("vmm_ok"), "failed": d.get("failed"),
+                                             "granularity_bytes": d.get("granularity_bytes"), "by_size": summary}
+
+    def doctor_json(self, limit):
+        rc, out, err, s, to = sh(self.memshim_cmd("doctor", "--json"), limit, self.memshim_env())
+        try:
+            return rc, json.loads(out), err
+        except ValueError:
+            return rc, None, (err or out)[-600:]
+
+    def glue(self, limit):
+        rc, d, err = self.doctor_json(min(limit, 90))
+        t = (d or {}).get("torch") or {}
+        if t.get("glue_error") is None and t.get("version"):
+            self.facts["glue"] = True
+            return True, {"glue_built_for": t.get("glue_built_for"), "torch": t.get("version"), "rebuilt": False}
+        rc, out, err, s, to = sh(self.memshim_cmd("build-glue"), max(10, limit - 5), self.memshim_env(),
+                                 out_path=os.path.join(self.out, "build-glue.txt"))
+        rc2, d2, _ = self.doctor_json(60)
+        t2 = (d2 or {}).get("torch") or {}
+        self.facts["glue"] = rc == 0 and t2.get("glue_error") is None
+        return self.facts["glue"], {"before": t.get("glue_error"), "rebuilt": rc == 0, "build_rc": rc,
+                                    "timed_out": to, "glue_built_for": t2.get("glue_built_for"),
+                                    "torch": t2.get("version"), "build_output": err[-1500:] if rc else None}
+
+    def doctor(self, limit):
+        rc, d, err = self.doctor_json(limit)
+        path = os.path.join(self.out, "doctor.json")
+        if d is not None:
+            with open(path, "w") as f:
+                json.dump(d, f, indent=1)
+        v = (d or {}).get("verdict") or {}
+        return rc == 0 and v.get("tensor_mode"), {"file": path, "rc": rc, "verdict": v, "error": None if d else err}
+
+    def demo(self, limit):
+        rdir = os.path.join(self.out, "memreport-demo")
+        shutil.rmtree(rdir, ignore_errors=True)
+        # The demo links the runtime double (build-gpu/double, its RUNPATH), which dlopens
+        # libcuda.so.1 as the real libcudart does: the machine's driver, or in a dry run the
+        # driver double that LD_LIBRARY_PATH names.
+        env = dict(self.env, LD_PRELOAD=os.path.join(B, "libmemshim.so"), MEMSHIM_REPORT_DIR=rdir, MEMSHIM_LOG="info")
+        args = ["--epochs", "3", "--steps", "3"] if self.dry else ["--epochs", "3", "--steps", "20", "--scale", "4"]
+        rc, out, err, s, to = sh([os.path.join(B, "memshim-train-demo"), *args], limit, env,
+                                 out_path=os.path.join(self.out, "demo.txt"))
+        reps = sorted(glob.glob(os.path.join(rdir, "memshim-*.json")))
+        ok = rc == 0 and any("-epoch" in r for r in reps) and any(r.endswith("-summary.json") for r in reps)
+        return ok, {"rc": rc, "timed_out": to, "reports": len(reps), "dir": rdir,
+                    "jansson_warning": "libjansson" in err, "stderr_tail": err[-600:] if not ok else None}
+
+    def torch(self, limit):
+        path = os.path.join(self.out, "gpu-torch.json")
+        argv = self.py(os.path.join(ROOT, "tests", "gpu", "test_torch.py"), "--json", path,
+                       "--budget", str(max(20, limit - 25)))
+        if self.dry:
+            argv.append("--dry-run")
+        rc, out, err, s, to = sh(argv, limit, self.env, out_path=os.path.join(self.out, "torch.txt"))
+        line = [ln for ln in out.splitlines() if " passed, " in ln][-1:]
+        return rc == 0, {"rc": rc, "timed_out": to, "file": path, "counts": line[0] if line else None,
+                         "failures": [ln for ln in out.splitlines() if ln.startswith("FAIL")][:10]}
+
+    def report(self, limit):
+        dirs = sorted(d for d in glob.glob(os.path.join(self.out, "memreport-*")) if os.path.isdir(d))
+        if not dirs:
+            return False, {"error": "no report directory under OUT"}
+        rc, out, err, s, to = sh(self.memshim_cmd("report", *dirs), limit, self.memshim_env(),
+                                 out_path=os.path.join(self.out, "report.txt"))
+        rc2, out2, _, _, _ = sh(self.memshim_cmd("report", "--json", *dirs), limit, self.memshim_env())
+        try:
+            runs = len(json.loads(out2)["runs"])
+        except (ValueError, KeyError):
+            runs = None
+        return rc == 0 and rc2 == 0, {"rc": rc, "runs": runs, "dirs": dirs, "file": os.path.join(self.out, "report.txt")}
+
+    def run(self):
+        os.makedirs(self.out, exist_ok=True)
+        self.step("machine", self.machine, 60)
+        self.step("vmm-costs", self.vmm_costs, 90, needs=("gpu",) if not self.dry else ())
+        self.step("glue", self.glue, 150, needs=("torch",))
+        self.step("doctor", self.doctor, 60)
+        self.step("demo", self.demo, 90, needs=("vmm",))
+        self.step("torch", self.torch, 330, needs=("torch", "vmm"))
+        self.step("report", self.report, 60)
+        total = round(time.time() - self.t0, 1)
+        summary = {"dry_run": self.dry, "budget_s": self.budget, "total_s": total, "steps": self.steps,
+                   "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+        with open(os.path.join(self.out, "gpu-checks.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        p = sum(1 for s in self.steps if s["ok"])
+        fl = sum(1 for s in self.steps if s["ok"] is False)
+        sk = sum(1 for s in self.steps if s["ok"] is None)
+        for s in self.steps:
+            state = "skip" if s["ok"] is None else "ok  " if s["ok"] else "FAIL"
+            print(f"{state} {s['name']:<10} {s['seconds']:>6.1f} s  {s.get('skipped') or ''}")
+        say(f"{total} s of {self.budget:.0f}; results in {self.out}/gpu-checks.json")
+        print(f"{p} passed, {fl} failed, {sk} skipped")
+        return 0 if fl == 0 else 1
+
+
+def main():
+    ap = argparse.ArgumentParser(prog="run_gpu_checks.sh")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--prepare", action="store_true")
+    g.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--budget", type=float, default=BUDGET_S)
+    a = ap.parse_args()
+    if a.prepare:
+        return prepare()
+    if not os.path.isfile(os.path.join(B, "libmemshim.so")):
+        say(f"{BUILD}/libmemshim.so is missing: run `bash tests/gpu/run_gpu_checks.sh --prepare` where the code "
+            f"was built, and carry {BUILD}/ with the run")
+        return 2
+    if a.budget <= 60 or a.budget > 570:
+        say(f"--budget {a.budget}: give 60 to 570 seconds (a device command has 600)")
+        return 2
+    out = os.environ.get("OUT") or os.path.join(ROOT, "gpu-out" if not a.dry_run else os.path.join(BUILD, "dry-out"))
+    return Run(os.path.abspath(out), a.dry_run, a.budget).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

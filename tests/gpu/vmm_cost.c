@@ -1,0 +1,258 @@
+/*
+ * vmm_cost.c: what each CUDA VMM call costs on the driver present, against the cost table memshim
+ * models driver work with (policy/drvcost.c). Part of the GPU check (tests/gpu/run_gpu_checks.sh);
+ * on the driver double it runs the same code in a second (--dry-run).
+ *
+ *   gpu-vmm-cost [--sizes-mib 2,20,64,512] [--iters N] [--budget-s S]
+ *
+ * It first probes that the calls work (device attribute, granularity, then one handle through
+ * create, reserve, map, set-access, unmap, release, address-free) and prints {"vmm_ok": false,
+ * "failed": CALL, "result": CODE} and exits 3 when one fails, before timing anything. Then for
+ * each handle size: N rounds of cuMemCreate, cuMemAddressReserve, cuMemMap, cuMemSetAccess,
+ * cuMemUnmap, cuMemRelease, cuMemAddressFree, each call timed alone (CLOCK_MONOTONIC), and one
+ * cuMemSetAccess over a range of 8 mappings of that size; per call p50, p90, max and mean in us
+ * beside the table's figure for that call and size (per call + per MiB). One JSON document on
+ * stdout. The driver is loaded with dlopen, so the program NEEDs only glibc; it never leaves a
+ * handle or a reservation behind on a path that returns.
+ */
+#include <cuda.h>
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "drvcost.h"
+
+#define MiB (1024.0 * 1024.0)
+#define MAX_ITERS 1000
+#define MAX_SIZES 16
+
+static struct {
+    CUresult (*init)(unsigned);
+    CUresult (*device_get)(CUdevice *, int);
+    CUresult (*attribute)(int *, CUdevice_attribute, CUdevice);
+    CUresult (*primary_retain)(CUcontext *, CUdevice);
+    CUresult (*ctx_set)(CUcontext);
+    CUresult (*granularity)(size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags);
+    CUresult (*create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+    CUresult (*release)(CUmemGenericAllocationHandle);
+    CUresult (*reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+    CUresult (*address_free)(CUdeviceptr, size_t);
+    CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+    CUresult (*unmap)(CUdeviceptr, size_t);
+    CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+} cu;
+
+enum { C_CREATE, C_RESERVE, C_MAP, C_SET_ACCESS, C_UNMAP, C_RELEASE, C_ADDRESS_FREE, C_SET_ACCESS_8, NCALLS };
+static const char *call_names[NCALLS] = {"cuMemCreate", "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess",
+                                         "cuMemUnmap", "cuMemRelease", "cuMemAddressFree",
+                                         "cuMemSetAccess (8 mappings)"};
+static const int table_kind[NCALLS] = {MSH_DRV_CREATE, MSH_DRV_RESERVE, MSH_DRV_MAP, MSH_DRV_SET_ACCESS,
+                                       MSH_DRV_UNMAP, MSH_DRV_RELEASE, MSH_DRV_UNRESERVE, MSH_DRV_SET_ACCESS};
+
+/* drvcost.c reads the kinds' names from the pool (policy/pool.c); this program has no pool. */
+#define MSH_DRV_NAME_(e, s) s,
+const char *const msh_drv_call_names[MSH_DRV_NKINDS] = {MSH_DRV_CALLS(MSH_DRV_NAME_)};
+#undef MSH_DRV_NAME_
+
+static CUmemAllocationProp prop;
+static CUmemAccessDesc access_desc;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int load(void)
+{
+    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        printf("{\"vmm_ok\": false, \"failed\": \"dlopen libcuda.so.1\", \"error\": \"%s\"}\n", dlerror());
+        return -1;
+    }
+#define SYM(f, n)                                                                                  \
+    if (!(*(void **)&cu.f = dlsym(h, n))) {                                                        \
+        printf("{\"vmm_ok\": false, \"failed\": \"dlsym %s\"}\n", n);                              \
+        return -1;                                                                                 \
+    }
+    SYM(init, "cuInit");
+    SYM(device_get, "cuDeviceGet");
+    SYM(attribute, "cuDeviceGetAttribute");
+    SYM(primary_retain, "cuDevicePrimaryCtxRetain");
+    SYM(ctx_set, "cuCtxSetCurrent");
+    SYM(granularity, "cuMemGetAllocationGranularity");
+    SYM(create, "cuMemCreate");
+    SYM(release, "cuMemRelease");
+    SYM(reserve, "cuMemAddressReserve");
+    SYM(address_free, "cuMemAddressFree");
+    SYM(map, "cuMemMap");
+    SYM(unmap, "cuMemUnmap");
+    SYM(set_access, "cuMemSetAccess");
+#undef SYM
+    return 0;
+}
+
+#define PROBE(call, expr)                                                                          \
+    do {                                                                                           \
+        CUresult r_ = (expr);                                                                      \
+        if (r_ != CUDA_SUCCESS) {                                                                  \
+            printf("{\"vmm_ok\": false, \"failed\": \"%s\", \"result\": %d}\n", call, (int)r_);    \
+            return -1;                                                                             \
+        }                                                                                          \
+    } while (0)
+
+/* One handle through every call, each checked: nothing is timed unless this passes. */
+static int probe(size_t *gran)
+{
+    CUdevice dev;
+    CUcontext ctx;
+    int vmm = 0;
+    PROBE("cuInit", cu.init(0));
+    PROBE("cuDeviceGet", cu.device_get(&dev, 0));
+    PROBE("cuDeviceGetAttribute", cu.attribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev));
+    if (!vmm) {
+        printf("{\"vmm_ok\": false, \"failed\": \"CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0\"}\n");
+        return -1;
+    }
+    PROBE("cuDevicePrimaryCtxRetain", cu.primary_retain(&ctx, dev));
+    PROBE("cuCtxSetCurrent", cu.ctx_set(ctx));
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = dev;
+    access_desc.location = prop.location;
+    access_desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    PROBE("cuMemGetAllocationGranularity", cu.granularity(gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    CUmemGenericAllocationHandle hd;
+    CUdeviceptr va;
+    PROBE("cuMemCreate", cu.create(&hd, *gran, &prop, 0));
+    CUresult r = cu.reserve(&va, *gran, 0, 0, 0);
+    if (r != CUDA_SUCCESS) {
+        cu.release(hd);
+        PROBE("cuMemAddressReserve", r);
+    }
+    r = cu.map(va, *gran, 0, hd, 0);
+    if (r == CUDA_SUCCESS) r = cu.set_access(va, *gran, &access_desc, 1);
+    const char *what = r == CUDA_SUCCESS ? NULL : "cuMemMap or cuMemSetAccess";
+    cu.unmap(va, *gran);
+    cu.address_free(va, *gran);
+    cu.release(hd);
+    if (what) PROBE(what, r);
+    return 0;
+}
+
+struct timing {
+    double t[NCALLS][MAX_ITERS];
+    int n[NCALLS];
+};
+
+/* One round at `size`: every call timed alone. Returns 0, or the first failing call's index + 1. */
+static int round_at(size_t size, struct timing *tm)
+{
+    CUmemGenericAllocationHandle hd[8];
+    CUdeviceptr va;
+    double t0;
+#define TIMED(k, expr)                                                                             \
+    (t0 = now_s(), r_ = (expr), tm->n[k] < MAX_ITERS ? (tm->t[k][tm->n[k]++] = now_s() - t0) : 0, r_)
+    CUresult r_;
+    if (TIMED(C_CREATE, cu.create(&hd[0], size, &prop, 0)) != CUDA_SUCCESS) return C_CREATE + 1;
+    if (TIMED(C_RESERVE, cu.reserve(&va, size, 0, 0, 0)) != CUDA_SUCCESS) {
+        cu.release(hd[0]);
+        return C_RESERVE + 1;
+    }
+    int bad = 0;
+    if (TIMED(C_MAP, cu.map(va, size, 0, hd[0], 0)) != CUDA_SUCCESS) bad = C_MAP + 1;
+    else if (TIMED(C_SET_ACCESS, cu.set_access(va, size, &access_desc, 1)) != CUDA_SUCCESS) bad = C_SET_ACCESS + 1;
+    if (!bad && TIMED(C_UNMAP, cu.unmap(va, size)) != CUDA_SUCCESS) bad = C_UNMAP + 1;
+    if (bad) cu.unmap(va, size);
+    if (TIMED(C_RELEASE, cu.release(hd[0])) != CUDA_SUCCESS && !bad) bad = C_RELEASE + 1;
+    if (TIMED(C_ADDRESS_FREE, cu.address_free(va, size)) != CUDA_SUCCESS && !bad) bad = C_ADDRESS_FREE + 1;
+    if (bad) return bad;
+    /* one cuMemSetAccess over 8 neighbouring mappings (the pool grants access once per block) */
+    if (cu.reserve(&va, 8 * size, 0, 0, 0) != CUDA_SUCCESS) return 0; /* not enough VA: skip this part */
+    int made = 0;
+    for (; made < 8; made++) {
+        if (cu.create(&hd[made], size, &prop, 0) != CUDA_SUCCESS) break;
+        if (cu.map(va + made * size, size, 0, hd[made], 0) != CUDA_SUCCESS) {
+            cu.release(hd[made]);
+            break;
+        }
+    }
+    if (made == 8) (void)TIMED(C_SET_ACCESS_8, cu.set_access(va, 8 * size, &access_desc, 1));
+    for (int i = 0; i < made; i++) {
+        cu.unmap(va + i * size, size);
+        cu.release(hd[i]);
+    }
+    cu.address_free(va, 8 * size);
+#undef TIMED
+    return 0;
+}
+
+static struct timing tm;
+
+int main(int argc, char **argv)
+{
+    double sizes[MAX_SIZES] = {2, 20, 64, 512};
+    int nsizes = 4, iters = 30;
+    double budget = 60;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--sizes-mib") && i + 1 < argc) {
+            nsizes = 0;
+            for (char *s = strtok(argv[++i], ","); s && nsizes < MAX_SIZES; s = strtok(NULL, ","))
+                if (atof(s) > 0) sizes[nsizes++] = atof(s);
+        } else if (!strcmp(argv[i], "--iters") && i + 1 < argc) {
+            iters = atoi(argv[++i]);
+        } else if (!strcmp(argv[i], "--budget-s") && i + 1 < argc) {
+            budget = atof(argv[++i]);
+        } else {
+            fprintf(stderr, "usage: %s [--sizes-mib 2,20,64,512] [--iters N] [--budget-s S]\n", argv[0]);
+            return 2;
+        }
+    }
+    if (iters < 1 || iters > MAX_ITERS || nsizes < 1 || budget <= 0) {
+        fprintf(stderr, "%s: --iters 1..%d, at least one size, a positive budget\n", argv[0], MAX_ITERS);
+        return 2;
+    }
+    if (load()) return 3;
+    size_t gran = 0;
+    if (probe(&gran)) return 3;
+    const struct msh_drvcost *tab = msh_drvcost_default();
+    double start = now_s();
+    printf("{\"vmm_ok\": true, \"granularity_bytes\": %zu, \"iters\": %d, \"sizes\": [", gran, iters);
+    for (int s = 0; s < nsizes; s++) {
+        size_t size = (size_t)(sizes[s] * MiB);
+        size = (size + gran - 1) / gran * gran;
+        memset(&tm, 0, sizeof tm);
+        int failed = 0, done = 0;
+        for (; done < iters && !failed && now_s() - start < budget; done++) failed = round_at(size, &tm);
+        printf("%s\n {\"handle_mib\": %.1f, \"rounds\": %d, \"failed\": %s%s%s, \"calls\": {", s ? "," : "",
+               size / MiB, done, failed ? "\"" : "", failed ? call_names[failed - 1] : "null", failed ? "\"" : "");
+        int first = 1;
+        for (int k = 0; k < NCALLS; k++) {
+            int n = tm.n[k];
+            if (!n) continue;
+            qsort(tm.t[k], (size_t)n, sizeof(double), cmp_double);
+            double sum = 0;
+            for (int i = 0; i < n; i++) sum += tm.t[k][i];
+            double mib = (k == C_SET_ACCESS_8 ? 8 : 1) * size / MiB;
+            double model = tab->per_call_s[table_kind[k]] + tab->per_mib_s[table_kind[k]] * mib;
+            printf("%s\n  \"%s\": {\"n\": %d, \"p50_us\": %.2f, \"p90_us\": %.2f, \"max_us\": %.2f, \"mean_us\": %.2f, "
+                   "\"table_us\": %.2f, \"p50_over_table\": %.3f}",
+                   first ? "" : ",", call_names[k], n, 1e6 * tm.t[k][n / 2], 1e6 * tm.t[k][(n * 9) / 10],
+                   1e6 * tm.t[k][n - 1], 1e6 * sum / n, 1e6 * model, model > 0 ? tm.t[k][n / 2] / model : 0.0);
+            first = 0;
+        }
+        printf("}}");
+    }
+    printf("\n], \"elapsed_s\": %.2f, \"budget_s\": %.1f}\n", now_s() - start, budget);
+    return 0;
+}
