@@ -357,7 +357,7 @@ static const struct msh_device_ops fake_ops = {
 
 /* A stream's context is asked for with the pool's lock dropped: the pool must be consistent then
  * (another thread may check it, look a block up, or free). */
-static int fk_stream_home(struct msh_device *d, uint64_t stream, uint64_t *home)
+static int fk_stream_home(struct msh_device *d, uint64_t stream __attribute__((unused)), uint64_t *home)
 {
     struct fake *f = FK(d);
     if (f->probe && (msh_pool_check)(f->probe, f->probe_why, sizeof f->probe_why)) f->probe_bad++;
