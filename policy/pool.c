@@ -686,6 +686,7 @@ struct run {
     uint32_t p0, n;  /* pages [p0, p0 + n) of the job's region, one handle */
     uint64_t h;
     int32_t vic;     /* the victim whose handle it maps, or -1: a new handle */
+    int32_t of;      /* claim only: the split victim whose pages beside the block it keeps, or -1 */
     int rc;
     uint8_t fate;    /* on failure: RUN_NONE no handle, RUN_RELEASED, RUN_ORPHANED */
 };
@@ -696,6 +697,7 @@ struct victim {
     uint32_t head, n;
     uint64_t h;
     int32_t run;     /* the run that maps its handle next, or -1: released */
+    uint32_t dropped; /* V_SPLIT: its pages beside the block left unmapped (no room for them) */
     int rc, rel_rc;  /* unmap and release results */
     uint8_t kind;    /* V_RECLAIM (pressure), V_SPLIT (re-partitioned), V_RELEASE (empty-cache) */
 };
@@ -768,7 +770,7 @@ static bool job_add_run(struct job *j, uint32_t p0, uint32_t n)
         if (!arr_grow(&v, &j->capruns, sizeof *j->runs, j->runs_inl)) return false;
         j->runs = v;
     }
-    j->runs[j->nruns++] = (struct run){.p0 = p0, .n = n, .vic = -1};
+    j->runs[j->nruns++] = (struct run){.p0 = p0, .n = n, .vic = -1, .of = -1};
     return true;
 }
 
@@ -882,6 +884,34 @@ static bool handle_planned(const struct region *r, uint32_t h)
 struct step;
 static bool step_want(const struct step *s, uint64_t addr);
 
+/* The pages a split handle keeps beside the block (runs [piece0, nruns) of j, pages no block
+ * touches) are cached pages like any other: one page per handle, the pool could reclaim each of
+ * them for the block that split it. So when the block cannot be backed otherwise (the rest of the
+ * cache is too small), `short_by` of those pages are left unmapped instead, the farthest from the
+ * block first; before, the split kept them all and the request failed (issue 15: a synthetic
+ * offload trace needed 8 more pages than with one handle per page). Only then: while the cache
+ * suffices, reclaiming its oldest handles keeps what a repeated pattern needs next. No run of j
+ * maps a victim yet, so runs can be cut and removed. *need drops by the pages left out. */
+static bool split_drop(struct msh_pool *pool, struct job *j, uint32_t piece0, size_t short_by, size_t *need)
+{
+    for (uint32_t i = j->nruns; short_by && i-- > piece0;) {
+        struct run *ru = &j->runs[i];
+        struct victim *v = &j->vic[ru->of];
+        uint32_t cut = ru->n < short_by ? ru->n : (uint32_t)short_by;
+        if (ru->p0 == v->head) ru->p0 += cut; /* the piece before the block: drop its low end */
+        ru->n -= cut;
+        v->dropped += cut;
+        short_by -= cut;
+        *need -= cut;
+        pool->pressure_reclaims++;
+        if (!ru->n) {
+            memmove(ru, ru + 1, (size_t)(j->nruns - i - 1) * sizeof *ru);
+            j->nruns--;
+        }
+    }
+    return !short_by;
+}
+
 /* Claim the pages block b touches: existing mappings are shared (a cached handle stops being
  * cached), missing pages become runs to map, one handle per run: a page b only partly covers
  * (which a neighbour may share) gets a handle of its own, the pages b covers whole one handle
@@ -957,21 +987,28 @@ static int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size
 #undef MISSING_
     /* a split handle keeps its other pages mapped, as handles of their own (before and after b):
      * they stay cached, and the next time the same blocks come the handles fit them */
+    uint32_t piece0 = j->nruns;
+    size_t pieces = 0;
     for (uint32_t i = 0, nsplit = j->nvic; i < nsplit; i++) {
         const struct victim *v = &j->vic[i];
         if (v->head < p0) {
             if (!job_add_run(j, v->head, p0 - v->head)) goto fail_touched;
-            need += p0 - v->head;
+            j->runs[j->nruns - 1].of = (int32_t)i;
+            pieces += p0 - v->head;
         }
         if (v->head + v->n - 1 > p1) {
             if (!job_add_run(j, p1 + 1, v->head + v->n - 1 - p1)) goto fail_touched;
-            need += v->head + v->n - 1 - p1;
+            j->runs[j->nruns - 1].of = (int32_t)i;
+            pieces += v->head + v->n - 1 - p1;
         }
     }
+    need += pieces;
     if (!need) return 0;
     size_t avail = cap == SIZE_MAX ? SIZE_MAX : (cap > pool->held ? cap - pool->held : 0);
     if (avail < need) {
-        if (!pool->prm.defrag || avail + pool->cached < need) goto fail_touched;
+        if (!pool->prm.defrag || avail + pool->cached + pieces < need) goto fail_touched;
+        if (avail + pool->cached < need && !split_drop(pool, j, piece0, need - avail - pool->cached, &need))
+            goto fail_touched;
         while (avail < need) {
             uint32_t h;
             struct region *vr = oldest_cached(pool, &h);
@@ -1280,6 +1317,7 @@ static int job_publish(struct msh_pool *pool, struct job *j)
         pool->st.unmap_ops++;
         if (v->kind == V_RECLAIM) pool->st.reclaimed_pages += v->n;
         else if (v->kind == V_RELEASE) pool->st.released_pages += v->n;
+        else pool->st.reclaimed_pages += v->dropped;
         if (v->run < 0) {
             if (!v->rel_rc) {
                 pool->st.release_ops++;
