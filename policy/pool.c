@@ -2332,14 +2332,20 @@ static bool step_want(const struct step *s, uint64_t addr)
     return s->want && s->want_addr == addr;
 }
 
-static void step_drop(struct msh_pool *pool)
+/* why: what the request did that the plan did not foresee (the debug log says it) */
+static void step_drop(struct msh_pool *pool, const char *why, uint64_t rsize)
 {
     struct step *s = pool->step;
     if (s->active) pool->st.plan_dropped++;
-    if (s->active) msh_debug("pool: learned step dropped at event %llu (allocation %zu of %zu)", (unsigned long long)s->n, s->cursor, s->nplan);
-    s->resumable = s->active && s->cursor == s->nplan;
+    if (s->active)
+        msh_debug("pool: learned step dropped at event %llu (allocation %zu of %zu): %s (%llu bytes, planned %llu)",
+                  (unsigned long long)s->n, s->cursor, s->nplan, why, (unsigned long long)rsize,
+                  (unsigned long long)(s->cursor < s->nplan ? s->plan[s->cursor].size : s->plan[0].size));
+    /* any plan given up is kept, and resumed when its start comes back (step_before_alloc) */
+    s->resumable = s->active || s->resumable;
     s->active = false;
     s->want = false;
+    s->quiet_until = 0; /* the stream left the plan: what repeats now may be learned at once */
 }
 
 static void step_note_alloc(struct msh_pool *pool, struct blk *b)
@@ -2372,11 +2378,11 @@ static struct blk *plan_place(struct msh_pool *pool, uint64_t rsize)
     /* the plan's area: a plan packed across areas may put a block in the other area's pages */
     struct blk *b = atreap_floor(pool->atree[s->want_area], s->want_addr);
     if (!b || b->addr + b->size < s->want_addr + rsize) {
-        step_drop(pool); /* the planned range is not free: the step changed */
+        step_drop(pool, "its planned range is not free", rsize); /* the step changed */
         return NULL;
     }
     struct blk *c = carve_at(pool, b, s->want_addr, rsize);
-    if (!c) step_drop(pool);
+    if (!c) step_drop(pool, "out of memory for the pool's own structures", rsize);
     return c;
 }
 
@@ -3128,12 +3134,20 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
 {
     struct step *s = pool->step;
     s->want = false;
+    /* the plan's start: the live set it starts from, and its first size */
+    bool at_start = s->nplan && s->hstate == s->plan_h && s->plan[0].size == rsize;
     if (s->active && s->cursor == s->nplan) { /* the step is over: does the next one begin? */
-        if (s->hstate == s->plan_h && s->plan[0].size == rsize) s->cursor = 0;
-        else step_drop(pool);
+        if (at_start) s->cursor = 0;
+        else step_drop(pool, s->hstate != s->plan_h ? "the step ended and the live set is not its start" : "the step ended and another size comes", rsize);
+    } else if (s->active && s->cursor && at_start && s->plan[s->cursor].size != rsize) {
+        /* the step began again before its end (a step cut short: an evaluation that runs the
+         * forward part of the step, a shorter last batch): from its start again */
+        msh_debug("pool: learned step begins again at event %llu (after %zu of its %zu allocations)",
+                  (unsigned long long)s->n, s->cursor, s->nplan);
+        s->cursor = 0;
     }
     if (s->job == PJ_DONE) plan_install(pool, rsize);
-    if (!s->active && s->resumable && s->job == PJ_IDLE && s->hstate == s->plan_h && s->plan[0].size == rsize) {
+    if (!s->active && s->resumable && s->job == PJ_IDLE && at_start) {
         size_t capn = cap_pages(pool);
         s->resumable = false;
         if (capn == SIZE_MAX || s->plan_pages <= capn) { /* the limit did not go down meanwhile */
@@ -3149,12 +3163,17 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
         s->job = PJ_IDLE;
     }
     struct anchor *an = &s->anchors[mix64(s->hstate) & (STEP_ANCHORS - 1)];
+    /* a window of L events between two equal live sets holds L / 2 allocations: a shorter one is
+     * not worth a snapshot of the live set and the page tables */
     bool candidate = !s->active && s->job == PJ_IDLE && an->h == s->hstate && an->size == rsize &&
-                     an->serial < s->n && s->n - an->serial <= STEP_LOG && pool->pressure_reclaims > an->reclaims &&
+                     an->serial + 2 * STEP_MIN_ALLOCS <= s->n && s->n - an->serial <= STEP_LOG &&
+                     pool->pressure_reclaims > an->reclaims &&
                      s->n >= s->quiet_until && !step_failed_before(s, s->n - an->serial, cap_pages(pool));
     uint64_t t0 = an->serial, t1 = s->n, h0 = s->hstate;
     *an = (struct anchor){.h = s->hstate, .serial = s->n, .reclaims = pool->pressure_reclaims, .size = rsize};
     if (candidate) {
+        msh_debug("pool: a step of %llu events repeats at event %llu (the live set and the size of event %llu)",
+                  (unsigned long long)(t1 - t0), (unsigned long long)t1, (unsigned long long)t0);
         /* Every allocation of a repeated step starts a window of the same length: try once per
          * step length, not at each of them. */
         s->quiet_until = t1 + (t1 - t0);
@@ -3177,7 +3196,7 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
     }
     if (s->active) {
         if (s->plan[s->cursor].size != rsize) {
-            step_drop(pool);
+            step_drop(pool, "another size", rsize);
         } else {
             s->want = true;
             s->want_addr = s->plan[s->cursor].addr;
