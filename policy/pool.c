@@ -874,15 +874,6 @@ static struct region *oldest_cached(struct msh_pool *pool, uint32_t *h)
     return NULL;
 }
 
-static bool handle_planned(const struct region *r, uint32_t h)
-{
-    for (uint32_t q = h; q < h + r->pages[h].npages; q++)
-        if (!(r->pages[q].plan & PLAN_PAGE)) return false;
-    return true;
-}
-
-struct step;
-static bool step_want(const struct step *s, uint64_t addr);
 
 /* The pages a split handle keeps beside the block (runs [piece0, nruns) of j, pages no block
  * touches) are cached pages like any other: one page per handle, the pool could reclaim each of
@@ -935,16 +926,25 @@ static int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size
     bool edge_lo = b->addr > page_va(pool, r, p0);
     bool edge_hi = b->addr + b->size < page_va(pool, r, p1) + pool->gran;
     int64_t q0 = (int64_t)p0 + edge_lo, q1 = (int64_t)p1 - edge_hi; /* pages b covers whole */
-    /* Under a limit (or near the device's capacity) every page must stay reclaimable: split
-     * handles b would cover in part. Far from any limit, handles may span several blocks (a
-     * chunk mapped ahead at the open end of the line), which saves driver calls. */
-    bool relaxed = !limit_now(pool) && !pool->driver_oom && pool->chunk_pages > 1 &&
-                   (pool->held + (p1 - p0 + 1) + pool->chunk_pages) * pool->gran < pool->device_total / 4 * 3;
+    /* Far from any limit (none set, no driver refusal, under 3/4 of the device), handles save
+     * driver calls: the pages b covers whole share one, and (relaxed) a handle may span several
+     * blocks, a chunk mapped ahead at the open end of the line. Otherwise every page must stay
+     * reclaimable: handles b would cover in part are split, and new ones are one page each. */
+    bool far = !limit_now(pool) && !pool->driver_oom &&
+               (pool->held + (p1 - p0 + 1) + pool->chunk_pages) * pool->gran < pool->device_total / 4 * 3;
+    bool relaxed = far && pool->chunk_pages > 1;
+    /* At the limit, one handle per page (issue 15): a handle goes back to the driver whole, so a
+     * page can be reclaimed alone only if it is a handle alone. Multi-page handles under a limit
+     * cost capacity however they are cut: a split keeps pieces that need room (split_drop), and
+     * the learned step had to share handles across blocks to switch to its plan without
+     * re-partitioning them, so that a plan given up in mid-step left free pages pinned by one
+     * live page (SYNTHETIC 10-stream offload traces: up to 3.8% above the page model's minimum
+     * capacity); re-partitioning instead cost thousands of map+unmap in the pass that switched
+     * (cs336 medium_1024: 4794 at C+0.5%), because the first pass had cut its handles for
+     * best-fit blocks. With pages, the plan switches mapping nothing, as the page model does,
+     * and the minimum capacity is the page model's. Far from any limit the savings stay. */
+    uint32_t maxh = far ? pool->max_handle_pages : 1;
     uint32_t hi0 = r->hi_page;
-    /* A block the learned step places may use part of a handle whose pages all belong to the
-     * step: the step fits in what the pool may hold, so those pages need never be reclaimed,
-     * and re-partitioning them would only cost driver calls. */
-    bool planned = pool->step && step_want(pool->step, b->addr);
     for (uint32_t p = p0; p <= p1 && !relaxed;) {
         uint32_t h = pg_head(&r->pages[p]);
         if (h == NO_PAGE) {
@@ -953,8 +953,7 @@ static int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size
         }
         struct page *hp = &r->pages[h];
         uint32_t next = h + hp->npages;
-        if (hp->npages > 1 && !((int64_t)h >= q0 && (int64_t)next - 1 <= q1) && !hp->nlive &&
-            !(planned && handle_planned(r, h))) {
+        if (hp->npages > 1 && !((int64_t)h >= q0 && (int64_t)next - 1 <= q1) && !hp->nlive) {
             if (!take_victim(pool, j, r, h, V_SPLIT)) goto fail;
             held_sub(pool, hp->npages);
         }
@@ -972,7 +971,7 @@ static int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size
         }
         uint32_t n = 1;
         if ((int64_t)p >= q0 && (int64_t)p <= q1)
-            while ((int64_t)(p + n) <= q1 && MISSING_(p + n) && n < pool->max_handle_pages) n++;
+            while ((int64_t)(p + n) <= q1 && MISSING_(p + n) && n < maxh) n++;
         if (relaxed && p + n - 1 >= p1 - 1 && p + n >= hi0) {
             /* the run reaches the open end of the line: map up to the next chunk boundary, the
              * pages after b that the next blocks placed there will use */
@@ -2327,11 +2326,6 @@ static bool step_failed_before(const struct step *s, uint64_t len, size_t budget
     return s->fails && d <= s->fail_len / 64 && budget == s->fail_budget && s->n < s->fail_until;
 }
 
-static bool step_want(const struct step *s, uint64_t addr)
-{
-    return s->want && s->want_addr == addr;
-}
-
 /* why: what the request did that the plan did not foresee (the debug log says it) */
 static void step_drop(struct msh_pool *pool, const char *why, uint64_t rsize)
 {
@@ -3499,13 +3493,11 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
                 }
                 if (nl != hp->nlive) CHECK_FAIL("region %#llx handle at %u: %u pages touched, count says %u",
                                                 (unsigned long long)r->base, p, nl, hp->nlive);
-                /* a handle of several pages is in use by one block covering all of it, or cached
-                 * (or all its pages belong to the learned step) */
-                bool all_planned = handle_planned(r, p);
-                if (quiet && limit_now(pool) && hp->npages > 1 && nl && nl != hp->npages && !all_planned)
+                /* a handle of several pages is in use by one block covering all of it, or cached */
+                if (quiet && limit_now(pool) && hp->npages > 1 && nl && nl != hp->npages)
                     CHECK_FAIL("region %#llx handle at %u: %u of its %u pages in use (partly used handles cannot be reclaimed)",
                                (unsigned long long)r->base, p, nl, hp->npages);
-                for (uint32_t q = p; quiet && limit_now(pool) && hp->npages > 1 && !all_planned && q < p + hp->npages; q++)
+                for (uint32_t q = p; quiet && limit_now(pool) && hp->npages > 1 && q < p + hp->npages; q++)
                     if (r->pages[q].live > 1)
                         CHECK_FAIL("region %#llx page %u of a %u-page handle is shared by %d blocks", (unsigned long long)r->base, q,
                                    hp->npages, r->pages[q].live);

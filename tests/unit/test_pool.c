@@ -801,8 +801,8 @@ TEST(limit_without_defrag_releases_cached_pages_before_failing)
     CHECK(s.reclaimed_pages == 0 && s.rescue_reclaim == 0);
     CHECK(gc_calls == 1);
     CHECKF(rc == 0, "rc %d", rc);
-    /* four one-page handles, two released, one two-page handle for the block's whole pages */
-    CHECK(s.rescue_empty_cache == 1 && s.released_pages == 2 && s.create_ops == 5);
+    /* four one-page handles, two released, and under a limit one handle per page of the block */
+    CHECK(s.rescue_empty_cache == 1 && s.released_pages == 2 && s.create_ops == 6);
     CHECK(s.oom_events == 0);
     if (rc == 0) CHECK(msh_pool_free(pool, e, 1) == 0);
     /* live 4 MiB of 8: a 6 MiB request cannot fit whatever the chain does */
@@ -1741,7 +1741,7 @@ TEST(steady_state_second_round_maps_nothing)
 TEST(one_handle_for_the_pages_a_block_covers_whole_and_one_access_grant)
 {
     struct fake *f = fake_new(0, 0);
-    struct msh_pool *pool = mk_pool(&f->dev, 64 * MiB, true, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0); /* no limit: far from any */
     REQUIRE(pool);
     uint64_t a;
     /* 10 MiB + 512 from a page boundary: five whole pages and a sixth touched in part */
@@ -1762,20 +1762,65 @@ TEST(one_handle_for_the_pages_a_block_covers_whole_and_one_access_grant)
     free(f);
 }
 
+TEST(at_the_limit_every_page_is_a_handle_of_its_own)
+{
+    /* issue 15: under a limit a page can be given back alone only if it is a handle alone (the
+     * page model), so the same block maps six one-page handles there, with one access grant */
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 64 * MiB, true, 0);
+    REQUIRE(pool);
+    uint64_t a;
+    REQUIRE(msh_pool_alloc(pool, 10 * MiB + 512, 1, &a) == 0);
+    CHECK(f->calls[OP_CREATE] == 6 && f->calls[OP_MAP] == 6 && f->calls[OP_ACCESS] == 1);
+    for (int i = 0; i < f->nlog; i++)
+        if (f->log[i].op == 'C') CHECK(f->log[i].a == GRAN);
+    CHECK(stats(pool).handles == 6);
+    CHECK(msh_pool_free(pool, a, 1) == 0);
+    /* the same without a limit but near the device's capacity (3/4 of it held): pages too */
+    msh_pool_destroy(pool);
+    free(f);
+    f = fake_new(16 * MiB, 0);
+    REQUIRE((pool = mk_pool(&f->dev, 0, true, 0)));
+    REQUIRE(msh_pool_alloc(pool, 10 * MiB + 512, 1, &a) == 0); /* 6 + 1 > 3/4 of 8 pages */
+    CHECK(f->calls[OP_CREATE] == 6 && stats(pool).handles == 6);
+    CHECK(msh_pool_free(pool, a, 1) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
+/* A pool under a limit that can change (struct msh_pool_share, as shim/torch.c's pools have): a
+ * test makes handles far from any limit, then sets one. */
+static struct msh_pool *mk_pool_shared(struct msh_device *d, struct msh_pool_share *sh)
+{
+    struct msh_pool_params p;
+    msh_pool_params_default(&p);
+    p.ahead_bytes = GRAN;
+    p.plan_sync = true;
+    p.va_bytes = 8 * GiB;
+    p.share = sh;
+    struct msh_pool *pool = NULL;
+    if (msh_pool_create(d, &p, &pool)) return NULL;
+    return pool;
+}
+
 TEST(a_cached_handle_used_in_part_is_repartitioned_so_nothing_is_stranded)
 {
-    /* A's five pages share a handle. When B takes only the first page and a half of it, a handle
-     * left whole would keep the other three pages unreclaimable while B lives (stranded), and D
-     * below would not fit in the 7-page limit. The pool re-partitions the cached handle instead:
-     * B's pages and the rest become handles of their own, the rest stays cached and reclaimable. */
+    /* A's five pages share a handle (made far from any limit). When, under a limit, B takes only
+     * the first page and a half of it, a handle left whole would keep the other three pages
+     * unreclaimable while B lives (stranded), and D below would not fit in the 7-page limit. The
+     * pool re-partitions the cached handle instead: B's pages and the rest become handles of
+     * their own, the rest stays cached and reclaimable. */
     struct fake *f = fake_new(0, 0);
-    struct msh_pool *pool = mk_pool(&f->dev, 14 * MiB, true, 0);
+    struct msh_pool_share sh = {0};
+    struct msh_pool *pool = mk_pool_shared(&f->dev, &sh);
     REQUIRE(pool);
     uint64_t a, g, b, d;
     REQUIRE(msh_pool_alloc(pool, 10 * MiB, 1, &a) == 0); /* pages 0-4, one handle */
     REQUIRE(msh_pool_alloc(pool, 2 * MiB, 1, &g) == 0);  /* page 5: bounds A's extent */
     CHECK(stats(pool).handles == 2);
     CHECK(msh_pool_free(pool, a, 1) == 0);
+    __atomic_store_n(&sh.limit_bytes, 14 * MiB, __ATOMIC_RELAXED);
     fake_log_clear(f);
     REQUIRE(msh_pool_alloc(pool, 2 * MiB + 4096, 1, &b) == 0);
     CHECK(b == a);
@@ -1787,9 +1832,45 @@ TEST(a_cached_handle_used_in_part_is_repartitioned_so_nothing_is_stranded)
     s = stats(pool);
     CHECK(s.reclaimed_pages == 3 && s.mapped_bytes == 7 * GRAN);
     for (uint64_t p = d / GRAN; p < (d + 8 * MiB) / GRAN; p++) CHECK(fake_is_mapped(f, p * GRAN));
+    char why[256];
+    CHECKF(msh_pool_check(pool, why, sizeof why) == 0, "%s", why);
     CHECK(msh_pool_free(pool, b, 1) == 0);
     CHECK(msh_pool_free(pool, d, 1) == 0);
     CHECK(msh_pool_free(pool, g, 1) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST(a_split_handle_leaves_out_the_pages_it_has_no_room_for)
+{
+    /* issue 15: a 5-page handle at pages 1-5 (made far from any limit), page 0 unmapped, then a
+     * limit of 5 pages. B covers pages 0-2 whole and page 3 in part: with one handle per page it
+     * needs page 0 only, and reclaims a cached page for it. Splitting the handle made B's four
+     * handles and kept pages 4-5 as a fifth: 6 pages where 5 may be held, and the request failed.
+     * The pages beside B are left out (the farthest first) until it fits. */
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool_share sh = {0};
+    struct msh_pool *pool = mk_pool_shared(&f->dev, &sh);
+    REQUIRE(pool);
+    uint64_t p, a, b;
+    REQUIRE(msh_pool_alloc(pool, 2 * MiB, 1, &p) == 0);  /* page 0 */
+    REQUIRE(msh_pool_alloc(pool, 10 * MiB, 1, &a) == 0); /* pages 1-5, one handle */
+    CHECK(a == p + GRAN && stats(pool).handles == 2);
+    CHECK(msh_pool_free(pool, p, 1) == 0);
+    CHECK(msh_pool_empty_cache(pool) == GRAN); /* page 0 goes back; A is live */
+    CHECK(msh_pool_free(pool, a, 1) == 0);
+    __atomic_store_n(&sh.limit_bytes, 10 * MiB, __ATOMIC_RELAXED);
+    fake_log_clear(f);
+    CHECK(msh_pool_alloc(pool, 7 * MiB + 4096, 1, &b) == 0);
+    CHECK(b == p);
+    struct msh_pool_stats s = stats(pool);
+    CHECK(s.mapped_bytes == 5 * GRAN && s.touched_bytes == 4 * GRAN && sh.handle_bytes == 10 * MiB);
+    CHECK(fake_is_mapped(f, p + 4 * GRAN) && !fake_is_mapped(f, p + 5 * GRAN)); /* one page left out */
+    CHECK(s.reclaimed_pages == 1);
+    char why[256];
+    CHECKF(msh_pool_check(pool, why, sizeof why) == 0, "%s", why);
+    CHECK(msh_pool_free(pool, b, 1) == 0);
     msh_pool_destroy(pool);
     CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
     free(f);
