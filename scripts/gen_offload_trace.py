@@ -56,10 +56,15 @@ streams such a job uses (the default, --streams 2, writes exactly the trace abov
   there and freed one layer later (a reduce-scatter still running), then dW_i is offloaded: cast
   to half its size in a buffer of an offload stream (dW_i is freed at once), and that buffer is
   freed when its copy is done, one or two layers later;
-- the order in which copies complete (the free of an offloaded block) is drawn from the seed.
+- when each offloaded block is freed (one or two layers after its copy started) and the order of
+  the frees that come due together are drawn from the seed once, for the whole job: the program
+  frees at the same points every step, as a snapshot's free_requested events do; with
+  --free-jitter they are drawn again every step (the order in which copies complete, as
+  free_completed events would give it: a harder case, where no two steps free alike).
 
 Usage: scripts/gen_offload_trace.py [-o FILE] [--layers N] [--steps S] [--seed K] [--no-prefetch]
                                     [--streams N] [--prefetch-depth D] [--offload-fraction F]
+                                    [--free-jitter]
 The trace is synthetic: it says so in its header comment and is never committed as data
 (`make bench` writes it under build/).
 """
@@ -229,7 +234,8 @@ def write_multi(args, out):
     out.write(f"# SYNTHETIC offload/reload training trace from scripts/gen_offload_trace.py: layers={N} "
               f"steps={args.steps} seed={args.seed} weights {args.min_mib}-{args.max_mib} MiB "
               f"streams={args.streams} (copy {len(H2D)}, offload {len(D2H)}, collective {len(COLL)}) "
-              f"prefetch_depth={D} offload_fraction={args.offload_fraction}\n")
+              f"prefetch_depth={D} offload_fraction={args.offload_fraction}"
+              f"{' free_jitter' if args.free_jitter else ''}\n")
     out.write(f"# weights MiB: {' '.join(f'{x / MiB:.1f}' for x in weights)}\n")
     out.write(f"# activations offloaded: {' '.join(str(i) for i in range(N) if offl[i])}\n")
     out.write("r 0 0 0\n")
@@ -237,20 +243,33 @@ def write_multi(args, out):
         w.prefix(C, size)
     batch, mask, logits_sz = 8 * MiB, 96 * KiB, 64 * MiB
     pending = []  # [layers left, address]: frees that wait for a copy or a collective to finish
+    draws = {}    # (step, n-th draw of the step) -> value; the same for every step unless --free-jitter
+    counter = [0, 0]
+
+    def draw(f):
+        key = (counter[0] if args.free_jitter else 0, counter[1])
+        counter[1] += 1
+        if key not in draws:
+            draws[key] = f()
+        return draws[key]
 
     def later(addr, lo=1, hi=2):
-        pending.append([rng.randint(lo, hi), addr])
+        pending.append([draw(lambda: rng.randint(lo, hi)), addr])
 
     def tick():  # one layer has passed: the copies and collectives due now complete
         due = [p for p in pending if p[0] <= 1]
         for p in pending:
             p[0] -= 1
-        rng.shuffle(due)
+        order = draw(lambda: rng.random())  # which of the due frees comes first
+        due.sort(key=lambda p: p[1])
+        if order < 0.5:
+            due.reverse()
         for p in due:
             pending.remove(p)
             w.free(p[1])
 
     for step in range(args.steps):
+        counter[0], counter[1] = step, 0
         out.write(f"e {step}\n")
         x = w.alloc(C, batch)
         m = w.alloc(C, mask)
@@ -340,6 +359,8 @@ def main():
     ap.add_argument("--prefetch-depth", type=int, default=2, help="with --streams >= 3: layers reloaded ahead")
     ap.add_argument("--offload-fraction", type=float, default=0.75,
                     help="with --streams >= 3: the chance that a layer's saved activation is offloaded")
+    ap.add_argument("--free-jitter", action="store_true",
+                    help="with --streams >= 3: when offloaded blocks are freed is drawn again every step")
     args = ap.parse_args()
     if args.layers < 1 or args.steps < 1 or not 1 <= args.min_mib <= args.max_mib:
         ap.error("need --layers >= 1, --steps >= 1 and 1 <= --min-mib <= --max-mib")
