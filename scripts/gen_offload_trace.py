@@ -243,33 +243,25 @@ def write_multi(args, out):
         w.prefix(C, size)
     batch, mask, logits_sz = 8 * MiB, 96 * KiB, 64 * MiB
     pending = []  # [layers left, address]: frees that wait for a copy or a collective to finish
-    draws = {}    # (step, n-th draw of the step) -> value; the same for every step unless --free-jitter
-    counter = [0, 0]
-
-    def draw(f):
-        key = (counter[0] if args.free_jitter else 0, counter[1])
-        counter[1] += 1
-        if key not in draws:
-            draws[key] = f()
-        return draws[key]
+    # when the frees come: the job's own generator, which goes on from step to step, with
+    # --free-jitter; else one restarted at every step, so that every step frees alike
+    frng = [rng]
 
     def later(addr, lo=1, hi=2):
-        pending.append([draw(lambda: rng.randint(lo, hi)), addr])
+        pending.append([frng[0].randint(lo, hi), addr])
 
     def tick():  # one layer has passed: the copies and collectives due now complete
         due = [p for p in pending if p[0] <= 1]
         for p in pending:
             p[0] -= 1
-        order = draw(lambda: rng.random())  # which of the due frees comes first
-        due.sort(key=lambda p: p[1])
-        if order < 0.5:
-            due.reverse()
+        frng[0].shuffle(due)
         for p in due:
             pending.remove(p)
             w.free(p[1])
 
     for step in range(args.steps):
-        counter[0], counter[1] = step, 0
+        if not args.free_jitter:
+            frng[0] = random.Random(args.seed * 7919 + args.streams + 1)
         out.write(f"e {step}\n")
         x = w.alloc(C, batch)
         m = w.alloc(C, mask)
