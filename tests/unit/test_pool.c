@@ -406,7 +406,7 @@ static bool fake_is_mapped(struct fake *f, uint64_t page_va)
 
 __attribute__((constructor)) static void quiet(void)
 {
-    msh_log_level = MSH_LOG_ERROR; /* OOM warnings are expected in these tests */
+    msh_log_level = getenv("TDEBUG") ? MSH_LOG_DEBUG : MSH_LOG_ERROR; /* OOM warnings are expected in these tests */
     alarm(600);                    /* a deadlock (GC callback under the lock) must not hang CI */
 }
 
@@ -2000,6 +2000,63 @@ TEST(a_repeated_step_that_remaps_is_learned_and_then_maps_nothing)
     free(f);
 }
 
+/* The first `nsmall` allocations of churn_step's step (an evaluation running the step's forward
+ * part), then `odd` bytes when nonzero (a step that leaves the plan), all freed at its end. */
+static int partial_step(struct msh_pool *pool, int nsmall, size_t odd)
+{
+    int fails = 0;
+    uint64_t a, b, x = 0, sm[20];
+    fails += msh_pool_alloc(pool, 4 * MiB, 1, &a) != 0;
+    fails += msh_pool_alloc(pool, 2 * MiB, 1, &b) != 0;
+    for (int i = 0; i < nsmall; i++) fails += msh_pool_alloc(pool, 64 * 1024, 1, &sm[i]) != 0;
+    if (odd) fails += msh_pool_alloc(pool, odd, 1, &x) != 0;
+    for (int i = 0; i < nsmall; i++) msh_pool_free(pool, sm[i], 1);
+    if (odd) msh_pool_free(pool, x, 1);
+    msh_pool_free(pool, a, 1);
+    msh_pool_free(pool, b, 1);
+    return fails;
+}
+
+/* Issue 15: a learned step is not lost to what runs between two of its steps. An evaluation that
+ * runs the first part of the step begins the step again before its end: the plan starts over at
+ * the next step (it used to be dropped there, in mid-step, for good). A step that leaves the plan
+ * in mid-step (another size) drops it, and the plan is resumed when its start comes back (it used
+ * to be resumed only when dropped at its own end). Both times the next step maps nothing. */
+TEST(a_learned_step_survives_an_evaluation_and_a_step_that_leaves_it)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 10 * MiB, true, 0);
+    REQUIRE(pool);
+    int fails = 0;
+    for (int step = 0; step < 4; step++) fails += churn_step(pool, 6 * MiB);
+    struct msh_pool_stats s0 = stats(pool);
+    CHECK(s0.plans_built == 1);
+    fails += partial_step(pool, 20, 0); /* the evaluation: 22 of the step's allocations */
+    long m0 = f->calls[OP_MAP], u0 = f->calls[OP_UNMAP];
+    fails += churn_step(pool, 6 * MiB);
+    long m1 = f->calls[OP_MAP] - m0, u1 = f->calls[OP_UNMAP] - u0;
+    struct msh_pool_stats s1 = stats(pool);
+    CHECKF(m1 == 0 && u1 == 0, "the step after the evaluation: %ld maps, %ld unmaps", m1, u1);
+    CHECKF(s1.plan_dropped == s0.plan_dropped && s1.plan_placed - s0.plan_placed == 22 + 23, "dropped %llu -> %llu, placed %llu", (unsigned long long)s0.plan_dropped, (unsigned long long)s1.plan_dropped, (unsigned long long)(s1.plan_placed - s0.plan_placed));
+    fails += partial_step(pool, 3, 3 * MiB / 2); /* leaves the plan at its sixth allocation, for mapped pages */
+    struct msh_pool_stats s2 = stats(pool);
+    CHECK(s2.plan_dropped == s1.plan_dropped + 1);
+    m0 = f->calls[OP_MAP], u0 = f->calls[OP_UNMAP];
+    fails += churn_step(pool, 6 * MiB);
+    long m2 = f->calls[OP_MAP] - m0, u2 = f->calls[OP_UNMAP] - u0;
+    struct msh_pool_stats s3 = stats(pool);
+    CHECKF(m2 == 0 && u2 == 0, "the step after the one that left the plan: %ld maps, %ld unmaps", m2, u2);
+    CHECK(s3.plans_built == s2.plans_built + 1 && s3.plan_placed - s2.plan_placed == 23); /* resumed */
+    CHECK(fails == 0);
+    printf("    after the evaluation %ld/%ld, after the step that left the plan %ld/%ld map/unmap; plans %llu, "
+           "dropped %llu\n", m1, u1, m2, u2, (unsigned long long)s3.plans_built, (unsigned long long)s3.plan_dropped);
+    char why[256];
+    CHECKF(msh_pool_check(pool, why, sizeof why) == 0, "%s", why);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
 /* A step whose large blocks take back, late in the step, the small area's only page: at the step
  * boundary the small area has nothing mapped, while the large area has room for the small blocks
  * at the time they live. Returns the allocations that failed. */
@@ -2020,7 +2077,7 @@ static int area_step(struct msh_pool *pool)
 
 /* Issue 10: from the second step on, no map and no unmap. The plan is packed into the pages
  * mapped at the step boundary only, across both areas (the small blocks go to large-area pages
- * that are free while they live), and a block the plan places shares the handles it finds. The
+ * that are free while they live), and a block the plan places shares the pages it finds. The
  * pool before this change mapped again in the second step (it packed the small blocks into the
  * small area, whose page the first step had given to the large blocks). */
 TEST(the_second_step_maps_nothing_when_the_step_boundary_left_one_area_unmapped)
