@@ -2250,6 +2250,10 @@ struct step {
     uint64_t res_pages;      /* its footprint */
     uint64_t res_h0, res_first; /* its boundary: the live-set hash, the size of the first allocation */
     uint64_t res_until;      /* a boundary that has not come by this serial will not: the step changed */
+    uint64_t res_events;     /* the packed step's length in events */
+    uint64_t plan_events;    /* the plan's step length in events, and when it was last given up at */
+    uint64_t dropped_at;     /* the end of its step (0: in mid-step, or never) */
+    bool proven;             /* the plan has placed its whole step once */
     pthread_t worker;
     bool worker_on, worker_failed, stop;
     pthread_cond_t wake;     /* the planner waits for a job */
@@ -2335,8 +2339,12 @@ static void step_drop(struct msh_pool *pool, const char *why, uint64_t rsize)
         msh_debug("pool: learned step dropped at event %llu (allocation %zu of %zu): %s (%llu bytes, planned %llu)",
                   (unsigned long long)s->n, s->cursor, s->nplan, why, (unsigned long long)rsize,
                   (unsigned long long)(s->cursor < s->nplan ? s->plan[s->cursor].size : s->plan[0].size));
-    /* any plan given up is kept, and resumed when its start comes back (step_before_alloc) */
-    s->resumable = s->active || s->resumable;
+    /* a plan given up is kept, and resumed when its start comes back (step_before_alloc), once it
+     * has placed its whole step: one that never did may be a wrong period (a layer's repeat inside
+     * the step), which, resumed at every start, would keep the right one from being learned */
+    if (s->active) s->dropped_at = s->cursor == s->nplan ? s->n : 0;
+    if (s->active && s->cursor == s->nplan) s->proven = true;
+    s->resumable = (s->active && s->proven) || s->resumable;
     s->active = false;
     s->want = false;
     s->quiet_until = 0; /* the stream left the plan: what repeats now may be learned at once */
@@ -2716,6 +2724,7 @@ struct psnap {
     uint64_t t0, t1, h0;  /* the step's events [t0, t1); the live-set hash at its start */
     uint64_t gran, budget;
     size_t cap;           /* cap_pages() then (SIZE_MAX: no limit), for the back-off after a failure */
+    bool mapped_only;     /* only the packings into mapped pages (a proven plan may still come back) */
     struct slog *ev;      /* [t1 - t0] */
     struct pent *live;    /* the live set at the boundary (address, VA size) */
     size_t nlive;
@@ -2975,6 +2984,7 @@ enum { NWAYS = sizeof plan_ways / sizeof plan_ways[0] };
 static struct pinput *plan_pack(const struct psnap *sn, uint64_t *pages, bool *failed)
 {
     for (int w = 0; w < NWAYS; w++) {
+        if (sn->mapped_only && plan_ways[w].holes < 2) return NULL; /* not a failure: tried in full later */
         struct pinput *in = raw_alloc(sizeof *in);
         if (!in) return NULL;
         memset(in, 0, sizeof *in);
@@ -3028,6 +3038,7 @@ static void planner_run(struct msh_pool *pool)
         s->res_h0 = h0;
         s->res_first = first;
         s->res_until = s->n + 2 * (t1 - t0);
+        s->res_events = t1 - t0;
         s->job = PJ_DONE;
     } else {
         pin_free(in);
@@ -3115,6 +3126,8 @@ static void plan_install(struct msh_pool *pool, uint64_t rsize)
     s->active = true;
     s->resumable = false;
     s->plan_pages = s->res_pages;
+    s->plan_events = s->res_events;
+    s->proven = false;
     pool->st.plans_built++;
     msh_debug("pool: learned step of %zu allocations in use from event %llu", s->nplan, (unsigned long long)s->n);
     plan_mark(pool, in, s->res_pages);
@@ -3131,6 +3144,7 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
     /* the plan's start: the live set it starts from, and its first size */
     bool at_start = s->nplan && s->hstate == s->plan_h && s->plan[0].size == rsize;
     if (s->active && s->cursor == s->nplan) { /* the step is over: does the next one begin? */
+        s->proven = true;
         if (at_start) s->cursor = 0;
         else step_drop(pool, s->hstate != s->plan_h ? "the step ended and the live set is not its start" : "the step ended and another size comes", rsize);
     } else if (s->active && s->cursor && at_start && s->plan[s->cursor].size != rsize) {
@@ -3159,6 +3173,14 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
     struct anchor *an = &s->anchors[mix64(s->hstate) & (STEP_ANCHORS - 1)];
     /* a window of L events between two equal live sets holds L / 2 allocations: a shorter one is
      * not worth a snapshot of the live set and the page tables */
+    /* A plan given up at the end of its step (it had placed the whole step) has one step's length
+     * to come back: meanwhile another is learned only if switching to it maps nothing (packed
+     * into mapped pages). A pass of the replay that releases the live set, a warm-up or an
+     * evaluation between its steps is otherwise learned with them as a longer step (the whole
+     * pass), whose switch maps where the plan resumed would map nothing (SYNTHETIC offload seed 1:
+     * 52 map+unmap in pass 2 at C+0.5%). A plan given up in mid-step has no such grace: it may be
+     * a wrong period. */
+    bool grace = s->resumable && s->dropped_at && s->n - s->dropped_at < s->plan_events;
     bool candidate = !s->active && s->job == PJ_IDLE && an->h == s->hstate && an->size == rsize &&
                      an->serial + 2 * STEP_MIN_ALLOCS <= s->n && s->n - an->serial <= STEP_LOG &&
                      pool->pressure_reclaims > an->reclaims &&
@@ -3175,6 +3197,8 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
         struct psnap *sn = snap_take(pool, t0, t1, h0, capn != SIZE_MAX ? capn : pool->held);
         if (sn) {
             sn->cap = capn;
+            sn->mapped_only = grace;
+            if (grace) s->quiet_until = s->dropped_at + s->plan_events; /* in full once the grace is over */
             s->snap = sn;
             s->job = PJ_QUEUED;
             /* plan_sync (a deterministic replay): packed here, at this boundary, as if the
