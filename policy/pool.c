@@ -2253,7 +2253,6 @@ struct step {
     uint64_t res_events;     /* the packed step's length in events */
     uint64_t plan_events;    /* the plan's step length in events, and when it was last given up at */
     uint64_t dropped_at;     /* the end of its step (0: in mid-step, or never) */
-    bool proven;             /* the plan has placed its whole step once */
     pthread_t worker;
     bool worker_on, worker_failed, stop;
     pthread_cond_t wake;     /* the planner waits for a job */
@@ -2339,12 +2338,9 @@ static void step_drop(struct msh_pool *pool, const char *why, uint64_t rsize)
         msh_debug("pool: learned step dropped at event %llu (allocation %zu of %zu): %s (%llu bytes, planned %llu)",
                   (unsigned long long)s->n, s->cursor, s->nplan, why, (unsigned long long)rsize,
                   (unsigned long long)(s->cursor < s->nplan ? s->plan[s->cursor].size : s->plan[0].size));
-    /* a plan given up is kept, and resumed when its start comes back (step_before_alloc), once it
-     * has placed its whole step: one that never did may be a wrong period (a layer's repeat inside
-     * the step), which, resumed at every start, would keep the right one from being learned */
+    /* any plan given up is kept, and resumed when its start comes back (step_before_alloc) */
     if (s->active) s->dropped_at = s->cursor == s->nplan ? s->n : 0;
-    if (s->active && s->cursor == s->nplan) s->proven = true;
-    s->resumable = (s->active && s->proven) || s->resumable;
+    s->resumable = s->active || s->resumable;
     s->active = false;
     s->want = false;
     s->quiet_until = 0; /* the stream left the plan: what repeats now may be learned at once */
@@ -3127,7 +3123,6 @@ static void plan_install(struct msh_pool *pool, uint64_t rsize)
     s->resumable = false;
     s->plan_pages = s->res_pages;
     s->plan_events = s->res_events;
-    s->proven = false;
     pool->st.plans_built++;
     msh_debug("pool: learned step of %zu allocations in use from event %llu", s->nplan, (unsigned long long)s->n);
     plan_mark(pool, in, s->res_pages);
@@ -3144,7 +3139,6 @@ static void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
     /* the plan's start: the live set it starts from, and its first size */
     bool at_start = s->nplan && s->hstate == s->plan_h && s->plan[0].size == rsize;
     if (s->active && s->cursor == s->nplan) { /* the step is over: does the next one begin? */
-        s->proven = true;
         if (at_start) s->cursor = 0;
         else step_drop(pool, s->hstate != s->plan_h ? "the step ended and the live set is not its start" : "the step ended and another size comes", rsize);
     } else if (s->active && s->cursor && at_start && s->plan[s->cursor].size != rsize) {
