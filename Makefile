@@ -62,8 +62,8 @@ LIBS    := -ldl -lm
 # The preloaded library: hooks + shim + policy + report. Only glibc may be NEEDED.
 # The snapshot writer (history ring, pickle writer) lives with the trace formats but runs in the library.
 HIST_SRC := report/trace/history.c report/trace/pkwrite.c report/trace/snapwrite.c
-LIB_SRC  := $(sort $(wildcard shim/*.c hooks/*.c policy/*.c report/*.c) $(HIST_SRC))
-CORE_SRC := $(sort $(wildcard shim/*.c policy/*.c report/*.c) $(HIST_SRC))
+LIB_SRC  := $(sort $(wildcard shim/*.c hooks/*.c policy/*.c policy/pool/*.c report/*.c) $(HIST_SRC))
+CORE_SRC := $(sort $(wildcard shim/*.c policy/*.c policy/pool/*.c report/*.c) $(HIST_SRC))
 # The trace formats (report/trace) and the allocator models replay runs them through (policy/models).
 TRACE_SRC := $(sort $(filter-out $(HIST_SRC),$(wildcard report/trace/*.c policy/models/*.c)))
 LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)

@@ -1,5 +1,5 @@
 /*
- * test_pool.c: the defragmenting pool (policy/pool.c) over the simulated device and over a
+ * test_pool.c: the defragmenting pool (policy/pool/) over the simulated device and over a
  * recording fake device defined here.
  *
  * The fake device (struct fake) implements struct msh_device_ops, logs every call in order (so
