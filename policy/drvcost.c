@@ -42,9 +42,29 @@ static const struct msh_drvcost default_table = {
         [MSH_DRV_FREE] = 70.26 * US,          /* none published: unmap + release + unreserve [K] */
         [MSH_DRV_RESERVE] = 19.0 * US,        /* [K] cuMemAddressReserve (8 GB) */
         [MSH_DRV_UNRESERVE] = 19.0 * US,      /* none published: taken equal to the reserve [K] */
+        [MSH_DRV_HOST_CREATE] = 193.32 * US,  /* none published for host memory: taken equal to create [K] */
+        [MSH_DRV_COPY_D2H] = 10.0 * US,       /* a synchronous copy's fixed cost: taken as a synchronize */
+        [MSH_DRV_COPY_H2D] = 10.0 * US,
     },
-    .per_mib_s = {0},
+    /* Spill copies over PCIe Gen5 x16 (the H100/H200 PCIe link): device to host 52.8 GB/s [N24],
+     * host to device 57.0 GB/s [N6] (measured, nvbandwidth). Grace Hopper's NVLink-C2C instead:
+     * msh_drvcost_link(MSH_LINK_C2C). Sources: docs/benchmarks.md, "Driver cost table". */
+    .per_mib_s = {
+        [MSH_DRV_COPY_D2H] = 1048576.0 / 52.8e9,
+        [MSH_DRV_COPY_H2D] = 1048576.0 / 57.0e9,
+    },
 };
+
+void msh_drvcost_link(struct msh_drvcost *t, int link)
+{
+    if (link == MSH_LINK_C2C) { /* GH200 bandwidthTest, pinned 32 MB: D2H 291.6, H2D 335.3 GB/s [G] */
+        t->per_mib_s[MSH_DRV_COPY_D2H] = 1048576.0 / 291.6e9;
+        t->per_mib_s[MSH_DRV_COPY_H2D] = 1048576.0 / 335.3e9;
+    } else {
+        t->per_mib_s[MSH_DRV_COPY_D2H] = 1048576.0 / 52.8e9;
+        t->per_mib_s[MSH_DRV_COPY_H2D] = 1048576.0 / 57.0e9;
+    }
+}
 
 const struct msh_drvcost *msh_drvcost_default(void) { return &default_table; }
 
@@ -193,10 +213,10 @@ int msh_drvcost_load(const char *path, struct msh_drvcost *out, char *err, size_
 static void fmt_time(char *b, size_t n, double s)
 {
     if (s == 0) snprintf(b, n, "0");
-    else if (s < 1e-6) snprintf(b, n, "%.6gns", s * 1e9);
-    else if (s < 1e-3) snprintf(b, n, "%.6gus", s * 1e6);
-    else if (s < 1) snprintf(b, n, "%.6gms", s * 1e3);
-    else snprintf(b, n, "%.6gs", s);
+    else if (s < 1e-6) snprintf(b, n, "%.9gns", s * 1e9);
+    else if (s < 1e-3) snprintf(b, n, "%.9gus", s * 1e6);
+    else if (s < 1) snprintf(b, n, "%.9gms", s * 1e3);
+    else snprintf(b, n, "%.9gs", s);
 }
 
 void msh_drvcost_write(FILE *f, const struct msh_drvcost *c)

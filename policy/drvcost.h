@@ -30,7 +30,10 @@
     X(MALLOC, "malloc")                                                                            \
     X(FREE, "free")                                                                                \
     X(RESERVE, "reserve")                                                                          \
-    X(UNRESERVE, "unreserve")
+    X(UNRESERVE, "unreserve")                                                                      \
+    X(HOST_CREATE, "host_create")                                                                  \
+    X(COPY_D2H, "copy_to_host")                                                                    \
+    X(COPY_H2D, "copy_to_device")
 #define MSH_DRV_ENUM_(e, s) MSH_DRV_##e,
 enum msh_drv_call { MSH_DRV_CALLS(MSH_DRV_ENUM_) MSH_DRV_NKINDS };
 #undef MSH_DRV_ENUM_
@@ -60,6 +63,10 @@ int msh_drvcost_parse(const char *text, size_t len, const char *name, struct msh
 /* msh_drvcost_parse() of a file (at most 1 MiB). Returns 0, EINVAL (bad content), or the errno of
  * opening/reading it, with the reason in err. */
 int msh_drvcost_load(const char *path, struct msh_drvcost *out, char *err, size_t errlen);
+/* The link spill copies cross (copy_to_host, copy_to_device per MiB): PCIe Gen5 x16 (the default
+ * table's) or Grace Hopper's NVLink-C2C. */
+enum { MSH_LINK_PCIE5 = 0, MSH_LINK_C2C = 1 };
+void msh_drvcost_link(struct msh_drvcost *t, int link);
 /* Modelled seconds of a set of counts: sum over kinds of calls*per_call + bytes/MiB*per_mib. */
 double msh_drvcost_seconds(const struct msh_drvcost *c, const uint64_t calls[MSH_DRV_NKINDS],
                            const uint64_t bytes[MSH_DRV_NKINDS]);

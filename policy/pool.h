@@ -72,6 +72,14 @@ struct msh_pool_params {
      * that needs any of these fails over to fresh memory or fails (msh_pool_oom.capture). The
      * deferred work runs at msh_pool_after_capture, or at the next call that finds none. */
     const int *capturing;
+    /* Spill to host memory (MEMSHIM_SPILL=host, docs/pool.md "Spill"): when the rescue chain
+     * cannot serve a request under the limit or the device's capacity, the backing of cold pages
+     * moves to host memory mapped at the same addresses (kernels still reach it, slower), and
+     * comes back at msh_pool_mark_step when device memory allows. Needs the backend's
+     * host_create and copy; without them the pool warns once and behaves as without spill.
+     * spill_max_bytes caps host bytes (0: what the host gives). */
+    bool spill;
+    size_t spill_max_bytes;
 };
 /* Read and written with __atomic builtins by every pool that shares it. */
 struct msh_pool_share {
@@ -124,6 +132,15 @@ struct msh_pool_stats {
     uint64_t plans_built, plan_placed, plan_dropped;
     uint64_t plan_pack_ns;                       /* time spent packing steps (on the planner thread) */
     uint64_t lock_waits;                         /* allocations that waited for another thread's mapping */
+    /* Spill (docs/pool.md "Spill"): bytes of host memory behind the pool's addresses now (in use
+     * or idle until the next step mark), their peaks (since the last reset_peaks, since
+     * creation); pages moved to the host and back, and their bytes; time spent moving (the
+     * device synchronized, copies, remaps); requests served after a spill; requests that still
+     * failed with spill on (nothing cold enough, spill_max_bytes, or the host refused). */
+    size_t spilled_bytes, peak_spilled_bytes, run_peak_spilled_bytes;
+    uint64_t spill_out_pages, spill_in_pages, spill_out_bytes, spill_in_bytes;
+    uint64_t spill_ns;
+    uint64_t rescue_spill, spill_refused;
 };
 
 /* Why the last request failed (filled on every failure, read by the report). */
@@ -135,6 +152,12 @@ struct msh_pool_oom {
                                    * reclaimed or released (msh_pool_params.capturing) */
     struct { uint64_t addr; size_t size; } top[5]; /* largest live blocks */
     int ntop;
+    /* spill on: bytes on the host when the request failed, and why more could not go there
+     * (NULL: spill off or never tried; "spill_max": MEMSHIM_SPILL_MAX reached; "nothing cold":
+     * every page left is touched by a block of the current step; "host refused": the driver
+     * gave no more host memory; "no host memory through VMM": the driver has none) */
+    size_t spilled_bytes;
+    const char *spill_stop;
 };
 
 /* GC callback: may free blocks (through msh_pool_free from the same thread); returns bytes it
@@ -232,6 +255,19 @@ void msh_pool_counters(struct msh_pool *pool, struct msh_pool_counters *out);
  * live block touches any more (*released: bytes). EINVAL for an address that is not a live block
  * start. */
 int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream, size_t *released);
+
+/* ---- spill to host memory (docs/pool.md "Spill") ---- */
+/* A step or epoch boundary (the caller's: an optimizer step, an epoch): blocks allocated before it
+ * count as cold from now on, and spilled pages come back if the device has room for them with a
+ * margin (1/16 of the limit or capacity: no ping-pong), idle host pages are given back. A safe
+ * point: never during a capture (then it only sets the mark). Returns bytes brought back. */
+size_t msh_pool_mark_step(struct msh_pool *pool);
+/* Bring spilled pages back now, as far as device memory allows with the margin (`all`: without
+ * the margin, up to the cap). Returns bytes brought back. */
+size_t msh_pool_unspill(struct msh_pool *pool, bool all);
+/* Walk live blocks that touch host memory now: `host_bytes` of the block's pages are spilled. */
+void msh_pool_for_each_spilled(struct msh_pool *pool, void (*fn)(void *arg, uint64_t addr, size_t size, size_t host_bytes),
+                               void *arg);
 
 /* Verify every structural invariant of the pool under its lock (tests, memshim-replay --check):
  * each region is tiled by its blocks in address order with no two free neighbours; free blocks

@@ -62,6 +62,7 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
      * the pool accounts for only once they publish: the exact checks need a quiet pool. */
     bool quiet = pool->jobs == 0 && pool->waiters == 0; /* a waiter holds a pending block too */
     size_t nfree[NAREAS] = {0}, nlive = 0, live_bytes = 0, mapped = 0, touched = 0, cached = 0, heads = 0, nparked = 0;
+    size_t host_heads = 0, host_pages = 0, host_idle = 0; /* spilled handles (spill.c) */
     size_t va = 0;
     if (pool->nevs) {
         evrefs_bytes = round_up((size_t)pool->nevs * sizeof *evrefs, 4096);
@@ -179,8 +180,13 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
                                hp->npages, h);
                 if (h != p) continue;
                 /* a head: the handle's own fields */
-                heads++;
-                mapped += hp->npages;
+                if (hp->host) {
+                    host_heads++;
+                    host_pages += hp->npages;
+                } else {
+                    heads++;
+                    mapped += hp->npages;
+                }
                 uint32_t nl = 0;
                 for (uint32_t q = p; q < p + hp->npages; q++) {
                     if (pg_head(&r->pages[q]) != p) CHECK_FAIL("region %#llx page %u: inside the handle at %u but points at %u",
@@ -190,10 +196,11 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
                 if (nl != hp->nlive) CHECK_FAIL("region %#llx handle at %u: %u pages touched, count says %u",
                                                 (unsigned long long)r->base, p, nl, hp->nlive);
                 /* a handle of several pages is in use by one block covering all of it, or cached */
-                if (quiet && limit_now(pool) && hp->npages > 1 && nl && nl != hp->npages)
+                if (hp->host && hp->state == PG_MAPPED && !nl) host_idle += hp->npages;
+                if (quiet && limit_now(pool) && hp->npages > 1 && nl && nl != hp->npages && !hp->host)
                     CHECK_FAIL("region %#llx handle at %u: %u of its %u pages in use (partly used handles cannot be reclaimed)",
                                (unsigned long long)r->base, p, nl, hp->npages);
-                for (uint32_t q = p; quiet && limit_now(pool) && hp->npages > 1 && q < p + hp->npages; q++)
+                for (uint32_t q = p; quiet && limit_now(pool) && hp->npages > 1 && !hp->host && q < p + hp->npages; q++)
                     if (r->pages[q].live > 1)
                         CHECK_FAIL("region %#llx page %u of a %u-page handle is shared by %d blocks", (unsigned long long)r->base, q,
                                    hp->npages, r->pages[q].live);
@@ -202,7 +209,7 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
                                (unsigned long long)r->base, p, hp->state, (unsigned long long)hp->handle);
                 uint8_t want = 0;
                 for (uint32_t q = p; q < p + hp->npages; q++) want |= r->pages[q].plan & PLAN_PAGE;
-                if (hp->state == PG_MAPPED && !hp->nlive) {
+                if (hp->state == PG_MAPPED && !hp->nlive && !hp->host) {
                     ncached_here += hp->npages;
                     if (((hp->plan & PLAN_LIST) != 0) != (want != 0))
                         CHECK_FAIL("region %#llx cached handle at %u is on the %s list", (unsigned long long)r->base, p,
@@ -316,6 +323,11 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
         CHECK_FAIL("pages of handles held %zu != mapped %zu + orphaned %zu", pool->held, mapped, orphan_pages);
     if (quiet && pool->nhandles != heads) CHECK_FAIL("handles %zu, recount %zu", pool->nhandles, heads);
     if (pool->touched != touched) CHECK_FAIL("touched pages %zu, recount %zu", pool->touched, touched);
+    if (quiet && (pool->spill_pages != host_pages || pool->nhost != host_heads || pool->spill_idle != host_idle))
+        CHECK_FAIL("spilled: %zu pages in %zu host handles (%zu idle), recount %zu in %zu (%zu idle)", pool->spill_pages,
+                   pool->nhost, pool->spill_idle, host_pages, host_heads, host_idle);
+    if (quiet && pool->st.spilled_bytes != pool->spill_pages * pool->gran)
+        CHECK_FAIL("spilled_bytes %zu, host pages say %zu", pool->st.spilled_bytes, pool->spill_pages * pool->gran);
     if (pool->cached != cached) CHECK_FAIL("cached pages %zu, recount %zu", pool->cached, cached);
     if (pool->st.live_bytes != live_bytes) CHECK_FAIL("live bytes %zu, recount %zu", pool->st.live_bytes, live_bytes);
     if (pool->st.live_blocks != nlive) CHECK_FAIL("live blocks %zu, recount %zu", pool->st.live_blocks, nlive);

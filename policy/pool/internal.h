@@ -44,7 +44,8 @@ enum { B_FREE = 1, B_LIVE, B_PENDING, B_FREEING, B_PARKED };
 /* claim_pages: the request needs a synchronize, an unmap or a release, which a capture in
  * progress on the device forbids; the caller places it where none is needed, or fails. */
 #define ECAPTURE ECANCELED
-enum { PG_MAPPED = 0, PG_MAPPING, PG_UNMAPPING };
+/* PG_MOVING: spill.c moves the handle between device and host memory (docs/pool.md "Spill"). */
+enum { PG_MAPPED = 0, PG_MAPPING, PG_UNMAPPING, PG_MOVING };
 
 /* A stream whose queued work may touch an extent: the pool's sequence number when that work was
  * last queued (the free), and the event recorded on the stream then (NO_EV: none; a reuse on the
@@ -81,6 +82,7 @@ struct blk {
     uint8_t claimed;     /* pending: counted on its pages (a pending block waiting for another
                           * thread's pages has not claimed them yet) */
     uint32_t tag;        /* live: msh_pool_tags.next when it was placed (the caller's mark) */
+    uint64_t born;       /* live: pool->nborn when it was placed (spill.c: how cold it is) */
 };
 
 /* One granularity-sized page of a region. A handle covers a run of pages; its first page (the
@@ -97,6 +99,8 @@ struct page {
     uint8_t state;         /* head: PG_MAPPED, or a driver call in progress */
     uint8_t plan;          /* PLAN_PAGE: inside the learned step's footprint; PLAN_LIST (head):
                             * kept on the region's second cached list, reclaimed last */
+    uint8_t host;          /* head: the handle is host memory (spilled, spill.c): counted in
+                            * spill_pages, not in held; never on a cached list */
 };
 #define PLAN_PAGE 1
 #define PLAN_LIST 2
@@ -203,6 +207,16 @@ struct msh_pool {
     struct step *step;    /* the step log and learned plan (NULL: learning off) */
     struct msh_pool_stats st;
     struct msh_pool_oom oom;
+    /* Spill to host memory (spill.c, docs/pool.md "Spill"). */
+    uint64_t nborn;       /* allocations placed so far (struct blk.born) */
+    uint64_t spill_mark;  /* blocks born before it are cold: the latest step mark, else the first free */
+    bool spill_marked;    /* a step mark came (msh_pool_mark_step or the learned step) */
+    bool first_free_seen;
+    int8_t spill_state;   /* 0: not tried yet, 1: host memory works, -1: none (warned once) */
+    size_t spill_pages;   /* pages of host handles mapped (in use or idle) */
+    size_t spill_idle;    /* of them, pages of host handles no live block touches */
+    size_t nhost;         /* host handles */
+    size_t spill_max_pages; /* MEMSHIM_SPILL_MAX in pages (0: the host's memory is the cap) */
 };
 
 /* ---- free treaps: by (size, addr), where best fit is a lower bound; and by addr ---------------- */
@@ -310,6 +324,12 @@ struct job {
     struct victim vic_inl[JOB_INL];
 };
 
+/* Pages of handles held change; a shared limit sees every change at once. */
+static inline void held_add(struct msh_pool *pool, size_t pages)
+{
+    __atomic_fetch_add(&pool->held, pages, __ATOMIC_RELAXED);
+    if (pool->prm.share) __atomic_fetch_add(&pool->prm.share->handle_bytes, pages * pool->gran, __ATOMIC_RELAXED);
+}
 static inline void held_sub(struct msh_pool *pool, size_t pages)
 {
     __atomic_fetch_sub(&pool->held, pages, __ATOMIC_RELAXED);
@@ -476,6 +496,11 @@ struct blk *place(struct msh_pool *pool, int area, uint64_t rsize, uint64_t stre
 
 
 /* ---- pages.c --------------------------------------------------------------------------- */
+int dev_host_create(struct msh_pool *pool, size_t size, uint64_t *h);
+int dev_host_release(struct msh_pool *pool, uint64_t h, size_t size);
+int dev_copy(struct msh_pool *pool, uint64_t dst, uint64_t src, size_t size, bool to_host);
+int dev_create_counted(struct msh_pool *pool, size_t size, uint64_t *h);
+int dev_map_counted(struct msh_pool *pool, uint64_t va, size_t size, uint64_t h);
 int dev_release(struct msh_pool *pool, uint64_t h, size_t size);
 int dev_set_access(struct msh_pool *pool, uint64_t va, size_t size);
 int dev_unmap(struct msh_pool *pool, uint64_t va, size_t size);
@@ -542,5 +567,11 @@ struct psnap *snap_take(struct msh_pool *pool, uint64_t t0, uint64_t t1, uint64_
 bool plan_input(const struct psnap *sn, bool keep, int holes, struct pinput *in);
 void plan_mark(struct msh_pool *pool, const struct pinput *in, uint64_t pages);
 
+
+
+/* ---- spill.c ---------------------------------------------------------------------------- */
+bool spill_rescue(struct msh_pool *pool, uint64_t rsize, int round);
+void spill_note_free(struct msh_pool *pool);
+void spill_note_step(struct msh_pool *pool);
 
 #endif

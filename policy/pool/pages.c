@@ -75,6 +75,36 @@ int dev_unmap(struct msh_pool *pool, uint64_t va, size_t size)
     return pool->dev->ops->unmap(pool->dev, va, size);
 }
 
+/* Spill (spill.c): host memory, the copies between the two, and giving host memory back (not
+ * device memory: drv_held counts the device's bytes only). */
+int dev_host_create(struct msh_pool *pool, size_t size, uint64_t *h)
+{
+    drv_count(pool, MSH_DRV_HOST_CREATE, size);
+    return pool->dev->ops->host_create(pool->dev, size, h);
+}
+
+int dev_host_release(struct msh_pool *pool, uint64_t h, size_t size)
+{
+    drv_count(pool, MSH_DRV_RELEASE, size);
+    return pool->dev->ops->release(pool->dev, h, size);
+}
+
+int dev_copy(struct msh_pool *pool, uint64_t dst, uint64_t src, size_t size, bool to_host)
+{
+    drv_count(pool, to_host ? MSH_DRV_COPY_D2H : MSH_DRV_COPY_H2D, size);
+    return pool->dev->ops->copy(pool->dev, dst, src, size);
+}
+
+int dev_create_counted(struct msh_pool *pool, size_t size, uint64_t *h)
+{
+    return dev_create(pool, size, h);
+}
+
+int dev_map_counted(struct msh_pool *pool, uint64_t va, size_t size, uint64_t h)
+{
+    return dev_map(pool, va, size, h);
+}
+
 int dev_synchronize(struct msh_pool *pool)
 {
     drv_count(pool, MSH_DRV_SYNCHRONIZE, 0);
@@ -155,7 +185,10 @@ static void page_touch(struct msh_pool *pool, struct region *r, uint32_t p)
     uint32_t hp = pg_head(pg);
     if (hp == NO_PAGE) return;
     struct page *h = &r->pages[hp];
-    if (h->nlive++ == 0 && h->state == PG_MAPPED) cache_remove(pool, r, hp);
+    if (h->nlive++ == 0 && h->state == PG_MAPPED) {
+        if (h->host) pool->spill_idle -= h->npages; /* host memory is never cached (spill.c) */
+        else cache_remove(pool, r, hp);
+    }
 }
 
 static void page_untouch(struct msh_pool *pool, struct region *r, uint32_t p)
@@ -166,7 +199,10 @@ static void page_untouch(struct msh_pool *pool, struct region *r, uint32_t p)
     uint32_t hp = pg_head(pg);
     if (hp == NO_PAGE) return;
     struct page *h = &r->pages[hp];
-    if (--h->nlive == 0 && h->state == PG_MAPPED) cache_add(pool, r, hp);
+    if (--h->nlive == 0 && h->state == PG_MAPPED) {
+        if (h->host) pool->spill_idle += h->npages; /* given back at the next step mark */
+        else cache_add(pool, r, hp);
+    }
 }
 
 void page_range(const struct msh_pool *pool, const struct blk *b, uint32_t *p0, uint32_t *p1)
@@ -251,12 +287,6 @@ size_t cap_pages(const struct msh_pool *pool)
     return pool->held + (lim > used ? (lim - used) / pool->gran : 0);
 }
 
-/* Pages of handles held change; a shared limit sees every change at once. */
-static inline void held_add(struct msh_pool *pool, size_t pages)
-{
-    __atomic_fetch_add(&pool->held, pages, __ATOMIC_RELAXED);
-    if (pool->prm.share) __atomic_fetch_add(&pool->prm.share->handle_bytes, pages * pool->gran, __ATOMIC_RELAXED);
-}
 
 /* Reserve pages for new handles. Under a shared limit the reservation is claimed before anything
  * is created, so pools racing on other threads can never go over the limit together; false when
@@ -397,7 +427,7 @@ int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap)
         }
         struct page *hp = &r->pages[h];
         uint32_t next = h + hp->npages;
-        if (hp->npages > 1 && !((int64_t)h >= q0 && (int64_t)next - 1 <= q1) && !hp->nlive) {
+        if (hp->npages > 1 && !((int64_t)h >= q0 && (int64_t)next - 1 <= q1) && !hp->nlive && !hp->host) {
             if (cap_now) {
                 err = ECAPTURE;
                 goto fail;

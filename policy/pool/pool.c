@@ -116,6 +116,7 @@ static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64
     b->state = B_LIVE;
     b->req = req;
     b->tag = msh_pool_tags.next;
+    b->born = pool->nborn++;
     b->s[0] = (struct sref){.stream = stream, .ev = NO_EV}; /* [0]: the allocation stream */
     b->ns = 1;
     hash_insert(pool, b);
@@ -182,6 +183,8 @@ int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params
     pool->prm.va_bytes = round_up(pool->prm.va_bytes < MSH_GiB ? MSH_GiB : pool->prm.va_bytes, pool->gran);
     uint64_t max_va = (uint64_t)pool->gran * MAX_REGION_PAGES;
     if (pool->prm.va_bytes > max_va) pool->prm.va_bytes = max_va;
+    pool->spill_max_pages = pool->prm.spill_max_bytes / pool->gran;
+    if (pool->prm.spill_max_bytes && !pool->spill_max_pages) pool->spill_max_pages = 1;
     if (!pool->prm.no_learn) step_create(pool);
     *out = pool;
     return 0;
@@ -340,6 +343,13 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
         rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed, &capture_blocked);
         if (rc == 0) pool->st.rescue_empty_cache++;
     }
+    /* the last step, opt-in: cold pages to host memory (spill.c), more at each round */
+    if (rc == ENOMEM) pool->oom.spill_stop = NULL;
+    for (int round = 0; rc == ENOMEM && pool->prm.spill && round < 8; round++) {
+        if (!spill_rescue(pool, rsize, round)) break;
+        rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed, &capture_blocked);
+        if (rc == 0) pool->st.rescue_spill++;
+    }
     if (rc == 0) {
         note_alloc(pool, size, reclaimed);
         struct blk *b = hash_find(pool, *addr);
@@ -354,12 +364,17 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
         release_cached(pool, (pool->cached > pool->held - held0 ? pool->cached - (pool->held - held0) : 0) * pool->gran, 0);
     pool->st.alloc_fail++;
     pool->st.oom_events++;
+    if (pool->prm.spill) pool->st.spill_refused++;
+    const char *spill_stop = pool->oom.spill_stop;
     pthread_mutex_unlock(&pool->lock);
     size_t df = 0, dt = 0;
     if (pool->dev->ops->mem_info(pool->dev, &df, &dt)) df = dt = 0;
     pthread_mutex_lock(&pool->lock);
     fill_oom(pool, size, df, dt);
     pool->oom.capture = capture_blocked || (capturing(pool) && pool->cached);
+    pool->oom.spilled_bytes = pool->spill_pages * pool->gran;
+    pool->oom.spill_stop = pool->prm.spill ? (pool->spill_state < 0 ? "no host memory through VMM"
+                                              : spill_stop ? spill_stop : "nothing cold") : NULL;
     struct msh_pool_oom o = pool->oom;
     pthread_mutex_unlock(&pool->lock);
     msh_warn("out of memory on device %d: requested %zu bytes; live %zu, reserved %zu, limit %zu, "
@@ -370,6 +385,12 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
                              : "capacity (the live set does not fit)",
              o.capture ? "; a CUDA-graph capture was in progress, during which memshim cannot reclaim or "
                          "release cached memory" : "");
+    if (o.spill_stop)
+        msh_warn("out of memory on device %d with MEMSHIM_SPILL=host: %zu bytes are spilled to host memory, and no more "
+                 "could go (%s)", pool->dev->ordinal, o.spilled_bytes,
+                 !strcmp(o.spill_stop, "spill_max") ? "MEMSHIM_SPILL_MAX reached"
+                 : !strcmp(o.spill_stop, "nothing cold") ? "every page left is used by the current step"
+                 : o.spill_stop);
     return rc == ENOMEM ? ENOMEM : rc;
 }
 
@@ -506,6 +527,7 @@ int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream)
     }
     msh_pool_tags = (struct msh_pool_tags){msh_pool_tags.next, b->tag, b->req};
     pool->st.frees++;
+    spill_note_free(pool);
     pool->st.live_bytes -= b->req;
     pool->st.live_blocks--;
     if (pool->step) step_note_free(pool, b);
@@ -767,6 +789,7 @@ void msh_pool_reset_peaks(struct msh_pool *pool)
     pool->st.peak_live_bytes = pool->st.live_bytes;
     __atomic_store_n(&pool->drv_peak_epoch, __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
     pool->st.peak_touched_bytes = pool->touched * pool->gran;
+    pool->st.peak_spilled_bytes = pool->spill_pages * pool->gran;
     pthread_mutex_unlock(&pool->lock);
 }
 
@@ -1002,7 +1025,7 @@ int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream,
         }
         struct page *hp = &r->pages[h];
         uint32_t next = h + hp->npages;
-        if (hp->state == PG_MAPPED && !hp->nlive) {
+        if (hp->state == PG_MAPPED && !hp->nlive && !hp->host) { /* idle host memory: at the next step mark */
             if (!take_victim(pool, &j, r, h, V_RELEASE)) break;
             held_sub(pool, hp->npages);
         }

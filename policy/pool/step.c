@@ -327,7 +327,10 @@ void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
     /* the plan's start: the live set it starts from, and its first size */
     bool at_start = s->nplan && s->hstate == s->plan_h && s->plan[0].size == rsize;
     if (s->active && s->cursor == s->nplan) { /* the step is over: does the next one begin? */
-        if (at_start) s->cursor = 0;
+        if (at_start) {
+            s->cursor = 0;
+            spill_note_step(pool); /* the steps before left what they hold: cold from now */
+        }
         else step_drop(pool, s->hstate != s->plan_h ? "the step ended and the live set is not its start" : "the step ended and another size comes", rsize, true);
     } else if (s->active && s->cursor && at_start && s->plan[s->cursor].size != rsize) {
         /* the step began again before its end (a step cut short: an evaluation that runs the

@@ -1,0 +1,380 @@
+/*
+ * test_spill.c: spill to host memory (policy/pool/spill.c, docs/pool.md "Spill") through the
+ * real-driver backend (policy/dev_cuda.c) over the CUDA driver double, whose host-located VMM
+ * handles follow the driver's rules (docs/test-double.md) and keep their bytes through every remap.
+ *
+ * Each test writes a pattern over whole blocks (every byte: page and block edges included), spills
+ * by allocating past the limit, and checks the bytes from the host after every move, with
+ * msh_pool_check after every step. The first test holds the device's own peak (cudbl_device_peak,
+ * the most device bytes the double ever charged in this process) to the limit, so it runs first
+ * and every later test stays at or below its limit.
+ */
+#include "harness.h"
+#include "msh.h"
+#include "pool.h"
+#include "../cudadouble/cudbl.h"
+
+#include <cuda.h>
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MiB MSH_MiB
+#define PAGE (2 * MiB)
+#define LIMIT (16 * MiB) /* 8 pages: the most any test here lets the pool hold on the device */
+
+static struct msh_device g_dev;
+static CUcontext g_ctx;
+static int g_ready;
+
+__attribute__((constructor)) static void spill_env(void)
+{
+    setenv("CUDBL_CAPACITY", "1G", 0);
+    setenv("CUDBL_GRANULARITY", "2M", 0);
+    msh_log_level = MSH_LOG_ERROR;
+}
+
+static int device_up(void)
+{
+    if (g_ready) return g_ready > 0;
+    g_ready = -1;
+    if (msh_dev_cuda_init(&g_dev, 0)) return 0;
+    CUdevice d;
+    if (cuDeviceGet(&d, 0) != CUDA_SUCCESS || cuDevicePrimaryCtxRetain(&g_ctx, d) != CUDA_SUCCESS) return 0;
+    cuCtxSetCurrent(g_ctx);
+    g_ready = 1;
+    return 1;
+}
+
+static struct msh_pool *pool_new(size_t limit, bool spill, size_t spill_max)
+{
+    struct msh_pool_params p;
+    msh_pool_params_default(&p);
+    p.limit_bytes = limit;
+    p.spill = spill;
+    p.spill_max_bytes = spill_max;
+    p.no_learn = true; /* the marks here are explicit (msh_pool_mark_step) */
+    p.va_bytes = 4ull << 30;
+    struct msh_pool *pool = NULL;
+    if (msh_pool_create(&g_dev, &p, &pool)) return NULL;
+    return pool;
+}
+
+/* byte i of block `tag` */
+static inline uint8_t pat(uint32_t tag, size_t i) { return (uint8_t)((i * 131u) ^ (i >> 9) ^ (tag * 29u)); }
+
+static void fill(uint64_t addr, size_t n, uint32_t tag)
+{
+    uint8_t *b = (uint8_t *)(uintptr_t)addr;
+    for (size_t i = 0; i < n; i++) b[i] = pat(tag, i);
+}
+
+/* the first byte that differs, or -1 */
+static long bad_byte(uint64_t addr, size_t n, uint32_t tag)
+{
+    const uint8_t *b = (const uint8_t *)(uintptr_t)addr;
+    for (size_t i = 0; i < n; i++)
+        if (b[i] != pat(tag, i)) return (long)i;
+    return -1;
+}
+
+struct blkrec {
+    uint64_t addr;
+    size_t size;
+    uint32_t tag;
+};
+
+static int verify_all(const struct blkrec *v, int n)
+{
+    int bad = 0;
+    for (int i = 0; i < n; i++) {
+        if (!v[i].addr) continue;
+        long at = bad_byte(v[i].addr, v[i].size, v[i].tag);
+        if (at >= 0) {
+            fprintf(stderr, "    block %d (%zu bytes at %#llx): byte %ld differs\n", i, v[i].size,
+                    (unsigned long long)v[i].addr, at);
+            bad++;
+        }
+    }
+    return bad;
+}
+
+static int pool_ok(struct msh_pool *pool)
+{
+    char why[512];
+    if (msh_pool_check(pool, why, sizeof why) == 0) return 1;
+    fprintf(stderr, "    msh_pool_check: %s\n", why);
+    return 0;
+}
+
+static int alloc_fill(struct msh_pool *pool, struct blkrec *r, size_t size, uint32_t tag)
+{
+    r->size = size;
+    r->tag = tag;
+    r->addr = 0;
+    int rc = msh_pool_alloc(pool, size, MSH_STREAM_COMPLETED, &r->addr);
+    if (rc == 0) fill(r->addr, size, tag);
+    else r->addr = 0;
+    return rc;
+}
+
+/* Sizes that put block edges everywhere inside and across pages (512-byte multiples and not). */
+static const size_t WEIGHTS[] = {PAGE - 512, 3 * PAGE / 2 + 7, 512, PAGE + PAGE / 4, 4096 + 3, PAGE * 2 - 1000};
+#define NW (int)(sizeof WEIGHTS / sizeof WEIGHTS[0])
+
+TEST(device_never_above_the_limit_data_intact_through_spill_and_return)
+{
+    if (!device_up()) SKIP("the driver double did not start (cuInit or VMM unavailable)");
+    struct cudbl_counts c0;
+    cudbl_get_counts(&c0);
+    REQUIRE(c0.bytes_in_use == 0);
+    struct msh_pool *pool = pool_new(LIMIT, true, 0);
+    REQUIRE(pool);
+    struct blkrec w[NW], a[8];
+    memset(a, 0, sizeof a);
+    size_t wbytes = 0;
+    for (int i = 0; i < NW; i++) {
+        CHECK(alloc_fill(pool, &w[i], WEIGHTS[i], 100 + (uint32_t)i) == 0);
+        wbytes += WEIGHTS[i];
+    }
+    msh_pool_mark_step(pool); /* the weights are now cold */
+    CHECK(pool_ok(pool));
+    /* a step that needs more than the limit leaves: activations of 3 MiB */
+    int served = 0;
+    for (int i = 0; i < 8; i++)
+        if (alloc_fill(pool, &a[i], 3 * MiB, 200 + (uint32_t)i) == 0) served++;
+    struct msh_pool_stats st;
+    msh_pool_get_stats(pool, &st);
+    printf("    weights %zu bytes, activations served %d of 8 (3 MiB each) at a limit of %zu: spilled %zu bytes "
+           "(%llu pages out), device peak %zu\n",
+           wbytes, served, (size_t)LIMIT, st.spilled_bytes, (unsigned long long)st.spill_out_pages, cudbl_device_peak(0));
+    CHECK(served >= 3);
+    CHECK(st.spilled_bytes > 0 && st.spill_out_pages > 0 && st.rescue_spill > 0);
+    CHECK(verify_all(w, NW) == 0);
+    CHECK(verify_all(a, 8) == 0);
+    CHECK(pool_ok(pool));
+    struct cudbl_counts c1;
+    cudbl_get_counts(&c1);
+    CHECK(c1.host_handles > 0 && c1.host_bytes_in_use == st.spilled_bytes);
+    CHECKF(cudbl_device_peak(0) <= LIMIT, "device peak %zu over the limit %zu", cudbl_device_peak(0), (size_t)LIMIT);
+    /* the step ends: its activations go, and at the mark the weights come back to the device */
+    for (int i = 0; i < 8; i++)
+        if (a[i].addr) CHECK(msh_pool_free(pool, a[i].addr, MSH_STREAM_COMPLETED) == 0);
+    memset(a, 0, sizeof a);
+    size_t back = msh_pool_mark_step(pool);
+    msh_pool_get_stats(pool, &st);
+    printf("    after the step: %zu bytes back on the device, %zu still spilled, %llu pages in\n", back, st.spilled_bytes,
+           (unsigned long long)st.spill_in_pages);
+    CHECK(back > 0 && st.spill_in_pages > 0);
+    CHECK(st.spilled_bytes == 0); /* 10 MiB of weights fit under 15/16 of the limit */
+    CHECK(verify_all(w, NW) == 0);
+    CHECK(pool_ok(pool));
+    cudbl_get_counts(&c1);
+    CHECK(c1.host_handles == 0 && c1.host_bytes_in_use == 0);
+    CHECKF(cudbl_device_peak(0) <= LIMIT, "device peak %zu over the limit %zu", cudbl_device_peak(0), (size_t)LIMIT);
+    for (int i = 0; i < NW; i++) CHECK(msh_pool_free(pool, w[i].addr, MSH_STREAM_COMPLETED) == 0);
+    msh_pool_destroy(pool);
+}
+
+TEST(a_live_set_of_1_5x_the_limit_is_served)
+{
+    if (!device_up()) SKIP("the driver double did not start");
+    struct msh_pool *pool = pool_new(LIMIT, true, 0);
+    REQUIRE(pool);
+    /* four steps, each leaving 6 MiB live (layers' weights, optimizer state): 24 MiB = 1.5 x 16 */
+    struct blkrec v[4];
+    for (int s = 0; s < 4; s++) {
+        CHECKF(alloc_fill(pool, &v[s], 6 * MiB, 300 + (uint32_t)s) == 0, "step %d's 6 MiB not served", s);
+        msh_pool_mark_step(pool);
+        CHECK(pool_ok(pool));
+    }
+    struct msh_pool_stats st;
+    msh_pool_get_stats(pool, &st);
+    printf("    24 MiB live at a 16 MiB limit: %zu bytes spilled, device holds %zu\n", st.spilled_bytes, st.mapped_bytes);
+    CHECK(st.spilled_bytes >= 8 * MiB);
+    CHECK(st.mapped_bytes <= LIMIT);
+    CHECK(verify_all(v, 4) == 0);
+    CHECKF(cudbl_device_peak(0) <= LIMIT, "device peak %zu", cudbl_device_peak(0));
+    for (int s = 0; s < 4; s++) CHECK(msh_pool_free(pool, v[s].addr, MSH_STREAM_COMPLETED) == 0);
+    msh_pool_mark_step(pool); /* idle host pages go back */
+    struct cudbl_counts c;
+    cudbl_get_counts(&c);
+    CHECK(c.host_handles == 0);
+    CHECK(pool_ok(pool));
+    msh_pool_destroy(pool);
+}
+
+/* The same program three ways: spill capped at 4 MiB (a clear OOM past it), spill off (today's
+ * OOM at the same request), and a driver without host VMM (warned, then as off). */
+static int run_program(struct msh_pool *pool, struct blkrec *v, int *failed_at)
+{
+    *failed_at = -1;
+    for (int s = 0; s < 5; s++) {
+        if (alloc_fill(pool, &v[s], 6 * MiB, 400 + (uint32_t)s)) {
+            *failed_at = s;
+            return ENOMEM;
+        }
+        msh_pool_mark_step(pool);
+    }
+    return 0;
+}
+
+TEST(past_spill_max_a_clear_oom_off_is_todays_oom)
+{
+    if (!device_up()) SKIP("the driver double did not start");
+    struct blkrec v[5];
+    int at_capped, at_off, at_novmm;
+    struct msh_pool *pool = pool_new(LIMIT, true, 4 * MiB);
+    REQUIRE(pool);
+    memset(v, 0, sizeof v);
+    CHECK(run_program(pool, v, &at_capped) == ENOMEM);
+    struct msh_pool_oom o;
+    msh_pool_last_oom(pool, &o);
+    struct msh_pool_stats st;
+    msh_pool_get_stats(pool, &st);
+    printf("    MEMSHIM_SPILL_MAX=4M: failed at step %d with %zu bytes spilled (%s)\n", at_capped, o.spilled_bytes,
+           o.spill_stop ? o.spill_stop : "-");
+    CHECK(o.spill_stop && !strcmp(o.spill_stop, "spill_max"));
+    CHECK(o.spilled_bytes <= 4 * MiB && st.spilled_bytes <= 4 * MiB);
+    CHECK(st.spill_refused == 1);
+    CHECK(verify_all(v, 5) == 0);
+    CHECK(pool_ok(pool));
+    for (int s = 0; s < 5; s++)
+        if (v[s].addr) msh_pool_free(pool, v[s].addr, MSH_STREAM_COMPLETED);
+    msh_pool_destroy(pool);
+
+    pool = pool_new(LIMIT, false, 0);
+    REQUIRE(pool);
+    memset(v, 0, sizeof v);
+    CHECK(run_program(pool, v, &at_off) == ENOMEM);
+    msh_pool_last_oom(pool, &o);
+    msh_pool_get_stats(pool, &st);
+    CHECK(o.spill_stop == NULL && o.spilled_bytes == 0 && st.spill_out_pages == 0);
+    printf("    spill off: failed at step %d\n", at_off);
+    CHECK(at_off == 2); /* 6 + 6 MiB fit in 16, the third does not */
+    CHECK(at_capped > at_off);
+    for (int s = 0; s < 5; s++)
+        if (v[s].addr) msh_pool_free(pool, v[s].addr, MSH_STREAM_COMPLETED);
+    msh_pool_destroy(pool);
+
+    REQUIRE(cudbl_set_host(0, 0) == 0); /* the driver has no host memory through VMM: the backend */
+    struct msh_device dev2;                /* reads the device attributes when it starts */
+    REQUIRE(msh_dev_cuda_init(&dev2, 0) == 0);
+    struct msh_pool_params p;
+    msh_pool_params_default(&p);
+    p.limit_bytes = LIMIT;
+    p.spill = true;
+    p.no_learn = true;
+    REQUIRE(msh_pool_create(&dev2, &p, &pool) == 0);
+    memset(v, 0, sizeof v);
+    CHECK(run_program(pool, v, &at_novmm) == ENOMEM);
+    msh_pool_last_oom(pool, &o);
+    printf("    no host VMM: failed at step %d (%s)\n", at_novmm, o.spill_stop ? o.spill_stop : "-");
+    CHECK(at_novmm == at_off);
+    CHECK(o.spill_stop && !strcmp(o.spill_stop, "no host memory through VMM"));
+    struct cudbl_counts c;
+    cudbl_get_counts(&c);
+    CHECK(c.host_handles == 0);
+    CHECK(pool_ok(pool));
+    for (int s = 0; s < 5; s++)
+        if (v[s].addr) msh_pool_free(pool, v[s].addr, MSH_STREAM_COMPLETED);
+    msh_pool_destroy(pool);
+    cudbl_set_host(CUDBL_HOST_VMM_NUMA | CUDBL_HOST_VMM_HOST, 0);
+}
+
+TEST(nothing_of_the_current_step_spills_nor_during_a_capture)
+{
+    if (!device_up()) SKIP("the driver double did not start");
+    struct msh_pool *pool = pool_new(LIMIT, true, 0);
+    REQUIRE(pool);
+    struct blkrec v[3];
+    memset(v, 0, sizeof v);
+    /* no mark, nothing freed: everything is the current step */
+    CHECK(alloc_fill(pool, &v[0], 6 * MiB, 500) == 0);
+    CHECK(alloc_fill(pool, &v[1], 6 * MiB, 501) == 0);
+    CHECK(alloc_fill(pool, &v[2], 6 * MiB, 502) == ENOMEM);
+    struct msh_pool_oom o;
+    msh_pool_last_oom(pool, &o);
+    CHECK(o.spill_stop && !strcmp(o.spill_stop, "nothing cold"));
+    struct msh_pool_stats st;
+    msh_pool_get_stats(pool, &st);
+    CHECK(st.spill_out_pages == 0);
+    CHECK(verify_all(v, 2) == 0);
+    for (int i = 0; i < 2; i++) msh_pool_free(pool, v[i].addr, MSH_STREAM_COMPLETED);
+    msh_pool_destroy(pool);
+
+    /* a capture in progress: the synchronize a spill needs would invalidate it */
+    static int capturing = 0;
+    struct msh_pool_params p;
+    msh_pool_params_default(&p);
+    p.limit_bytes = LIMIT;
+    p.spill = true;
+    p.no_learn = true;
+    p.capturing = &capturing;
+    REQUIRE(msh_pool_create(&g_dev, &p, &pool) == 0);
+    memset(v, 0, sizeof v);
+    CHECK(alloc_fill(pool, &v[0], 6 * MiB, 510) == 0);
+    CHECK(alloc_fill(pool, &v[1], 6 * MiB, 511) == 0);
+    msh_pool_mark_step(pool);
+    __atomic_store_n(&capturing, 1, __ATOMIC_RELAXED);
+    long sync0 = cudbl_call_count("cuCtxSynchronize");
+    CHECK(alloc_fill(pool, &v[2], 6 * MiB, 512) == ENOMEM);
+    CHECK(cudbl_call_count("cuCtxSynchronize") == sync0);
+    msh_pool_get_stats(pool, &st);
+    CHECK(st.spill_out_pages == 0);
+    __atomic_store_n(&capturing, 0, __ATOMIC_RELAXED);
+    msh_pool_after_capture(pool);
+    CHECK(alloc_fill(pool, &v[2], 6 * MiB, 512) == 0); /* after the capture it spills */
+    CHECK(verify_all(v, 3) == 0);
+    CHECK(pool_ok(pool));
+    for (int i = 0; i < 3; i++) msh_pool_free(pool, v[i].addr, MSH_STREAM_COMPLETED);
+    msh_pool_destroy(pool);
+}
+
+/* Every driver call of the spill sequence (and of the return), failed at each of its first
+ * occurrences: the request is served or refused cleanly, no byte is lost, the pool is consistent,
+ * and the device stays under the limit. */
+TEST(fault_injection_on_every_call_of_spill_and_return)
+{
+    if (!device_up()) SKIP("the driver double did not start");
+    static const char *calls[] = {"cuMemCreate",  "cuMemAddressReserve", "cuMemMap",         "cuMemSetAccess",
+                                  "cuMemcpyDtoD", "cuMemUnmap",          "cuMemRelease",     "cuMemAddressFree",
+                                  "cuCtxSynchronize"};
+    int runs = 0, served = 0, refused = 0;
+    for (size_t k = 0; k < sizeof calls / sizeof calls[0]; k++)
+        for (long nth = 1; nth <= 6; nth++)
+            for (int phase = 0; phase < 2; phase++) { /* 0: fail in the spill, 1: in the return */
+                struct msh_pool *pool = pool_new(LIMIT, true, 0);
+                REQUIRE(pool);
+                struct blkrec w[NW], a[2];
+                memset(a, 0, sizeof a);
+                for (int i = 0; i < NW; i++) CHECK(alloc_fill(pool, &w[i], WEIGHTS[i], 600 + (uint32_t)i) == 0);
+                msh_pool_mark_step(pool);
+                if (phase == 0) cudbl_fail_nth(calls[k], nth, CUDA_ERROR_UNKNOWN);
+                int rc0 = alloc_fill(pool, &a[0], 5 * MiB, 700);
+                int rc1 = alloc_fill(pool, &a[1], 5 * MiB, 701);
+                served += (rc0 == 0) + (rc1 == 0);
+                refused += (rc0 != 0) + (rc1 != 0);
+                cudbl_fail_clear();
+                int bad = verify_all(w, NW) + verify_all(a, 2);
+                CHECKF(bad == 0, "%s failed at call %ld (%s): %d blocks damaged", calls[k], nth, phase ? "return" : "spill", bad);
+                CHECKF(pool_ok(pool), "%s failed at call %ld (%s)", calls[k], nth, phase ? "return" : "spill");
+                for (int i = 0; i < 2; i++)
+                    if (a[i].addr) msh_pool_free(pool, a[i].addr, MSH_STREAM_COMPLETED);
+                if (phase == 1) cudbl_fail_nth(calls[k], nth, CUDA_ERROR_UNKNOWN);
+                msh_pool_mark_step(pool);
+                cudbl_fail_clear();
+                CHECKF(verify_all(w, NW) == 0, "%s failed at call %ld (return): data damaged", calls[k], nth);
+                CHECKF(pool_ok(pool), "%s failed at call %ld (return)", calls[k], nth);
+                for (int i = 0; i < NW; i++) CHECK(msh_pool_free(pool, w[i].addr, MSH_STREAM_COMPLETED) == 0);
+                msh_pool_destroy(pool);
+                runs++;
+            }
+    printf("    %d runs with one failed driver call each: %d requests served, %d refused; data and pool intact\n", runs,
+           served, refused);
+    CHECKF(cudbl_device_peak(0) <= LIMIT, "device peak %zu", cudbl_device_peak(0));
+}
+
+TEST_MAIN()
