@@ -89,6 +89,16 @@ static const struct enum_val empty_cache_vals[] = {
      "After `MEMSHIM_EMPTY_CACHE_IDLE` seconds without an allocation."},
     {NULL, 0, NULL},
 };
+static const struct enum_val spill_vals[] = {
+    {"off", MSH_SPILL_OFF, "A request the device cannot serve fails with PyTorch's out-of-memory error."},
+    {"host", MSH_SPILL_HOST,
+     "When the rescue chain cannot serve a request, the physical backing of cold pages (touched only "
+     "by blocks allocated before the latest optimizer step or epoch, least recently allocated first) "
+     "moves to host memory mapped at the same addresses: kernels still reach it, over PCIe or "
+     "NVLink-C2C, slower; it comes back at a step boundary once the device has room. Needs the "
+     "driver's host memory through VMM (CUDA 12.2+ on Linux); without it, one warning and `off`."},
+    {NULL, 0, NULL},
+};
 static const struct enum_val gc_vals[] = {
     {"never", MSH_GC_NEVER, "memshim never runs Python's garbage collector."},
     {"oom", MSH_GC_OOM, "`gc.collect()` runs as a step of the OOM rescue chain."},
@@ -154,7 +164,7 @@ static const struct enum_val log_vals[] = {
 
 enum {
     O_MODE, O_LIMIT, O_EMPTY_CACHE, O_EMPTY_CACHE_THRESHOLD, O_EMPTY_CACHE_IDLE, O_GC,
-    O_GC_THRESHOLD, O_DEFRAG, O_SMALL_MAX, O_EPOCH, O_EPOCH_STEPS, O_EPOCH_SECONDS,
+    O_GC_THRESHOLD, O_DEFRAG, O_SPILL, O_SPILL_MAX, O_SMALL_MAX, O_EPOCH, O_EPOCH_STEPS, O_EPOCH_SECONDS,
     O_EPOCH_SIGNAL, O_EPOCH_INTERVAL, O_CATCH_SIGNALS, O_REPORT_DIR, O_REPORT_FORMAT, O_LATENCY_SAMPLE, O_TRACE_FILE, O_SITES,
     O_SITES_SAMPLE, O_SNAPSHOT, O_SNAPSHOT_EVENTS, O_LOG, O_LOG_FILE, O_TRAINER_METRICS, O_STRICT, O_CONF, O_COUNT
 };
@@ -209,6 +219,22 @@ static const struct opt opts[O_COUNT] = {
                   "Under memory pressure, reclaim wholly free pages from free blocks and remap "
                   "them where a new block needs them.",
                   F(defrag), 0, 0, 0, NULL, NULL},
+    [O_SPILL] = {"MEMSHIM_SPILL", T_ENUM, "off", NULL, NULL, "-",
+                 "Survive a request the device cannot serve by moving cold pages to host memory "
+                 "behind the same addresses (opt-in; docs/pool.md \"Spill\").",
+                 F(spill), 0, 0, 0, spill_vals,
+                 "What happens when even the rescue chain cannot serve a request under the limit or "
+                 "the device's capacity. Only the main pool spills (never a CUDA-graph pool), never "
+                 "during a capture, and only whole pages that no block of the current step touches. "
+                 "The reports' `spill` section and `memshim-report` say what it cost."},
+    [O_SPILL_MAX] = {"MEMSHIM_SPILL_MAX", T_LIMIT, "0.5", NULL,
+                     "bytes like 64G or a fraction 0..1 of host RAM", "bytes or fraction",
+                     "With `MEMSHIM_SPILL=host`: most host memory spilled pages may take. A value of "
+                     "at most 1 written with a dot, or exactly `1`, is a fraction of the host's RAM "
+                     "(`0.5`, the default); anything else a size (`64G`); `0`: no cap but what the "
+                     "host gives. Past it, the request fails with PyTorch's out-of-memory error, "
+                     "whose message says what was spilled.",
+                     F(spill_max_bytes), F(spill_max_fraction), 0, UINT64_MAX, NULL, NULL},
     [O_SMALL_MAX] = {"MEMSHIM_SMALL_MAX", T_SIZE, "1MiB", NULL, "a size from 0 to 64MiB",
                      "bytes",
                      "Requests up to this size are packed together into the small-block "

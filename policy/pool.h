@@ -262,6 +262,10 @@ int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream,
  * margin (1/16 of the limit or capacity: no ping-pong), idle host pages are given back. A safe
  * point: never during a capture (then it only sets the mark). Returns bytes brought back. */
 size_t msh_pool_mark_step(struct msh_pool *pool);
+/* Turn spilling on or off (params.spill, spill_max_bytes) for requests from now on: memshim turns
+ * it on at the first tensor-mode allocation (in segment mode PyTorch's cache reuses every segment,
+ * so no memory is cold). Spilled pages stay where they are until a step mark. */
+void msh_pool_set_spill(struct msh_pool *pool, bool on, size_t max_bytes);
 /* Bring spilled pages back now, as far as device memory allows with the margin (`all`: without
  * the margin, up to the cap). Returns bytes brought back. */
 size_t msh_pool_unspill(struct msh_pool *pool, bool all);

@@ -514,7 +514,22 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_u(res, "rescued_by_reclaim", st->rescue_reclaim);
     set_u(res, "rescued_by_gc", st->rescue_gc);
     set_u(res, "rescued_by_empty_cache", st->rescue_empty_cache);
+    set_u(res, "rescued_by_spill", st->rescue_spill);
     J.object_set_new(root, "oom", res);
+
+    /* MEMSHIM_SPILL=host (docs/pool.md "Spill"): host memory behind the pool's addresses */
+    json_t *sp = J.object();
+    J.object_set_new(sp, "enabled", msh_cfg.spill == MSH_SPILL_HOST ? J.boolean_true() : J.boolean_false());
+    set_u(sp, "spilled_bytes", st->spilled_bytes);
+    set_u(sp, "spilled_peak_bytes", st->peak_spilled_bytes);
+    set_u(sp, "spilled_run_peak_bytes", st->run_peak_spilled_bytes);
+    set_u(sp, "pages_to_host", st->spill_out_pages);
+    set_u(sp, "pages_to_device", st->spill_in_pages);
+    set_u(sp, "bytes_to_host", st->spill_out_bytes);
+    set_u(sp, "bytes_to_device", st->spill_in_bytes);
+    set_d(sp, "seconds_moving", (double)st->spill_ns / 1e9);
+    set_u(sp, "requests_refused", st->spill_refused);
+    J.object_set_new(root, "spill", sp);
 
     if (d->had_oom) {
         const struct msh_pool_oom *o = &d->oom;

@@ -61,6 +61,7 @@ static int trend_n[MSH_MAX_DEVICES];
 static uint64_t epoch_allocs_base[MSH_MAX_DEVICES]; /* pool allocs when the epoch began (epoch_lock) */
 /* The figures of each device's last closed epoch, for the frameworks' loggers (epoch_lock). */
 static struct memshim_epoch_figures last_fig[MSH_MAX_DEVICES];
+static void spill_mark_all(void);
 static bool last_fig_ok[MSH_MAX_DEVICES];
 /* The end of the run (msh_core_finish): 0 not yet, 1 being written, 2 written. */
 static _Atomic int finish_state;
@@ -533,6 +534,7 @@ static void close_epoch(const char *reason, bool may_gc, bool policies, const ch
                  (unsigned long long)epoch_index, reason, r.dev[i].device, r.dev[i].st.peak_live_bytes / 1048576.0,
                  r.dev[i].st.peak_mapped_bytes / 1048576.0, (unsigned long long)r.dev[i].st.map_ops,
                  (unsigned long long)r.dev[i].st.unmap_ops, (unsigned long long)r.dev[i].st.reclaimed_pages);
+    spill_mark_all(); /* after the report: the epoch's spill figures are its own */
     for (int d = 0; d < MSH_MAX_DEVICES; d++) {
         struct msh_pool *p = atomic_load(&pools[d]);
         if (p) msh_pool_reset_peaks(p);
@@ -768,6 +770,47 @@ void msh_core_note_oom(int device)
     msh_in_hook--;
 }
 
+/* ---- spill (MEMSHIM_SPILL=host, docs/pool.md "Spill") ---------------------------------------------- */
+
+static atomic_bool spill_on[MSH_MAX_DEVICES];
+
+/* MEMSHIM_SPILL_MAX in bytes: a fraction of host RAM, a size, or 0 (no cap). */
+static size_t spill_max_bytes(void)
+{
+    if (msh_cfg.spill_max_fraction > 0) {
+        long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+        if (pages > 0 && psz > 0) return (size_t)(msh_cfg.spill_max_fraction * (double)pages * (double)psz);
+        msh_warn("MEMSHIM_SPILL_MAX=%g: the host's memory size is unknown; no cap on spilled bytes",
+                 msh_cfg.spill_max_fraction);
+        return 0;
+    }
+    return (size_t)msh_cfg.spill_max_bytes;
+}
+
+/* The first tensor-mode allocation on a device: spilling starts (segment mode never spills:
+ * PyTorch's cache reuses every segment it holds, so none is cold). */
+static void spill_enable(int device, struct msh_pool *p)
+{
+    if (atomic_exchange(&spill_on[device], true)) return;
+    size_t max = spill_max_bytes();
+    msh_pool_set_spill(p, true, max);
+    msh_info("device %d: MEMSHIM_SPILL=host: cold pages may move to host memory, up to %s", device,
+             max ? "MEMSHIM_SPILL_MAX" : "what the host gives");
+}
+
+/* A step or an epoch boundary: cold from here on, and spilled pages may come back. */
+static void spill_mark_all(void)
+{
+    if (msh_cfg.spill != MSH_SPILL_HOST) return;
+    for (int d = 0; d < MSH_MAX_DEVICES; d++) {
+        struct msh_pool *p = atomic_load(&pools[d]);
+        if (!p || !atomic_load_explicit(&spill_on[d], memory_order_relaxed)) continue;
+        msh_in_hook++;
+        msh_pool_mark_step(p);
+        msh_in_hook--;
+    }
+}
+
 /* ---- public API (memshim.h) ---------------------------------------------------------------------- */
 
 MSH_EXPORT void *memshim_malloc(ssize_t size, int device, memshim_stream_t stream)
@@ -788,6 +831,8 @@ MSH_EXPORT void *memshim_malloc(ssize_t size, int device, memshim_stream_t strea
          * callback inside the pool may allocate: the outer mark is put back after. */
         uint32_t tag = msh_sites_tag((size_t)size), outer = msh_pool_tags.next;
         msh_pool_tags.next = tag;
+        if (MSH_UNLIKELY(msh_cfg.spill == MSH_SPILL_HOST) && !atomic_load_explicit(&spill_on[device], memory_order_relaxed))
+            spill_enable(device, p);
         in_tensor_alloc = 1;
         int arc = msh_pool_alloc(p, (size_t)size, (uint64_t)(uintptr_t)stream, &a);
         in_tensor_alloc = 0;
@@ -904,6 +949,7 @@ MSH_EXPORT void memshim_step(void)
     }
     pthread_mutex_unlock(&epoch_lock);
     if (close) close_epoch("steps", true, true, NULL);
+    else spill_mark_all();
 }
 
 MSH_EXPORT void memshim_set_gc_callback(memshim_gc_fn fn, void *arg)

@@ -69,6 +69,8 @@ enum msh_epoch_src { MSH_EPOCH_AUTO, MSH_EPOCH_STEPS, MSH_EPOCH_SECONDS, MSH_EPO
 enum msh_report_fmt { MSH_REPORT_JSON, MSH_REPORT_JSON_PRETTY };
 enum msh_sites_mode { MSH_SITES_OFF, MSH_SITES_HELD, MSH_SITES_ACQUIRE, MSH_SITES_FRAMES };
 
+enum msh_spill { MSH_SPILL_OFF, MSH_SPILL_HOST };
+
 struct msh_config {
     int mode;                  /* enum msh_mode */
     uint64_t limit_bytes;      /* MEMSHIM_LIMIT as bytes; 0 = no limit */
@@ -79,6 +81,9 @@ struct msh_config {
     int gc;                    /* enum msh_gc */
     double gc_threshold;       /* fraction of the limit (or device) in use that triggers GC */
     bool defrag;               /* reclaim and remap free pages under pressure */
+    int spill;                 /* enum msh_spill: MEMSHIM_SPILL */
+    uint64_t spill_max_bytes;  /* MEMSHIM_SPILL_MAX as bytes (0 with no fraction: what the host gives) */
+    double spill_max_fraction; /* MEMSHIM_SPILL_MAX as a fraction of host RAM; 0 = not used */
     uint64_t small_max;        /* requests up to this size are packed into small pages */
     int epoch_src;             /* enum msh_epoch_src */
     uint64_t epoch_steps;

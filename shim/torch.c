@@ -1186,6 +1186,28 @@ MSH_EXPORT int memshim_torch_oom_message(int device, size_t size, char *buf, siz
                          "reclaimed for this request; allocate what the capture needs before it begins.");
         if (m > 0) n += m;
     }
+    if (p && (size_t)n < len) {
+        char sp[32], short_by[32];
+        fmt_size(sp, sizeof sp, o.spilled_bytes);
+        size_t cap = o.limit_bytes ? o.limit_bytes : o.device_total;
+        size_t need = o.live_bytes + size, lack = need > cap ? need - cap : size;
+        fmt_size(short_by, sizeof short_by, lack);
+        int m = 0;
+        if (o.spill_stop)
+            m = snprintf(buf + n, len - (size_t)n,
+                         " MEMSHIM_SPILL=host: %s of cold pages are on host memory, and no more could go there (%s).",
+                         sp,
+                         !strcmp(o.spill_stop, "spill_max") ? "MEMSHIM_SPILL_MAX reached: raise it, or lower the batch"
+                         : !strcmp(o.spill_stop, "nothing cold") ? "every page left is used by the current step: "
+                                                                   "activation checkpointing or a smaller batch would help"
+                                                                 : o.spill_stop);
+        else if (cap && lack <= cap / 10)
+            m = snprintf(buf + n, len - (size_t)n,
+                         " The job is short by about %s (%.1f%% of %s): MEMSHIM_SPILL=host would keep it going with its "
+                         "coldest pages on host memory, slower (docs/pool.md, \"Spill\").",
+                         short_by, 100.0 * (double)lack / (double)cap, o.limit_bytes ? "the limit" : "the device");
+        if (m > 0) n += m;
+    }
     return (size_t)n < len ? n : (int)len - 1;
 }
 

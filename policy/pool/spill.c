@@ -389,6 +389,15 @@ done_scan:
     return back * pool->gran;
 }
 
+void msh_pool_set_spill(struct msh_pool *pool, bool on, size_t max_bytes)
+{
+    pthread_mutex_lock(&pool->lock);
+    pool->prm.spill = on;
+    pool->prm.spill_max_bytes = max_bytes;
+    pool->spill_max_pages = max_bytes ? (max_bytes / pool->gran ? max_bytes / pool->gran : 1) : 0;
+    pthread_mutex_unlock(&pool->lock);
+}
+
 size_t msh_pool_unspill(struct msh_pool *pool, bool all)
 {
     pthread_mutex_lock(&pool->lock);

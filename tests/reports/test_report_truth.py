@@ -781,6 +781,14 @@ FIELDS = {
     "trend.epoch_end_allocated_bytes[]": (T, check_trend),
     # schema 2
     **{f"driver.calls.{k}": (T, check_driver_calls(k)) for k in DRIVER_CALLS},
+    # MEMSHIM_SPILL is off in these runs (its figures against the double: tests/unit/test_spill.c,
+    # tests/replay/test_spill_replay.py): nothing may have moved
+    **{f"driver.calls.{k}": (T, lambda c, v, i, k=k: eq(v, 0, f"{k}: MEMSHIM_SPILL is off"))
+       for k in ("host_create", "copy_to_host", "copy_to_device")},
+    "oom.rescued_by_spill": (T, lambda c, v, i: eq(v, 0, "MEMSHIM_SPILL is off")),
+    **{f"spill.{k}": (T, lambda c, v, i, k=k: eq(v, 0, f"{k}: MEMSHIM_SPILL is off"))
+       for k in ("spilled_bytes", "spilled_peak_bytes", "spilled_run_peak_bytes", "pages_to_host", "pages_to_device",
+                 "bytes_to_host", "bytes_to_device", "seconds_moving", "requests_refused")},
     "driver.modelled_seconds": (R, check_modelled_seconds),
     **{f"latency.alloc_ns.{f}": e for f, e in check_latency("alloc_ns").items()},
     **{f"latency.free_ns.{f}": e for f, e in check_latency("free_ns").items()},
