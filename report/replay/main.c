@@ -47,6 +47,9 @@ struct opts {
                           * one page is the page model, one handle per page */
     bool no_learn;       /* --no-learn: best fit only, never the learned step (for comparisons) */
     bool debug;          /* --debug: the pool's debug log (learned steps found, packed, dropped) on stderr */
+    bool spill;          /* --spill host: cold pages to host memory past the capacity (docs/pool.md "Spill") */
+    uint64_t spill_max;  /* --spill-max: host bytes spilled pages may take (0: no cap) */
+    int link;            /* --link: MSH_LINK_PCIE5 or MSH_LINK_C2C (the copies' cost) */
 };
 
 /* Devices users plan for: memory as nvidia-smi reports it (MiB), less 512 MiB for the CUDA
@@ -478,6 +481,11 @@ static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capa
     prm.defrag = o->defrag;
     prm.max_handle_bytes = o->max_handle;
     prm.no_learn = o->no_learn;
+    if (o->spill) { /* host memory through VMM on the simulated device (as much as asked for) */
+        if (!o->use_device) msh_dev_sim_host(&real, 0);
+        prm.spill = true;
+        prm.spill_max_bytes = o->spill_max;
+    }
     /* the replay packs a learned step itself, at the step boundary where it found it, so that
      * every figure is the same from run to run (a job's pool packs on a thread of its own while
      * allocations go on: docs/pool.md) */
@@ -502,6 +510,10 @@ static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capa
      * first pass, nor releasing the live set between passes. */
     double wall = 0;
     int broken = 0;
+    /* --spill: each pass is one step of the job, whose recording begins with what was live when it
+     * began (weights, optimizer state), allocated again at every pass: the step is marked at the
+     * pass's first free, so that those are cold as they would be in the job (docs/replay.md) */
+    bool mark_at_free = false;
     for (int pass = 0; pass < passes && !broken; pass++) {
         double t0 = now_s();
         for (size_t i = 0; i < t->n; i++) {
@@ -527,6 +539,10 @@ static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capa
                 res->events++;
                 uint64_t *slot = amap_get(&m, e->addr, false);
                 if (!slot) continue; /* unknown or failed block */
+                if (MSH_UNLIKELY(mark_at_free)) {
+                    mark_at_free = false;
+                    msh_pool_mark_step(pool);
+                }
                 msh_pool_free(pool, *slot, stream);
                 amap_del(&m, e->addr);
             }
@@ -541,7 +557,9 @@ static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capa
                 msh_pool_free(pool, m.t[i].v, MSH_STREAM_COMPLETED);
                 m.t[i].k = 0;
             }
+            if (o->spill) msh_pool_unspill(pool, false); /* idle host pages go back before the next pass */
         }
+        mark_at_free = o->spill && pass + 1 < passes;
     }
     res->wall = wall;
     msh_pool_get_stats(pool, &res->st);
@@ -622,6 +640,80 @@ static int replay_trace(const struct msh_trace_set *set, const struct msh_trace 
         dev_timing_now = NULL;
     }
     return rc;
+}
+
+/* ---- spill (--spill host): what moved, and what it costs by the cost table -------------------- */
+struct spill_fig {
+    uint64_t to_host, to_dev, pages_to_host, pages_to_dev, refused, rescued;
+    double transfer_s; /* host_create + the copies each way (the cost table's rows for them) */
+};
+
+static void spill_fig(const struct msh_pool_stats *a, const struct msh_pool_stats *b, const struct msh_drvcost *c,
+                      struct spill_fig *f)
+{
+    static const struct msh_pool_stats zero;
+    if (!b) b = &zero;
+    f->to_host = a->spill_out_bytes - b->spill_out_bytes;
+    f->to_dev = a->spill_in_bytes - b->spill_in_bytes;
+    f->pages_to_host = a->spill_out_pages - b->spill_out_pages;
+    f->pages_to_dev = a->spill_in_pages - b->spill_in_pages;
+    f->refused = a->spill_refused - b->spill_refused;
+    f->rescued = a->rescue_spill - b->rescue_spill;
+    uint64_t calls[MSH_DRV_NKINDS] = {0}, bytes[MSH_DRV_NKINDS] = {0};
+    static const enum msh_drv_call kinds[] = {MSH_DRV_HOST_CREATE, MSH_DRV_COPY_D2H, MSH_DRV_COPY_H2D};
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++) {
+        calls[kinds[i]] = a->drv_calls[kinds[i]] - b->drv_calls[kinds[i]];
+        bytes[kinds[i]] = a->drv_bytes[kinds[i]] - b->drv_bytes[kinds[i]];
+    }
+    f->transfer_s = msh_drvcost_seconds(c, calls, bytes);
+}
+
+/* The least a pass pays reading spilled pages over the link: each byte at its peak once, from the
+ * host to the device (the copy_to_device row's rate). */
+static double spill_read_lower_bound(const struct msh_pool_stats *s, const struct msh_drvcost *c)
+{
+    return (double)s->run_peak_spilled_bytes / (1024.0 * 1024.0) * c->per_mib_s[MSH_DRV_COPY_H2D];
+}
+
+static const char *link_name(int link) { return link == MSH_LINK_C2C ? "c2c" : "pcie5"; }
+
+static void json_spill(const struct run_result *r, const struct run_result *steady, const struct opts *o)
+{
+    struct spill_fig f;
+    spill_fig(&r->st, NULL, &o->cost, &f);
+    printf(",\"spill\":\"host\",\"spill_link\":\"%s\",\"spill_max_bytes\":%llu,\"spilled_peak_bytes\":%zu,"
+           "\"spilled_bytes_at_end\":%zu,\"spill_to_host_bytes\":%llu,\"spill_to_device_bytes\":%llu,"
+           "\"spill_to_host_pages\":%llu,\"spill_to_device_pages\":%llu,\"spill_rescued_requests\":%llu,"
+           "\"spill_refused_requests\":%llu,\"spill_transfer_seconds\":%.6f,\"spill_read_seconds_per_pass_lower_bound\":%.6f",
+           link_name(o->link), (unsigned long long)o->spill_max, r->st.run_peak_spilled_bytes, r->st.spilled_bytes,
+           (unsigned long long)f.to_host, (unsigned long long)f.to_dev, (unsigned long long)f.pages_to_host,
+           (unsigned long long)f.pages_to_dev, (unsigned long long)f.rescued, (unsigned long long)f.refused,
+           f.transfer_s, spill_read_lower_bound(&r->st, &o->cost));
+    if (steady) {
+        spill_fig(&steady->st, &steady->st_before_last, &o->cost, &f);
+        printf(",\"steady_spilled_peak_bytes\":%zu,\"last_pass_spill_to_host_bytes\":%llu,"
+               "\"last_pass_spill_to_device_bytes\":%llu,\"last_pass_spill_transfer_seconds\":%.6f",
+               steady->st.run_peak_spilled_bytes, (unsigned long long)f.to_host, (unsigned long long)f.to_dev,
+               f.transfer_s);
+    }
+}
+
+static void text_spill(const struct run_result *r, const struct run_result *steady, const struct opts *o)
+{
+    struct spill_fig f;
+    spill_fig(&r->st, NULL, &o->cost, &f);
+    printf("    spill to host (%s): peak %.1f MiB spilled; %.1f MiB to the host in %llu pages, %.1f MiB back in %llu; "
+           "%llu requests served by spilling, %llu refused; transfers %.3f s modelled; reading each spilled byte once "
+           "per pass costs at least %.3f s\n",
+           link_name(o->link), (double)r->st.run_peak_spilled_bytes / MSH_MiB, (double)f.to_host / MSH_MiB,
+           (unsigned long long)f.pages_to_host, (double)f.to_dev / MSH_MiB, (unsigned long long)f.pages_to_dev,
+           (unsigned long long)f.rescued, (unsigned long long)f.refused, f.transfer_s,
+           spill_read_lower_bound(&r->st, &o->cost));
+    if (steady) {
+        spill_fig(&steady->st, &steady->st_before_last, &o->cost, &f);
+        printf("    spill, last pass: %.1f MiB to the host, %.1f MiB back, transfers %.3f s modelled\n",
+               (double)f.to_host / MSH_MiB, (double)f.to_dev / MSH_MiB, f.transfer_s);
+    }
 }
 
 static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_trace *t, const struct opts *o)
@@ -720,6 +812,7 @@ static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_t
             drv_sub(steady.st.drv_bytes, steady.st_before_last.drv_bytes, lb);
             json_drv("steady_", lc, lb, &o->cost);
         }
+        if (o->spill) json_spill(&main_run, have_steady ? &steady : NULL, o);
         if (dev_timing_now) json_timing(dev_timing_now); /* the object is closed by replay_trace() after the calibration */
         else printf("}\n");
     } else {
@@ -747,6 +840,7 @@ static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_t
             text_drv(lc, lb, &o->cost);
             printf("\n");
         }
+        if (o->spill) text_spill(&main_run, have_steady ? &steady : NULL, o);
         if (dev_timing_now) text_timing(dev_timing_now);
     }
     return 0;
@@ -1278,6 +1372,13 @@ static void usage(FILE *f)
             "  --max-handle SIZE     the pool's largest physical handle (default: no cap; one page,\n"
             "                        e.g. 2MiB, is the page model: one handle per page)\n"
             "  --no-learn            best-fit placement only, never the learned step (to compare)\n"
+            "  --spill host          past --capacity, cold pages move to host memory behind the same\n"
+            "                        addresses (MEMSHIM_SPILL=host; needs an explicit --capacity, which\n"
+            "                        may be below the live peak): spilled bytes, transfers each way,\n"
+            "                        modelled transfer seconds (fields with 'spill' in --json)\n"
+            "  --spill-max SIZE      host bytes spilled pages may take (default: no cap)\n"
+            "  --link pcie5|c2c      the host link the copies' cost models: PCIe Gen5 x16 (default) or\n"
+            "                        Grace Hopper NVLink-C2C (docs/benchmarks.md, driver cost table)\n"
             "  --debug               the pool's debug log on stderr (the learned step: steps found,\n"
             "                        packed, switched to and dropped; with --capacity auto, of every try)\n"
             "  --policy P            memshim (default), torch (PyTorch's caching allocator, modelled)\n"
@@ -1315,6 +1416,8 @@ int main(int argc, char **argv)
         {"driver-costs", required_argument, 0, 'D'}, {"show-driver-costs", no_argument, 0, 'W'},
         {"check", no_argument, 0, 'K'},        {"max-handle", required_argument, 0, 'M'},
         {"no-learn", no_argument, 0, 'L'},       {"debug", no_argument, 0, 'G'},
+        {"spill", required_argument, 0, 'X'},    {"spill-max", required_argument, 0, 'Y'},
+        {"link", required_argument, 0, 'Z'},
         {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -1394,6 +1497,27 @@ int main(int argc, char **argv)
         case 'K': o.check = true; break;
         case 'L': o.no_learn = true; break;
         case 'G': o.debug = true; break;
+        case 'X':
+            if (!strcmp(optarg, "host")) o.spill = true;
+            else if (strcmp(optarg, "off")) {
+                fprintf(stderr, "memshim-replay: --spill '%s': expected host or off\n", optarg);
+                return 2;
+            }
+            break;
+        case 'Y':
+            if (msh_parse_size(optarg, &o.spill_max)) {
+                fprintf(stderr, "memshim-replay: --spill-max '%s' is not a size (e.g. 8GiB)\n", optarg);
+                return 2;
+            }
+            break;
+        case 'Z':
+            if (!strcmp(optarg, "pcie5")) o.link = MSH_LINK_PCIE5;
+            else if (!strcmp(optarg, "c2c")) o.link = MSH_LINK_C2C;
+            else {
+                fprintf(stderr, "memshim-replay: --link '%s': expected pcie5 or c2c\n", optarg);
+                return 2;
+            }
+            break;
         case 'M':
             if (msh_parse_size(optarg, &o.max_handle) || !o.max_handle) {
                 fprintf(stderr, "memshim-replay: --max-handle '%s' is not a size (e.g. 2MiB)\n", optarg);
@@ -1407,6 +1531,16 @@ int main(int argc, char **argv)
     }
     if (o.max_handle && o.max_handle < o.gran) {
         fprintf(stderr, "memshim-replay: --max-handle must be at least one page (--granularity, default 2MiB)\n");
+        return 2;
+    }
+    if (o.link != MSH_LINK_PCIE5) msh_drvcost_link(&o.cost, o.link); /* after --driver-costs: the link wins */
+    if (o.spill && (o.auto_cap || !o.capacity)) {
+        fprintf(stderr, "memshim-replay: --spill host needs --capacity SIZE (below the live peak is the point); "
+                        "with spill the smallest capacity without an OOM is not a question\n");
+        return 2;
+    }
+    if (o.spill && (o.compare || o.policy != MSH_POLICY_MEMSHIM)) {
+        fprintf(stderr, "memshim-replay: --spill replays memshim's pool only (not with --compare or --policy)\n");
         return 2;
     }
     if (show_costs) { /* the table in force, in the format --driver-costs reads */

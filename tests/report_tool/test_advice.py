@@ -28,7 +28,8 @@ PID = [4000]
 
 def base(kind, epoch, alloc_end, alloc_peak, resv_peak, total, *, pid, rank=-1, reason="dataloader", mode="tensor",
          t=0.0, limit="0", defrag="1", sites=None, growing=None, series=None, verdict=None, touched=None,
-         torch_stats=None, ooms=0, driver_s=0.00024975999999999997, frag=0.1234567891):
+         torch_stats=None, ooms=0, driver_s=0.00024975999999999997, frag=0.1234567891, spill=None, last_oom=None,
+         spill_env=None):
     r = {"schema_version": 2, "kind": kind, "host": "node1", "pid": pid, "rank": rank, "device": 0, "epoch": epoch,
          "run_id": None, "reason": reason, "mode": mode, "steps": 10, "t_start_s": t, "t_end_s": t + 1.0,
          "wall_time_unix": 1800000000 + int(t) + 1, "memshim_version": "0.1.0",
@@ -47,6 +48,12 @@ def base(kind, epoch, alloc_end, alloc_peak, resv_peak, total, *, pid, rank=-1, 
                    "growing_sites": growing if growing is not None else []}}
     if torch_stats:
         r["torch_memory_stats"] = torch_stats
+    if spill:
+        r["spill"] = spill
+    if last_oom:
+        r["last_oom"] = last_oom
+    if spill_env:
+        r["config"]["MEMSHIM_SPILL"] = {"value": spill_env, "source": "environment"}
     return r
 
 
@@ -178,6 +185,39 @@ def main():
         adv, p = advice(D("mid"))
         case("capacity rule: a dominant site at 39% of the device is not a capacity problem: nothing to change",
              kinds(adv) == ["none"], adv)
+
+        # 4b. spill: what it cost and what would stop it; an OOM short by a little suggests it
+        sp = {"enabled": True, "spilled_bytes": 2 * GiB, "spilled_peak_bytes": 3 * GiB, "spilled_run_peak_bytes": 3 * GiB,
+              "pages_to_host": 1536, "pages_to_device": 512, "bytes_to_host": 3 * GiB, "bytes_to_device": GiB,
+              "seconds_moving": 0.41, "requests_refused": 0}
+        write_run(D("spill"), [(30 * GiB, 36 * GiB, 38 * GiB)] * 3, total=80 * GiB, limit="38GiB", spill=sp,
+                  spill_env="host")
+        adv, p = advice(D("spill"))
+        sa = [a for a in adv if a["kind"] == "spill"]
+        case("spill rule: spilled pages are named with their peak, what moved, the time, and what would stop it",
+             len(sa) == 1 and "up to 3072.0 MiB of cold pages lived on the host at epoch 0" in sa[0]["text"]
+             and "3072.0 MiB moved to the host and 1024.0 MiB back, 0.41 s" in sa[0]["text"]
+             and "raise it if the device has room" in sa[0]["text"] and "activation checkpointing" in sa[0]["text"],
+             adv)
+        oo = {"requested_bytes": GiB, "live_bytes": 38 * GiB, "reserved_bytes": 38 * GiB, "device_total_bytes": 80 * GiB,
+              "device_free_bytes": 40 * GiB, "limit_bytes": 38 * GiB, "largest_free_extent_bytes": 0, "cause": "capacity"}
+        write_run(D("oom-short"), [(30 * GiB, 36 * GiB, 38 * GiB)] * 3, total=80 * GiB, limit="38GiB", ooms=1, last_oom=oo)
+        adv, p = advice(D("oom-short"))
+        oa = [a for a in adv if a["kind"] == "oom"]
+        case("OOM rule: a capacity OOM short by 2.6% of the limit suggests MEMSHIM_SPILL=host with the shortfall",
+             len(oa) == 1 and "short by 1024.0 MiB (2.6% of the limit): MEMSHIM_SPILL=host" in oa[0]["text"], adv)
+        write_run(D("oom-short-on"), [(30 * GiB, 36 * GiB, 38 * GiB)] * 3, total=80 * GiB, limit="38GiB", ooms=1,
+                  last_oom=oo, spill_env="host")
+        adv, p = advice(D("oom-short-on"))
+        oa = [a for a in adv if a["kind"] == "oom"]
+        case("OOM rule: with MEMSHIM_SPILL=host already set, no suggestion to set it",
+             len(oa) == 1 and "MEMSHIM_SPILL" not in oa[0]["text"], adv)
+        far = dict(oo, live_bytes=30 * GiB, requested_bytes=20 * GiB)
+        write_run(D("oom-far"), [(30 * GiB, 36 * GiB, 38 * GiB)] * 3, total=80 * GiB, limit="38GiB", ooms=1, last_oom=far)
+        adv, p = advice(D("oom-far"))
+        oa = [a for a in adv if a["kind"] == "oom"]
+        case("OOM rule: short by 32% of the limit is not a case for spilling (no suggestion)",
+             len(oa) == 1 and "MEMSHIM_SPILL" not in oa[0]["text"], adv)
 
         # 5. unfinished and interrupted runs, unknown reasons
         write_run(D("nosummary"), [(GiB, 2 * GiB, 2 * GiB)] * 3, total=80 * GiB, summary=False)

@@ -68,6 +68,8 @@ IMBALANCE_MIN_BYTES = 64 * MiB
 TINY_SHARE = 0.05           # a peak reserved below this share of the capacity gets no memory-need advice
 CAPACITY_SHARE = 0.80       # from this share of the capacity at the peak, capacity is what limits the job
 # Epoch reasons the library writes (docs/reports.md); any other is shown as written and named once.
+# an OOM short by at most this share of the capacity gets the MEMSHIM_SPILL=host suggestion
+SPILL_SHORT_SHARE = 0.1
 KNOWN_REASONS = ("manual", "steps", "seconds", "signal", "exit", "oom", "dataloader", "hf_trainer", "lightning",
                  "interval", "interrupted")
 MATRIX_COLUMNS = 16         # per-rank columns in one block of the text tables
@@ -224,6 +226,11 @@ def parse(path, obj, warnings):
                     for k in ("reclaim", "gc", "empty_cache")},
         "trend_series": None, "trend_verdict": f.get("trend.verdict", s, "a string"),
         "driver_seconds": f.get("driver.modelled_seconds", nonneg_num, "a number"),
+        # MEMSHIM_SPILL=host (reports since issue 20; None in older ones)
+        "spill_peak": f.get("spill.spilled_peak_bytes", nonneg_int, "an integer"),
+        "spill_to_host": f.get("spill.bytes_to_host", nonneg_int, "an integer"),
+        "spill_to_dev": f.get("spill.bytes_to_device", nonneg_int, "an integer"),
+        "spill_seconds": f.get("spill.seconds_moving", nonneg_num, "a number"),
         "sites_note": f.get("sites_note", s, "a string"),
     })
     series = f.get("trend.epoch_end_allocated_bytes",
@@ -667,6 +674,28 @@ def advise(run):
                             f"{fix}")
                 items.append((("capacity",), sh, s, fig, render))
 
+        # spill: cold pages lived on host memory (MEMSHIM_SPILL=host): what it cost, what would stop it
+        sp = [r for r in s["recs"] if r.get("spill_peak")]
+        if sp:
+            r = max(sp, key=lambda x: x["spill_peak"])
+            last = s["recs"][-1]
+            fig = {"epoch": r["epoch"], "spilled_peak_bytes": r["spill_peak"],
+                   "bytes_to_host": last.get("spill_to_host"), "bytes_to_device": last.get("spill_to_dev"),
+                   "seconds_moving": last.get("spill_seconds"), "capacity_bytes": cap, "capacity": s["capacity_name"]}
+
+            def render(on, r=r, last=last, cap=cap, what=s["capacity_name"]):
+                moved = ""
+                if last.get("spill_to_host") is not None:
+                    moved = (f"; {mib(last['spill_to_host'])} MiB moved to the host and {mib(last['spill_to_dev'] or 0)} "
+                             f"MiB back, {fnum(last['spill_seconds'] or 0, 2)} s spent moving")
+                where = ('the limit (MEMSHIM_LIMIT): raise it if the device has room, or' if what == 'MEMSHIM_LIMIT'
+                         else 'the device:')
+                return (f"spilled to host memory{on}: up to {mib(r['spill_peak'])} MiB of cold pages lived on the host "
+                        f"at epoch {r['epoch']} (MEMSHIM_SPILL=host; kernels reach them over the host link, slower)"
+                        f"{moved}; the job needs about {mib(r['spill_peak'])} MiB more than {where} a smaller batch or "
+                        "activation checkpointing (torch.utils.checkpoint) would stop the spilling")
+            items.append((("spill", s["label"]), r["spill_peak"], s, fig, render))
+
         small = tiny(s)
         # fragmentation inside PyTorch's segments (segment mode, schema 2)
         tor = [(r, r["torch"]) for r in s["epochs"] if r["torch"] and r["torch"]["reserved_peak_bytes"] is not None
@@ -723,8 +752,9 @@ def advise(run):
             fig = {"oom_events": n_oom, "last_oom": last}
             mode = s["newest"]["mode"]
             defrag = s["newest"]["config"].get("MEMSHIM_DEFRAG")
+            spill = s["newest"]["config"].get("MEMSHIM_SPILL")
 
-            def render(on, n=n_oom, o=last, mode=mode, defrag=defrag):
+            def render(on, n=n_oom, o=last, mode=mode, defrag=defrag, spill=spill):
                 t = f"{n} failed request{'s' if n > 1 else ''} (OOM){on}"
                 if not o:
                     return t + ": the reports do not say why (no last_oom)"
@@ -740,6 +770,11 @@ def advise(run):
                         t += "; MEMSHIM_DEFRAG=1 (now 0)"
                 elif o["cause"] == "capacity":
                     t += ": capacity, the live set does not fit; a smaller batch or activation checkpointing lowers the peak"
+                    short = o["live_bytes"] + o["requested_bytes"] - cap if cap else None
+                    if short is not None and 0 < short <= cap * SPILL_SHORT_SHARE and spill != "host":
+                        t += (f"; it was short by {mib(short)} MiB ({pct(short / cap)} of "
+                              f"{'the limit' if o['limit_bytes'] else 'the device'}): MEMSHIM_SPILL=host would keep it "
+                              "going with its coldest pages on host memory, slower")
                 return t
             items.append((("oom", s["label"]), n_oom, s, fig, render))
 
