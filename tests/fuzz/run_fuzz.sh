@@ -25,7 +25,7 @@ FUZZ_PARALLEL="${FUZZ_PARALLEL:-1}"
 CC_FUZZ="${CC_FUZZ:-clang}"
 CUDA_INC="${CUDA_HOME:-/usr/local/cuda}/include"
 FLAGS="-g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -D_GNU_SOURCE \
--Ishim -Ipolicy -Ipolicy/models -Ireport -Ireport/trace -I$CUDA_INC"
+-Ishim -Ipolicy -Ipolicy/base -Ipolicy/models -Ireport -Ireport/trace -I$CUDA_INC"
 ARTIFACTS=/tmp/memshim-fuzz-artifacts
 
 # Targets known to this script, whether or not their file exists yet.
