@@ -95,7 +95,7 @@ $(TORCH_MK): scripts/torch_flags.py
 GLUE := $(if $(filter 1,$(TORCH_OK)),$(BUILD)/libmemshim_torch.so,)
 TORCH_TESTS := $(if $(filter 1,$(TORCH_OK)),$(BUILD)/tests/torch/memshim_oom_probe$(TORCH_PYEXT),)
 
-.PHONY: all lib native double tests check check-asan check-tsan bench demo install install-python clean mutants
+.PHONY: all lib native double tests check layers check-asan check-tsan bench demo install install-python clean mutants
 all: $(BUILD)/libmemshim.so $(TOOLS) double $(GLUE)
 
 lib: $(BUILD)/libmemshim.so
@@ -172,6 +172,11 @@ $(BUILD)/tests/preload/%: tests/preload/%.c double tests/harness.h
 
 check: tests
 	BUILD=$(BUILD) bash tests/run.sh
+
+# The floors alone (tests/layers/check_layers.py; check runs it too): every include runs down
+# hooks -> shim -> report -> policy, and no product C file is over 1500 lines.
+layers:
+	python3 tests/layers/check_layers.py
 
 check-asan:
 	$(MAKE) BUILD=build-asan SAN=address,undefined OPT=-O1 tests
