@@ -34,7 +34,6 @@
 #include <unistd.h>
 
 #include "drvcost.h"
-#include "memshim.h"
 #include "msh.h"
 
 static struct {
@@ -226,7 +225,7 @@ static json_t *versions_json(const struct msh_report *r, const struct msh_report
     set_sn(v, "cuda_driver", r->cuda_driver[0] ? r->cuda_driver : NULL);
     set_sn(v, "cuda_runtime", r->cuda_runtime[0] ? r->cuda_runtime : NULL);
     set_sn(v, "device_name", d->device_name[0] ? d->device_name : NULL);
-    set_s(v, "memshim", MEMSHIM_VERSION);
+    set_s(v, "memshim", r->memshim_version);
     set_sn(v, "torch", r->torch_version); /* handed over by the Python side (shim/torch.c) */
     return v;
 }
@@ -344,7 +343,7 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     json_t *root = J.object();
     set_i(root, "schema_version", MSH_REPORT_SCHEMA);
     set_s(root, "kind", r->kind);
-    set_s(root, "memshim_version", MEMSHIM_VERSION);
+    set_s(root, "memshim_version", r->memshim_version);
     set_s(root, "host", host);
     set_i(root, "pid", getpid());
     set_i(root, "rank", msh_report_rank());

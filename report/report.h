@@ -84,6 +84,7 @@ struct msh_report {
     /* versions: "13.0" as the driver and the process's libcudart report them, "" when unknown;
      * PyTorch's as the Python side reported it, NULL when unknown */
     char cuda_driver[16], cuda_runtime[16];
+    const char *memshim_version; /* MEMSHIM_VERSION (memshim.h, the shim's public face) */
     const char *torch_version;
     const char *sites_note;      /* why `sites` is empty or estimated; NULL: nothing to say */
     uint64_t sites_sample_bytes; /* allocations below this are sampled; 0: none */

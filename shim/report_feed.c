@@ -1,9 +1,9 @@
 /*
  * report_feed.c: what the shim hands a report besides the pools' figures (core.c's fill_report
- * gathers those): the CUDA driver's and runtime's versions and each device's name, PyTorch's
- * version and the memory_stats() figures the Python side handed over (shim/torch.c), and the
- * allocation sites (shim/sites.c). report/report.c then formats and writes what it was given; it
- * reads nothing of the shim's and never calls back.
+ * gathers those): memshim's, the CUDA driver's and the runtime's versions and each device's name,
+ * PyTorch's version and the memory_stats() figures the Python side handed over (shim/torch.c), and
+ * the allocation sites (shim/sites.c). report/report.c then formats and writes what it was given;
+ * it reads nothing of the shim's and never calls back.
  *
  * Called just before each report is written, as report.c once read these itself while writing,
  * and never with a pool lock held: the driver may take its own locks.
@@ -17,6 +17,7 @@
 
 #include "core.h"
 #include "cuda_real.h"
+#include "memshim.h"
 #include "msh.h"
 #include "report.h"
 #include "sites.h"
@@ -97,6 +98,7 @@ void msh_report_feed(struct msh_report *r)
     memcpy(r->cuda_driver, driver_version, sizeof r->cuda_driver);
     memcpy(r->cuda_runtime, runtime_version, sizeof r->cuda_runtime);
     pthread_mutex_unlock(&ver_lock);
+    r->memshim_version = MEMSHIM_VERSION;
     r->torch_version = msh_torch_version();
     r->sites_note = msh_sites_note();
     r->sites_sample_bytes = msh_sites_sample_bytes();

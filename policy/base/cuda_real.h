@@ -8,9 +8,8 @@
  * the driver lacks stays NULL and its user falls back. The pool and the hooks call the driver
  * only through this table.
  *
- * policy/base/ is the ground floor: the pieces every folder may use (this table, the clocks). It
- * includes nothing of memshim's but msh.h, so the device backend, the shim and the hooks all
- * stand on it and it stands on none of them.
+ * policy/base/ is the ground floor every folder may use (msh.h says what it holds); it includes
+ * nothing of memshim's outside policy/base.
  */
 #ifndef MSH_CUDA_REAL_H
 #define MSH_CUDA_REAL_H

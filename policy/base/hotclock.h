@@ -9,9 +9,8 @@
  * Must never allocate, take a lock or call a CUDA hook from the inline functions; ticks taken
  * before msh_hotclock_init() are nanoseconds and must not be compared with later ones.
  *
- * policy/base/ is the ground floor: the pieces every folder may use (the real driver table, the
- * clocks). It includes nothing of memshim's but msh.h, so the pool, the shim, the hooks and the
- * tools all stand on it and it stands on none of them.
+ * policy/base/ is the ground floor every folder may use (msh.h says what it holds); it includes
+ * nothing of memshim's outside policy/base.
  */
 #ifndef MSH_HOTCLOCK_H
 #define MSH_HOTCLOCK_H

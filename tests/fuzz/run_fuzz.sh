@@ -40,7 +40,7 @@ trace_sources() { # as the Makefile's libmemshim_trace.a + libmemshim_core.a
 target_sources() { # target -> its source list, by name
     case "$1" in
     fuzz_pickle|fuzz_text|fuzz_profiler|fuzz_drvcost) echo "trace $(trace_sources)" ;;
-    fuzz_options|fuzz_conf) echo "options policy/options.c shim/log.c shim/paths.c" ;;
+    fuzz_options|fuzz_conf) echo "options policy/base/options.c policy/base/log.c policy/base/paths.c" ;;
     *) return 1 ;;
     esac
 }

@@ -48,7 +48,7 @@ DATA_LIMIT = 6 << 30
 UNIT_FIRST = {
     "test_pool": ("policy/pool.c", "policy/dev_sim.c"), "test_stress": ("policy/pool.c", "policy/dev_cuda.c"),
     "test_trace": ("report/trace/",), "test_profiler": ("report/trace/profiler.c", "report/trace/trace.c"),
-    "test_models": ("report/replay/models/",), "test_options": ("policy/options.c", "shim/log.c"),
+    "test_models": ("report/replay/models/",), "test_options": ("policy/base/options.c", "policy/base/log.c"),
     "test_double": ("tests/cudadouble/",), "test_drvcost": ("policy/drvcost.c",), "test_torch": ("shim/torch.c",),
 }
 SCRIPT_FIRST = [  # (word in the suite's name, files whose mutants try it first)
