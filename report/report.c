@@ -17,6 +17,10 @@
  * log-linear histogram: per epoch in epoch reports, since start otherwise), `driver` (the pool's
  * driver calls by kind and their modelled seconds), `sites` (allocation sites at the epoch's
  * peak, shim/sites.c) and `trend.growing_sites`.
+ *
+ * Everything a report shows is handed over in struct msh_report (report.h), filled by the shim
+ * (shim/core.c, shim/report_feed.c): this file formats and writes it, and never calls back into
+ * the shim.
  */
 #include "report.h"
 
