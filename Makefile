@@ -60,12 +60,12 @@ LDFLAGS += -pthread $(SANFLAGS)
 LIBS    := -ldl -lm
 
 # The preloaded library: hooks + shim (shim/record: the snapshot history and its writer) + report
-# + policy (policy/base: the driver table and the clocks). Only glibc may be NEEDED.
+# + policy (policy/pool: the pool, one concern a file; policy/base: msh.h, the driver table, the clocks). Only glibc may be NEEDED.
 # The pickle writer is one of the trace formats (report/trace) but runs in the library too: the
 # snapshot writer writes PyTorch's pickle with it.
 LIB_FORMATS := report/trace/pkwrite.c
-LIB_SRC  := $(sort $(wildcard shim/*.c shim/record/*.c hooks/*.c policy/*.c policy/base/*.c report/*.c) $(LIB_FORMATS))
-CORE_SRC := $(sort $(wildcard shim/*.c shim/record/*.c policy/*.c policy/base/*.c report/*.c) $(LIB_FORMATS))
+LIB_SRC  := $(sort $(wildcard shim/*.c shim/record/*.c hooks/*.c policy/*.c policy/pool/*.c policy/base/*.c report/*.c) $(LIB_FORMATS))
+CORE_SRC := $(sort $(wildcard shim/*.c shim/record/*.c policy/*.c policy/pool/*.c policy/base/*.c report/*.c) $(LIB_FORMATS))
 # The trace formats (report/trace) and the allocator models replay runs them through (report/replay/models).
 TRACE_SRC := $(sort $(filter-out $(LIB_FORMATS),$(wildcard report/trace/*.c report/replay/models/*.c)))
 LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)

@@ -19,6 +19,7 @@ struct cuda_dev {
     CUdevice dev;
     CUcontext ctx;
     CUmemAllocationProp prop;
+    CUmemAllocationProp host_prop; /* host memory through VMM (cu_host_init); location type 0: none */
     size_t gran;
     /* Who may touch this device's pages: itself, and each peer the program enabled (below).
      * Appended only, each entry written before naccess is raised (release); readers load naccess
@@ -237,6 +238,60 @@ static int cu_synchronize(struct msh_device *d)
     return WITH_CTX(d, msh_cu.cuCtxSynchronize(), "cuCtxSynchronize");
 }
 
+/* Host memory through VMM (CUDA 12.2 and later drivers): a HOST_NUMA location on the device's
+ * nearest NUMA node where the device says it has one, else a HOST location (newer drivers), else
+ * none. The host granularity must divide the device's, so one page of the pool is one host handle. */
+static void cu_host_init(struct cuda_dev *c)
+{
+    memset(&c->host_prop, 0, sizeof c->host_prop);
+    int numa = 0, host = 0, node = -1;
+    if (msh_cu.cuDeviceGetAttribute(&numa, CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, c->dev) !=
+        CUDA_SUCCESS)
+        numa = 0; /* an older driver does not know the attribute */
+    if (msh_cu.cuDeviceGetAttribute(&host, CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, c->dev) !=
+        CUDA_SUCCESS)
+        host = 0;
+    CUmemAllocationProp p;
+    memset(&p, 0, sizeof p);
+    p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    if (numa) {
+        if (msh_cu.cuDeviceGetAttribute(&node, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, c->dev) != CUDA_SUCCESS || node < 0)
+            node = 0; /* "on systems where NUMA is not available the id must be set to 0" */
+        p.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+        p.location.id = node;
+    } else if (host) {
+        p.location.type = CU_MEM_LOCATION_TYPE_HOST;
+    } else {
+        return;
+    }
+    size_t g = 0;
+    if (msh_cu.cuMemGetAllocationGranularity(&g, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS || !g ||
+        c->gran % g) {
+        msh_debug("device %d: host memory through VMM has granularity %zu, which does not divide %zu: no spill",
+                  (int)c->dev, g, c->gran);
+        return;
+    }
+    c->host_prop = p;
+}
+
+static int cu_host_create(struct msh_device *d, size_t size, uint64_t *h)
+{
+    if (!C(d)->host_prop.location.type) return ENOTSUP;
+    CUmemGenericAllocationHandle hh = 0;
+    int rc = WITH_CTX(d, msh_cu.cuMemCreate(&hh, size, &C(d)->host_prop, 0), "cuMemCreate (host)");
+    *h = (uint64_t)hh;
+    return rc;
+}
+
+/* A copy on the legacy stream, then the device synchronized: done when this returns. */
+static int cu_copy(struct msh_device *d, uint64_t dst, uint64_t src, size_t size)
+{
+    if (!msh_cu.cuMemcpyDtoD) return ENOTSUP;
+    int rc = WITH_CTX(d, msh_cu.cuMemcpyDtoD((CUdeviceptr)dst, (CUdeviceptr)src, size), "cuMemcpyDtoD");
+    if (!rc) rc = cu_synchronize(d);
+    return rc;
+}
+
 static const struct msh_device_ops cuda_ops = {
     .name = "cuda",
     .mem_info = cu_mem_info,
@@ -258,6 +313,8 @@ static const struct msh_device_ops cuda_ops = {
     .event_create_on = cu_event_create_on,
     .stream_sync = cu_stream_sync,
     .add_access = cu_add_access,
+    .host_create = cu_host_create,
+    .copy = cu_copy,
 };
 
 int msh_dev_cuda_init(struct msh_device *d, int ordinal)
@@ -302,5 +359,6 @@ int msh_dev_cuda_init(struct msh_device *d, int ordinal)
         d->impl = NULL;
         return ENODEV;
     }
+    cu_host_init(c);
     return 0;
 }

@@ -18,7 +18,14 @@ struct sim {
     size_t used;                 /* atomic */
     uint64_t next_va, next_handle, next_event;
     uint64_t mapped_bytes;       /* atomic */
+    bool host;                   /* host memory through VMM (msh_dev_sim_host) */
+    size_t host_capacity;        /* 0: unlimited */
+    size_t host_used;            /* atomic */
+    uint64_t copied_bytes;       /* atomic: bytes copy() moved */
 };
+
+/* Host handles carry this bit, so release() knows whose memory comes back. */
+#define SIM_HOST_BIT ((uint64_t)1 << 62)
 
 static struct sim *S(struct msh_device *d) { return d->impl; }
 
@@ -68,7 +75,26 @@ static int sim_release(struct msh_device *d, uint64_t h, size_t size)
 {
     struct sim *s = S(d);
     if (!h || !size || size % s->gran) return EINVAL;
-    __atomic_fetch_sub(&s->used, size, __ATOMIC_RELAXED);
+    __atomic_fetch_sub(h & SIM_HOST_BIT ? &s->host_used : &s->used, size, __ATOMIC_RELAXED);
+    return 0;
+}
+
+static int sim_host_create(struct msh_device *d, size_t size, uint64_t *h)
+{
+    struct sim *s = S(d);
+    if (!s->host) return ENOTSUP;
+    if (!size || size % s->gran) return EINVAL;
+    size_t used = __atomic_load_n(&s->host_used, __ATOMIC_RELAXED);
+    do {
+        if (s->host_capacity && used + size > s->host_capacity) return ENOMEM;
+    } while (!__atomic_compare_exchange_n(&s->host_used, &used, used + size, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    *h = __atomic_add_fetch(&s->next_handle, 1, __ATOMIC_RELAXED) | SIM_HOST_BIT;
+    return 0;
+}
+
+static int sim_copy(struct msh_device *d, uint64_t dst MSH_UNUSED, uint64_t src MSH_UNUSED, size_t size)
+{
+    __atomic_fetch_add(&S(d)->copied_bytes, size, __ATOMIC_RELAXED);
     return 0;
 }
 
@@ -121,6 +147,8 @@ static const struct msh_device_ops sim_ops = {
     .event_release = sim_event_release,
     .stream_wait = sim_stream_wait,
     .synchronize = sim_synchronize,
+    .host_create = sim_host_create,
+    .copy = sim_copy,
 };
 
 int msh_dev_sim_init(struct msh_device *d, size_t capacity, size_t gran)
@@ -134,6 +162,17 @@ int msh_dev_sim_init(struct msh_device *d, size_t capacity, size_t gran)
     d->ordinal = 0;
     d->impl = s;
     return 0;
+}
+
+void msh_dev_sim_host(struct msh_device *d, size_t host_capacity)
+{
+    S(d)->host = true;
+    S(d)->host_capacity = host_capacity;
+}
+
+size_t msh_dev_sim_host_used(struct msh_device *d)
+{
+    return __atomic_load_n(&S(d)->host_used, __ATOMIC_RELAXED);
 }
 
 void msh_dev_sim_fini(struct msh_device *d)

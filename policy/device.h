@@ -57,6 +57,14 @@ struct msh_device_ops {
     int (*event_create_on)(struct msh_device *d, uint64_t home, uint64_t *event);
     int (*stream_sync)(struct msh_device *d, uint64_t stream);
     int (*add_access)(struct msh_device *d, int peer_device);
+    /* Optional, for spilling to host memory (docs/pool.md "Spill"; NULL: the backend has none).
+     * host_create: physical memory of `size` bytes on the host, mappable into the device's address
+     * space like a handle of create() (map, set_access, unmap and release take it): ENOTSUP when
+     * the driver has no host memory through VMM, ENOMEM when the host has no more.
+     * copy: copy `size` bytes between two mapped ranges of this device's address space, complete
+     * when it returns (no stream of the program's sees it). */
+    int (*host_create)(struct msh_device *d, size_t size, uint64_t *handle);
+    int (*copy)(struct msh_device *d, uint64_t dst, uint64_t src, size_t size);
 };
 
 struct msh_device {
@@ -69,6 +77,10 @@ struct msh_device {
  * Events complete at once; nothing touches host memory. */
 int msh_dev_sim_init(struct msh_device *d, size_t capacity, size_t gran);
 void msh_dev_sim_fini(struct msh_device *d);
+/* The simulated device gets host memory through VMM (host_create), `host_capacity` bytes (0:
+ * unlimited); without this call host_create answers ENOTSUP, as a driver without it. */
+void msh_dev_sim_host(struct msh_device *d, size_t host_capacity);
+size_t msh_dev_sim_host_used(struct msh_device *d);
 
 /* The real driver (or the double), resolved through msh_cuda (shim/real.c). Requires a current
  * context for `ordinal` when called. */

@@ -187,6 +187,10 @@ python3 scripts/gen_offload_trace.py --seed 1 --no-prefetch -o "$BUILD/bench/syn
 offload+=("synthetic, seed 1, no prefetch=$BUILD/bench/synthetic-offload-seed1-noprefetch.txt")
 python3 scripts/bench_offload.py "$BUILD/memshim-replay" "${offload[@]}"
 echo
+echo "### Held-out-like traces: SYNTHETIC transformations of every recording (section 3's method, page model beside)"
+echo
+BUILD="$BUILD" bash scripts/bench_heldout.sh
+echo
 echo "### 5. Cached-path latency (pool over the simulated device vs glibc, same sizes, same process)"
 echo
 if [ -f tests/bench/bench_latency.c ]; then

@@ -39,7 +39,32 @@ always write the same bytes):
   the first names the same addresses, as a real training trace does. Times (microseconds) advance
   with the bytes each layer moves and computes; they are informative only.
 
+Many streams (--streams N, N >= 3; issue 15: a held-out real trace of this kind ran on 10
+streams), the same step with the traffic of a ZeRO-Infinity / FSDP-offload job spread over the
+streams such a job uses (the default, --streams 2, writes exactly the trace above):
+
+- stream roles: 0 computes; of the other N-1, about 40% are host-to-device copy streams (reloads),
+  30% device-to-host streams (offloads) and the rest collective streams (NCCL-like); each has its
+  own raw value, and a block is freed on the stream it was allocated on, as PyTorch does;
+- reloads of layer i go to copy stream i mod (copy streams), --prefetch-depth layers ahead
+  (default 2), so several weight buffers from several streams are live at once;
+- saved activations are offloaded after the forward of their layer with probability
+  --offload-fraction (default 0.75, drawn per layer): the device copy is freed one or two layers
+  later, when its device-to-host copy is done, and reloaded (allocated on a copy stream, prefetched
+  like the weights) before the backward of that layer; the others stay on the device;
+- each weight gradient is reduced on a collective stream: a flat bucket of its size is allocated
+  there and freed one layer later (a reduce-scatter still running), then dW_i is offloaded: cast
+  to half its size in a buffer of an offload stream (dW_i is freed at once), and that buffer is
+  freed when its copy is done, one or two layers later;
+- when each offloaded block is freed (one or two layers after its copy started) and the order of
+  the frees that come due together are drawn from the seed once, for the whole job: the program
+  frees at the same points every step, as a snapshot's free_requested events do; with
+  --free-jitter they are drawn again every step (the order in which copies complete, as
+  free_completed events would give it: a harder case, where no two steps free alike).
+
 Usage: scripts/gen_offload_trace.py [-o FILE] [--layers N] [--steps S] [--seed K] [--no-prefetch]
+                                    [--streams N] [--prefetch-depth D] [--offload-fraction F]
+                                    [--free-jitter]
 The trace is synthetic: it says so in its header comment and is never committed as data
 (`make bench` writes it under build/).
 """
@@ -187,6 +212,127 @@ def write(args, out):
     return w.nalloc
 
 
+def stream_roles(n):
+    """Raw stream values for the compute stream and the copy, offload and collective streams."""
+    rest = n - 1
+    h2d = max(1, (rest * 4 + 9) // 10)
+    d2h = max(1, (rest * 3 + 9) // 10) if rest > 1 else 0
+    coll = rest - h2d - d2h
+    ids = [0x55D0C0DE0000 + 0x100 * k for k in range(rest)]
+    return 0, ids[:h2d], ids[h2d:h2d + d2h] or ids[:h2d], ids[h2d + d2h:] or ids[:h2d]
+
+
+def write_multi(args, out):
+    """The step of write() over many streams (the module docstring's second model)."""
+    weights, acts, work, stats = model(args)
+    rng = random.Random(args.seed * 7919 + args.streams)
+    N, D = args.layers, args.prefetch_depth
+    C, H2D, D2H, COLL = stream_roles(args.streams)
+    offl = [rng.random() < args.offload_fraction for _ in range(N)]
+    w = Writer(out)
+    out.write("# memshim-trace 1\n")
+    out.write(f"# SYNTHETIC offload/reload training trace from scripts/gen_offload_trace.py: layers={N} "
+              f"steps={args.steps} seed={args.seed} weights {args.min_mib}-{args.max_mib} MiB "
+              f"streams={args.streams} (copy {len(H2D)}, offload {len(D2H)}, collective {len(COLL)}) "
+              f"prefetch_depth={D} offload_fraction={args.offload_fraction}"
+              f"{' free_jitter' if args.free_jitter else ''}\n")
+    out.write(f"# weights MiB: {' '.join(f'{x / MiB:.1f}' for x in weights)}\n")
+    out.write(f"# activations offloaded: {' '.join(str(i) for i in range(N) if offl[i])}\n")
+    out.write("r 0 0 0\n")
+    for size in (64 * MiB, 96 * MiB, 5056, 4 * KiB, 512):
+        w.prefix(C, size)
+    batch, mask, logits_sz = 8 * MiB, 96 * KiB, 64 * MiB
+    pending = []  # [layers left, address]: frees that wait for a copy or a collective to finish
+    # when the frees come: the job's own generator, which goes on from step to step, with
+    # --free-jitter; else one restarted at every step, so that every step frees alike
+    frng = [rng]
+
+    def later(addr, lo=1, hi=2):
+        pending.append([frng[0].randint(lo, hi), addr])
+
+    def tick():  # one layer has passed: the copies and collectives due now complete
+        due = [p for p in pending if p[0] <= 1]
+        for p in pending:
+            p[0] -= 1
+        frng[0].shuffle(due)
+        for p in due:
+            pending.remove(p)
+            w.free(p[1])
+
+    for step in range(args.steps):
+        if not args.free_jitter:
+            frng[0] = random.Random(args.seed * 7919 + args.streams + 1)
+        out.write(f"e {step}\n")
+        x = w.alloc(C, batch)
+        m = w.alloc(C, mask)
+        W, saved, back = {}, {}, {}
+        # ---- forward: weights reloaded D layers ahead on the copy streams
+        for i in range(min(D, N)):
+            W[i] = w.alloc(H2D[i % len(H2D)], weights[i], dt=weights[i] // (20 * KiB))
+        for i in range(N):
+            if i + D < N:
+                W[i + D] = w.alloc(H2D[(i + D) % len(H2D)], weights[i + D])
+            ws = w.alloc(C, work[i])
+            a = w.alloc(C, acts[i])
+            s1 = w.alloc(C, stats[i])
+            s2 = w.alloc(C, stats[i])
+            w.compute(weights[i] + acts[i])
+            w.free(ws)
+            w.free(W.pop(i))
+            if offl[i]:  # the activation goes to the host; its device copy is freed when that is done
+                later(a)
+                saved[i] = (None, s1, s2)
+            else:
+                saved[i] = (a, s1, s2)
+            tick()
+        lg = w.alloc(C, logits_sz)
+        loss = w.alloc(C, 512)
+        g = w.alloc(C, logits_sz)
+        w.free(lg)
+        w.free(loss)
+        # ---- backward: weights (and offloaded activations) reloaded D layers ahead
+        order = list(reversed(range(N)))
+
+        def reload(i):
+            st = H2D[i % len(H2D)]
+            W[i] = w.alloc(st, weights[i])
+            if offl[i]:
+                back[i] = w.alloc(H2D[(i + 1) % len(H2D)], acts[i])
+
+        for i in order[:D]:
+            reload(i)
+        for k, i in enumerate(order):
+            if k + D < N:
+                reload(order[k + D])
+            dx = w.alloc(C, acts[i - 1] if i > 0 else batch)
+            ws = w.alloc(C, work[i])
+            dw = w.alloc(C, weights[i])
+            w.compute(2 * weights[i] + acts[i])
+            w.free(ws)
+            a, s1, s2 = saved.pop(i)
+            w.free(s2)
+            w.free(s1)
+            w.free(back.pop(i) if a is None else a)
+            w.free(g)
+            g = dx
+            bucket = w.alloc(COLL[i % len(COLL)], weights[i])  # the gradient's reduce-scatter
+            later(bucket, 1, 1)
+            w.free(W.pop(i))
+            # dW_i goes to the host as bf16: the cast is made on an offload stream and freed when
+            # its copy is done; dW_i itself is freed at once
+            half = w.alloc(D2H[i % len(D2H)], weights[i] // 2)
+            w.free(dw)
+            later(half)
+            tick()
+        while pending:
+            tick()
+        w.free(g)
+        w.free(m)
+        w.free(x)
+        w.compute(sum(weights))
+    return w.nalloc
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -199,14 +345,25 @@ def main():
     ap.add_argument("--copy-stream", type=lambda s: int(s, 0), default=0x55D0C0DE0000)
     ap.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                     help="reload each layer just before its use (one weight buffer live at a time)")
+    ap.add_argument("--streams", type=int, default=2,
+                    help="streams of the job: 2 (compute and one copy stream, the first model) or 3 to 64 "
+                         "(copy, offload and collective streams: the second model)")
+    ap.add_argument("--prefetch-depth", type=int, default=2, help="with --streams >= 3: layers reloaded ahead")
+    ap.add_argument("--offload-fraction", type=float, default=0.75,
+                    help="with --streams >= 3: the chance that a layer's saved activation is offloaded")
+    ap.add_argument("--free-jitter", action="store_true",
+                    help="with --streams >= 3: when offloaded blocks are freed is drawn again every step")
     args = ap.parse_args()
     if args.layers < 1 or args.steps < 1 or not 1 <= args.min_mib <= args.max_mib:
         ap.error("need --layers >= 1, --steps >= 1 and 1 <= --min-mib <= --max-mib")
+    if not 2 <= args.streams <= 64 or args.prefetch_depth < 1 or not 0 <= args.offload_fraction <= 1:
+        ap.error("need 2 <= --streams <= 64, --prefetch-depth >= 1 and 0 <= --offload-fraction <= 1")
+    gen = write if args.streams == 2 else write_multi
     if args.output:
         with open(args.output, "w") as f:
-            write(args, f)
+            gen(args, f)
     else:
-        write(args, sys.stdout)
+        gen(args, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -617,7 +617,7 @@ static void *idle_thread(void *arg)
 }
 
 /* MEMSHIM_EMPTY_CACHE=threshold: the pool gives back cached bytes above the threshold once they
- * have stayed unused for its quiet period (policy/pool.c); this thread makes that happen when the
+ * have stayed unused for its quiet period (policy/pool/pool.c); this thread makes that happen when the
  * job stops allocating and freeing, too. */
 static void *trim_thread(void *arg)
 {

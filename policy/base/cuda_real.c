@@ -80,6 +80,7 @@ static void load_driver(void)
     RESOLVE(cuStreamBeginCapture_ptsz, "cuStreamBeginCapture_v2_ptsz");
     RESOLVE(cuStreamEndCapture, "cuStreamEndCapture");
     RESOLVE(cuStreamEndCapture_ptsz, "cuStreamEndCapture_ptsz");
+    RESOLVE(cuMemcpyDtoD, "cuMemcpyDtoD_v2");
 
     if (!msh_cu.cuInit || !msh_cu.cuCtxGetCurrent || !msh_cu.cuMemGetInfo) {
         msh_warn("libcuda.so.1 lacks cuInit/cuCtxGetCurrent/cuMemGetInfo_v2; passing through");

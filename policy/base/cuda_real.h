@@ -75,6 +75,7 @@ struct msh_cuda_driver {
     CUresult (*cuStreamBeginCapture_ptsz)(CUstream, CUstreamCaptureMode); /* _v2_ptsz */
     CUresult (*cuStreamEndCapture)(CUstream, CUgraph *);
     CUresult (*cuStreamEndCapture_ptsz)(CUstream, CUgraph *);
+    CUresult (*cuMemcpyDtoD)(CUdeviceptr, CUdeviceptr, size_t);          /* _v2 */
 };
 
 extern struct msh_cuda_driver msh_cu;

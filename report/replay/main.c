@@ -43,6 +43,10 @@ struct opts {
     bool compare, validate, torch_empty_start;
     struct msh_drvcost cost; /* the default table, or --driver-costs FILE */
     bool check; /* --check: msh_pool_check during every replay (docs/testing.md) */
+    uint64_t max_handle; /* --max-handle: the pool's largest physical handle (0: the default, no cap);
+                          * one page is the page model, one handle per page */
+    bool no_learn;       /* --no-learn: best fit only, never the learned step (for comparisons) */
+    bool debug;          /* --debug: the pool's debug log (learned steps found, packed, dropped) on stderr */
 };
 
 /* Devices users plan for: memory as nvidia-smi reports it (MiB), less 512 MiB for the CUDA
@@ -472,6 +476,8 @@ static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capa
     prm.limit_bytes = capacity;
     prm.small_max = o->small_max;
     prm.defrag = o->defrag;
+    prm.max_handle_bytes = o->max_handle;
+    prm.no_learn = o->no_learn;
     /* the replay packs a learned step itself, at the step boundary where it found it, so that
      * every figure is the same from run to run (a job's pool packs on a thread of its own while
      * allocations go on: docs/pool.md) */
@@ -673,10 +679,11 @@ static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_t
         printf(",\"device\":%d,\"policy\":\"memshim\",\"format\":\"%s\",\"events\":%zu,"
                "\"replayed_events\":%llu,\"allocs\":%zu,\"prefix_blocks\":%zu,\"warnings\":%zu,"
                "\"peak_live_bytes\":%llu,\"peak_reserved_bytes\":%zu,\"unlimited_peak_reserved_bytes\":%zu,"
-               "\"peak_touched_bytes\":%zu,\"capacity_bytes\":%llu,",
+               "\"peak_touched_bytes\":%zu,\"capacity_bytes\":%llu,\"max_handle_bytes\":%llu,",
                t->device, set->format, t->nraw_events, (unsigned long long)main_run.events,
                t->nallocs, t->nprefix, t->warnings, (unsigned long long)t->peak_live_bytes, s->peak_mapped_bytes,
-               unl.st.peak_mapped_bytes, unl.st.peak_touched_bytes, (unsigned long long)cap);
+               unl.st.peak_mapped_bytes, unl.st.peak_touched_bytes, (unsigned long long)cap,
+               (unsigned long long)o->max_handle);
         if (o->auto_cap) printf("\"min_capacity_bytes\":%llu,", (unsigned long long)min_cap);
         else printf("\"min_capacity_bytes\":null,");
         printf("\"recorded_peak_reserved_bytes\":%llu,\"ooms\":%llu,\"map_ops\":%llu,\"unmap_ops\":%llu,"
@@ -1268,6 +1275,11 @@ static void usage(FILE *f)
             "  --to-text             print the traces in memshim's text format and exit\n"
             "  --check               verify the pool's invariants during the replay (after every\n"
             "                        event of short streams; a violation exits 3)\n"
+            "  --max-handle SIZE     the pool's largest physical handle (default: no cap; one page,\n"
+            "                        e.g. 2MiB, is the page model: one handle per page)\n"
+            "  --no-learn            best-fit placement only, never the learned step (to compare)\n"
+            "  --debug               the pool's debug log on stderr (the learned step: steps found,\n"
+            "                        packed, switched to and dropped; with --capacity auto, of every try)\n"
             "  --policy P            memshim (default), torch (PyTorch's caching allocator, modelled)\n"
             "                        or torch-expandable (expandable_segments:True, modelled)\n"
             "  --torch-conf CONF     PYTORCH_CUDA_ALLOC_CONF for the torch policies (max_split_size_mb,\n"
@@ -1301,7 +1313,8 @@ int main(int argc, char **argv)
         {"small-max", required_argument, 0, 's'}, {"no-defrag", no_argument, 0, 'n'},
         {"device", no_argument, 0, 'd'},         {"to-text", no_argument, 0, 't'},
         {"driver-costs", required_argument, 0, 'D'}, {"show-driver-costs", no_argument, 0, 'W'},
-        {"check", no_argument, 0, 'K'},
+        {"check", no_argument, 0, 'K'},        {"max-handle", required_argument, 0, 'M'},
+        {"no-learn", no_argument, 0, 'L'},       {"debug", no_argument, 0, 'G'},
         {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -1379,10 +1392,22 @@ int main(int argc, char **argv)
         case 'n': o.defrag = false; break;
         case 'd': o.use_device = true; break;
         case 'K': o.check = true; break;
+        case 'L': o.no_learn = true; break;
+        case 'G': o.debug = true; break;
+        case 'M':
+            if (msh_parse_size(optarg, &o.max_handle) || !o.max_handle) {
+                fprintf(stderr, "memshim-replay: --max-handle '%s' is not a size (e.g. 2MiB)\n", optarg);
+                return 2;
+            }
+            break;
         case 't': to_text = true; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
+    }
+    if (o.max_handle && o.max_handle < o.gran) {
+        fprintf(stderr, "memshim-replay: --max-handle must be at least one page (--granularity, default 2MiB)\n");
+        return 2;
     }
     if (show_costs) { /* the table in force, in the format --driver-costs reads */
         msh_drvcost_write(stdout, &o.cost);
@@ -1409,7 +1434,9 @@ int main(int argc, char **argv)
         if (tc.expandable) o.policy = MSH_POLICY_TORCH_EXPANDABLE;
     }
     double started = now_s();
-    msh_log_level = MSH_LOG_ERROR; /* OOMs during replay are results, not warnings */
+    /* OOMs during replay are results, not warnings; --debug: the pool's own account of its
+     * learned step (a line per step found, packed, switched to, dropped), on stderr */
+    msh_log_level = o.debug ? MSH_LOG_DEBUG : MSH_LOG_ERROR;
     int status = 0;
     bool header = false;
     for (int i = optind; i < argc; i++) {

@@ -67,6 +67,7 @@ static const char *const fn_names[FN_COUNT] = { CUDBL_FUNCS(FN_NAME) };
 
 #define MAX_DEVICES 16
 #define DEFAULT_CAPACITY (8ull << 30)
+#define DEFAULT_HOST_CAPACITY (64ull << 30)
 #define DEFAULT_GRANULARITY (2ull << 20)
 #define DRIVER_VERSION 13020 /* CUDA 13.2: the newest runtime in the PyPI wheels checks for it */
 
@@ -294,12 +295,19 @@ struct phys {
     off_t off;                  /* offset in the backing memfd */
     int fd;                     /* shareable handles: a memfd of their own (off is 0), else -1 */
     int charged;                /* counted against the device's capacity (imports are not) */
+    int loc;                    /* CUmemLocationType: DEVICE, or HOST / HOST_NUMA memory that
+                                 * devices reach over the bus (charged to the host, not `device`) */
     unsigned long long handle_types;    /* requested CUmemAllocationHandleType bits */
     dev_t fd_dev;
     ino_t fd_ino;
     int refs;                   /* handle references: create + retains + imports - releases */
     int maps;
 };
+
+static inline int phys_on_host(const struct phys *p)
+{
+    return p->loc == CU_MEM_LOCATION_TYPE_HOST || p->loc == CU_MEM_LOCATION_TYPE_HOST_NUMA;
+}
 
 struct vmap {
     CUdeviceptr va;
@@ -324,15 +332,22 @@ struct dalloc {
     int free_pending;
 };
 
-struct config { int devices; size_t capacity, granularity; };
+/* host_vmm: which host locations cuMemCreate takes (HOST_VMM_NUMA: CU_MEM_LOCATION_TYPE_HOST_NUMA,
+ * HOST_VMM_HOST: CU_MEM_LOCATION_TYPE_HOST), with the device attributes that say so;
+ * host_capacity: the host memory such handles may take in all. */
+enum { HOST_VMM_NUMA = 1, HOST_VMM_HOST = 2 };
+struct config { int devices; size_t capacity, granularity; int host_vmm; size_t host_capacity; };
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static long g_grants[MAX_DEVICES]; /* cuMemSetAccess: mappings granted to each device, cumulative */
 static pthread_cond_t g_cond = PTHREAD_COND_INITIALIZER;  /* work queued or completed */
 static atomic_int g_inited;
 static int g_configured_by_api;
-static struct config g_cfg = {1, DEFAULT_CAPACITY, DEFAULT_GRANULARITY};
+static struct config g_cfg = {1, DEFAULT_CAPACITY, DEFAULT_GRANULARITY, HOST_VMM_NUMA | HOST_VMM_HOST,
+                               DEFAULT_HOST_CAPACITY};
 static size_t g_dev_used[MAX_DEVICES];
+static size_t g_dev_peak[MAX_DEVICES]; /* the most g_dev_used has been */
+static size_t g_host_used, g_host_peak; /* host-located handles */
 static struct ctx *g_primary[MAX_DEVICES];
 static struct ctx *g_ctxs;
 static struct stream *g_streams;    /* every stream not yet freed, in creation order */
@@ -475,6 +490,17 @@ static void config_from_env(void)
     if ((v = getenv("CUDBL_CAPACITY")) && *v) {
         if (parse_size(v, &sz) || sz == 0) warn("CUDBL_CAPACITY=%s is not a size; using %s", v, "8G");
         else g_cfg.capacity = sz;
+    }
+    if ((v = getenv("CUDBL_HOST_CAPACITY")) && *v) {
+        if (parse_size(v, &sz)) warn("CUDBL_HOST_CAPACITY=%s is not a size; using %s", v, "64G");
+        else g_cfg.host_capacity = sz;
+    }
+    if ((v = getenv("CUDBL_HOST_VMM")) && *v) {
+        if (strcmp(v, "all") == 0) g_cfg.host_vmm = HOST_VMM_NUMA | HOST_VMM_HOST;
+        else if (strcmp(v, "numa") == 0) g_cfg.host_vmm = HOST_VMM_NUMA;
+        else if (strcmp(v, "host") == 0) g_cfg.host_vmm = HOST_VMM_HOST;
+        else if (strcmp(v, "none") == 0) g_cfg.host_vmm = 0;
+        else warn("CUDBL_HOST_VMM=%s is not all, numa, host or none; using %s", v, "all");
     }
     if ((v = getenv("CUDBL_GRANULARITY")) && *v) {
         if (parse_size(v, &sz) || !valid_granularity(sz))
@@ -1151,6 +1177,7 @@ static int charge_locked(int dev, size_t bytes)
 {
     if (bytes > g_cfg.capacity || g_dev_used[dev] > g_cfg.capacity - bytes) return -1;
     g_dev_used[dev] += bytes;
+    if (g_dev_used[dev] > g_dev_peak[dev]) g_dev_peak[dev] = g_dev_used[dev];
     g_counts.bytes_in_use += bytes;
     return 0;
 }
@@ -1159,6 +1186,24 @@ static void uncharge_locked(int dev, size_t bytes)
 {
     g_dev_used[dev] -= bytes;
     g_counts.bytes_in_use -= bytes;
+}
+
+/* Host-located handles are charged to the host, never to a device (cuMemGetInfo does not see them). */
+static int host_charge_locked(size_t bytes)
+{
+    if (bytes > g_cfg.host_capacity || g_host_used > g_cfg.host_capacity - bytes) return -1;
+    g_host_used += bytes;
+    if (g_host_used > g_host_peak) g_host_peak = g_host_used;
+    g_counts.host_bytes_in_use += bytes;
+    g_counts.host_handles++;
+    return 0;
+}
+
+static void host_uncharge_locked(size_t bytes)
+{
+    g_host_used -= bytes;
+    g_counts.host_bytes_in_use -= bytes;
+    g_counts.host_handles--;
 }
 
 /* cudbl_get_bytes: a current figure changed by delta; its two peaks follow it up. */
@@ -1200,7 +1245,9 @@ static void phys_maybe_free_locked(struct phys *p)
     if (p->fd >= 0) close(p->fd);   /* a shareable handle: an exported fd keeps its pages alive */
     else if (fallocate(g_memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, p->off, (off_t)p->size))
         warn("hole punch failed: %s%s", strerror(errno), "");
-    if (p->charged) {
+    if (p->charged && phys_on_host(p)) {
+        host_uncharge_locked(p->size);
+    } else if (p->charged) {
         uncharge_locked(p->device, p->size);
         HANDLE_BYTES(p->size, 0); /* counted where it was charged: cuMemCreate */
         g_bytes.released_total += p->size;
@@ -1288,6 +1335,7 @@ static int device_access_locked(int dev, CUdeviceptr p, size_t n, int write, int
             /* a copy between devices that cannot reach each other is staged by the driver: the
              * owner touches its own memory; between peers the copying device does */
             int who = dev, owner = m->p->device;
+            if (phys_on_host(m->p)) owner = dev; /* host memory: over the bus */
             if (!kernel && owner != dev && !g_peer[dev][owner]) who = owner;
             unsigned f = m->access[who];
             if (f == CU_MEM_ACCESS_FLAGS_PROT_NONE || (write && f != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)) {
@@ -1477,6 +1525,10 @@ CUresult CUDAAPI cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevi
     case CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY: v = 1; break;
     case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: v = dev + 1; break;
     case CU_DEVICE_ATTRIBUTE_GENERIC_COMPRESSION_SUPPORTED: v = 0; break;
+    /* host memory through VMM (CUDBL_HOST_VMM); one host NUMA node, 0; no IPC of it */
+    case CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: v = !!(g_cfg.host_vmm & HOST_VMM_NUMA); break;
+    case CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: v = !!(g_cfg.host_vmm & HOST_VMM_HOST); break;
+    case CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID: v = 0; break;
     default: v = 0; break;
     }
     *pi = v;
@@ -2086,12 +2138,23 @@ CUresult CUDAAPI cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dstCtx, CUdevicept
 
 /* ---- virtual memory management --------------------------------------------------------------- */
 
+/* A location cuMemCreate takes: a device, or host memory where the device attributes say the
+ * driver has it (HOST_NUMA with the node's id, 0 here; HOST, whose id is ignored).
+ * HOST_NUMA_CURRENT is refused, as cuMemCreate's documentation says. */
 static CUresult check_prop(const CUmemAllocationProp *prop)
 {
     if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED) return CUDA_ERROR_INVALID_VALUE;
-    if (prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE) return CUDA_ERROR_INVALID_VALUE;
-    if (!dev_valid(prop->location.id)) return CUDA_ERROR_INVALID_DEVICE;
-    return CUDA_SUCCESS;
+    switch (prop->location.type) {
+    case CU_MEM_LOCATION_TYPE_DEVICE:
+        return dev_valid(prop->location.id) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+    case CU_MEM_LOCATION_TYPE_HOST_NUMA:
+        if (!(g_cfg.host_vmm & HOST_VMM_NUMA)) return CUDA_ERROR_NOT_SUPPORTED;
+        return prop->location.id == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    case CU_MEM_LOCATION_TYPE_HOST:
+        return (g_cfg.host_vmm & HOST_VMM_HOST) ? CUDA_SUCCESS : CUDA_ERROR_NOT_SUPPORTED;
+    default:
+        return CUDA_ERROR_INVALID_VALUE;
+    }
 }
 
 CUresult CUDAAPI cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
@@ -2128,20 +2191,25 @@ CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     if (!handle || flags != 0) return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = check_prop(prop);
     if (rc != CUDA_SUCCESS) return rc;
+    int host = prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE;
+    /* host allocations are not IPC capable: requestedHandleTypes must be 0 (the driver's rule for
+     * HOST; this double has no multi-node IPC of HOST_NUMA memory either) */
+    if (host && prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE) return CUDA_ERROR_INVALID_VALUE;
     if (prop->requestedHandleTypes & ~(unsigned long long)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
         return CUDA_ERROR_NOT_SUPPORTED;
     if (size == 0 || size % g_cfg.granularity) return CUDA_ERROR_INVALID_VALUE;
-    int dev = prop->location.id;
+    int dev = host ? 0 : prop->location.id;
     struct phys *p = calloc(1, sizeof *p);
     if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
     p->fd = -1;
     int shareable = prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE;
     pthread_mutex_lock(&g_lock);
-    if (charge_locked(dev, size)) {
+    if (host ? host_charge_locked(size) : charge_locked(dev, size)) {
         rc = CUDA_ERROR_OUT_OF_MEMORY;
     } else if ((shareable ? (p->fd = shareable_fd_new(dev, size)) < 0 : memfd_take_locked(size, &p->off)) ||
                ht_put(&g_handle_tab, g_next_handle, p)) {
-        uncharge_locked(dev, size);
+        if (host) host_uncharge_locked(size);
+        else uncharge_locked(dev, size);
         if (p->fd >= 0) close(p->fd);
         rc = CUDA_ERROR_OUT_OF_MEMORY;
     } else {
@@ -2152,12 +2220,13 @@ CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
         }
         p->id = g_next_handle++;
         p->device = dev;
+        p->loc = prop->location.type;
         p->size = size;
         p->refs = 1;
         p->charged = 1;
         p->handle_types = prop->requestedHandleTypes;
         g_counts.handles++;
-        HANDLE_BYTES(size, 1);
+        if (!host) HANDLE_BYTES(size, 1);
         *handle = p->id;
     }
     pthread_mutex_unlock(&g_lock);
@@ -2401,7 +2470,12 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
 {
     ENTER(cuMemSetAccess);
     if (!ptr || !size || !desc || count == 0) return CUDA_ERROR_INVALID_VALUE;
+    int host_desc = 0; /* a descriptor for the host's own access (HOST_NUMA), only for host memory */
     for (size_t i = 0; i < count; i++) {
+        if (desc[i].location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA) {
+            host_desc = 1;
+            continue;
+        }
         if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE) return CUDA_ERROR_INVALID_VALUE;
         if (!dev_valid(desc[i].location.id)) return CUDA_ERROR_INVALID_DEVICE;
         if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE &&
@@ -2418,9 +2492,13 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
     for (CUdeviceptr a = ptr; rc == CUDA_SUCCESS && a < ptr + size;) {
         struct vmap *m = next_map_locked(&a, ptr + size);
         if (!m) break;
+        /* "Users cannot specify HOST_NUMA accessibility for allocations created with other
+         * location types"; host memory is reached by any device, peer capable or not */
+        if (host_desc && !phys_on_host(m->p)) rc = CUDA_ERROR_INVALID_VALUE;
         for (size_t i = 0; i < count && rc == CUDA_SUCCESS; i++) {
+            if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE) continue;
             int d = desc[i].location.id;
-            if (d != m->p->device && !g_peer[d][m->p->device] &&
+            if (!phys_on_host(m->p) && d != m->p->device && !g_peer[d][m->p->device] &&
                 desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE)
                 rc = CUDA_ERROR_INVALID_DEVICE;
         }
@@ -2431,6 +2509,7 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
         unsigned char access[MAX_DEVICES];
         memcpy(access, m->access, sizeof access);
         for (size_t i = 0; i < count; i++) {
+            if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE) continue; /* the host reaches it anyway */
             int d = desc[i].location.id;
             if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE) g_grants[d]++; /* (mapping, device) grants */
             access[d] = (unsigned char)desc[i].flags;
@@ -2488,8 +2567,8 @@ CUresult CUDAAPI cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *pro
     if (p) {
         memset(prop, 0, sizeof *prop);
         prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
-        prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-        prop->location.id = p->device;
+        prop->location.type = phys_on_host(p) ? (CUmemLocationType)p->loc : CU_MEM_LOCATION_TYPE_DEVICE;
+        prop->location.id = p->loc == CU_MEM_LOCATION_TYPE_HOST ? 0 : p->device;
         prop->requestedHandleTypes = (CUmemAllocationHandleType)p->handle_types;
     }
     pthread_mutex_unlock(&g_lock);
@@ -3425,6 +3504,40 @@ CUresult CUDAAPI cuGetProcAddress(const char *symbol, void **pfn, int cudaVersio
 }
 
 /* ---- the test API (cudbl.h) ------------------------------------------------------------------ */
+
+size_t cudbl_device_peak(int device)
+{
+    if (device < 0 || device >= MAX_DEVICES) return 0;
+    pthread_mutex_lock(&g_lock);
+    size_t v = g_dev_peak[device];
+    pthread_mutex_unlock(&g_lock);
+    return v;
+}
+
+int cudbl_set_host(int vmm, size_t capacity)
+{
+    if (vmm < -1 || vmm > (HOST_VMM_NUMA | HOST_VMM_HOST)) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    int rc = CUDA_SUCCESS;
+    if (g_counts.host_handles) {
+        rc = CUDA_ERROR_NOT_PERMITTED;
+    } else {
+        if (!atomic_load(&g_inited) && !g_configured_by_api) config_from_env();
+        g_configured_by_api = 1;
+        if (vmm >= 0) g_cfg.host_vmm = vmm;
+        if (capacity) g_cfg.host_capacity = capacity;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+size_t cudbl_host_peak(void)
+{
+    pthread_mutex_lock(&g_lock);
+    size_t v = g_host_peak;
+    pthread_mutex_unlock(&g_lock);
+    return v;
+}
 
 void cudbl_get_counts(struct cudbl_counts *out)
 {

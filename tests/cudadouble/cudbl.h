@@ -26,8 +26,20 @@ struct cudbl_counts {
     long handles, mappings, reservations, allocs, events, streams;
     size_t bytes_in_use;
     long misuse;
+    long host_handles;        /* of `handles`: host-located (cuMemCreate with a HOST or HOST_NUMA location) */
+    size_t host_bytes_in_use; /* their bytes, charged to the host (CUDBL_HOST_CAPACITY), never to a device */
 };
 void cudbl_get_counts(struct cudbl_counts *out);
+/* The most device bytes charged to `device` at any moment since the process started
+ * (cuMemCreate and cuMemAlloc; host-located handles never count), and the same for the host's. */
+size_t cudbl_device_peak(int device);
+size_t cudbl_host_peak(void);
+/* Host memory through VMM, as CUDBL_HOST_VMM and CUDBL_HOST_CAPACITY set it: `vmm` is a mask of
+ * CUDBL_HOST_VMM_NUMA (CU_MEM_LOCATION_TYPE_HOST_NUMA) and CUDBL_HOST_VMM_HOST
+ * (CU_MEM_LOCATION_TYPE_HOST), -1 to keep; `capacity` 0 keeps it. Refused while host handles live. */
+#define CUDBL_HOST_VMM_NUMA 1
+#define CUDBL_HOST_VMM_HOST 2
+int cudbl_set_host(int vmm, size_t capacity);
 
 /* Bytes of the VMM API, for tests that hold an allocator's own figures against the driver's
  * (tests/reports: reserved bytes and their peaks in memshim's reports). handle_bytes: physical

@@ -35,7 +35,7 @@ KNOWN="fuzz_pickle fuzz_text fuzz_profiler fuzz_options fuzz_conf fuzz_drvcost"
 # static archive, so a target pulls in only the objects it reaches (the trace readers reach the
 # allocator models, which reach the pool; the options parser reaches only the log).
 trace_sources() { # as the Makefile's libmemshim_trace.a + libmemshim_core.a
-    ls report/trace/*.c report/replay/models/*.c shim/*.c shim/record/*.c policy/*.c policy/base/*.c report/*.c 2>/dev/null | tr '\n' ' '
+    ls report/trace/*.c report/replay/models/*.c shim/*.c shim/record/*.c policy/*.c policy/pool/*.c policy/base/*.c report/*.c 2>/dev/null | tr '\n' ' '
 }
 target_sources() { # target -> its source list, by name
     case "$1" in

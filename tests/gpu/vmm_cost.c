@@ -51,7 +51,7 @@ static const char *call_names[NCALLS] = {"cuMemCreate", "cuMemAddressReserve", "
 static const int table_kind[NCALLS] = {MSH_DRV_CREATE, MSH_DRV_RESERVE, MSH_DRV_MAP, MSH_DRV_SET_ACCESS,
                                        MSH_DRV_UNMAP, MSH_DRV_RELEASE, MSH_DRV_UNRESERVE, MSH_DRV_SET_ACCESS};
 
-/* drvcost.c reads the kinds' names from the pool (policy/pool.c); this program has no pool. */
+/* drvcost.c reads the kinds' names from the pool (policy/pool/pages.c); this program has no pool. */
 #define MSH_DRV_NAME_(e, s) s,
 const char *const msh_drv_call_names[MSH_DRV_NKINDS] = {MSH_DRV_CALLS(MSH_DRV_NAME_)};
 #undef MSH_DRV_NAME_

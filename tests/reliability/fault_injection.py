@@ -50,7 +50,7 @@ GRAN = 2 << 20
 # docs/reliability.md "Known gaps".
 KNOWN = {
     # none: the pool keeps a handle whose cuMemRelease failed as an orphan and retries it, and
-    # tries a failed cuEventDestroy once more (policy/pool.c ev_destroy); both pass RELI_STRICT=1
+    # tries a failed cuEventDestroy once more (policy/pool/streams.c ev_destroy); both pass RELI_STRICT=1
 }
 res = {"passed": 0, "failed": 0, "skipped": 0}
 EXIT_RE = re.compile(r"cudbl: exit handles=(\d+) mappings=(\d+) reservations=(\d+) allocs=(\d+) events=(\d+)")

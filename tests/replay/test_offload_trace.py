@@ -75,7 +75,7 @@ with tempfile.TemporaryDirectory() as tmp:
                 case(f"{name}: --check at {where} output parses", False, f"rc={rc} {e}: {err[-300:]!r}")
         if path == a:
             # the learned step's counters (docs/replay.md): at C+1% the default trace maps nothing
-            # in pass 3, so the plan places every allocation there
+            # in pass 3, so a plan places every allocation of its step there
             cap = -(-cmin * 101 // 100 // 2**21) * 2**21
             rc, out, err = replay("--json", "--passes", "3", "--capacity", str(cap), path)
             try:
@@ -87,7 +87,10 @@ with tempfile.TemporaryDirectory() as tmp:
                      rc == 0 and d["last_pass_map_ops"] + d["last_pass_unmap_ops"] == 0
                      and d["plans_built"] >= 1 and 0 < d["plan_placed"] <= d["allocs"]
                      and d["plan_dropped"] <= d["plans_built"]
-                     and d["last_pass_plan_placed"] == per_pass and d["last_pass_plan_dropped"] == 0
+                     # every allocation of the pass placed by a plan, but the prefix, which may come
+                     # before the step's plan resumes (issue 15) and lands where it was
+                     and d["allocs"] <= d["last_pass_plan_placed"] <= per_pass
+                     and d["last_pass_plan_dropped"] <= d["last_pass_plans_built"]
                      and d["last_pass_plan_placed"] <= d["steady_plan_placed"] <= 2 * per_pass
                      and d["steady_plan_dropped"] <= d["steady_plans_built"] + 1, got)
             except (ValueError, IndexError, KeyError) as e:

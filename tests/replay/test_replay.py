@@ -60,8 +60,26 @@ with tempfile.TemporaryDirectory() as tmp:
              d["peak_live_bytes"] <= d["min_capacity_bytes"] <= d["peak_live_bytes"] * 1.03 + 4 * 2**20,
              f"{d['min_capacity_bytes']} vs {d['peak_live_bytes']}")
         case("no OOM at the minimum capacity", d["ooms"] == 0, d["ooms"])
+        d_auto_min = d["min_capacity_bytes"]
     except (ValueError, IndexError, KeyError) as e:
         case("--json output parses", False, f"{e}: {out!r} {err!r}")
+    # the page model (--max-handle one page) and the pool agree under a limit (issue 15); no limit,
+    # the pool's own handles cover a block's whole pages, the page model's one page each
+    rc, out, err = run("--json", "--capacity", "auto", "--max-handle", "2MiB", good)
+    rc2, out2, err2 = run("--json", "--max-handle", "2MiB", good)
+    rc3, out3, err3 = run("--json", good)
+    try:
+        d, dn = json.loads(out.splitlines()[0]), json.loads(out2.splitlines()[0])
+        d0 = json.loads(out3.splitlines()[0])
+        case("--max-handle 2MiB: the page model's minimum capacity is the pool's, one create per page with no limit",
+             rc == 0 and d["max_handle_bytes"] == 2 * 2**20 and d["min_capacity_bytes"] == d_auto_min
+             and dn["driver_calls"]["create"] > d0["driver_calls"]["create"],
+             f"{d.get('min_capacity_bytes')} vs {d_auto_min}; creates {dn['driver_calls']['create']} "
+             f"vs {d0['driver_calls']['create']}")
+    except (ValueError, IndexError, KeyError, NameError) as e:
+        case("--max-handle output parses", False, f"{e}: {out[:200]!r} {err!r}")
+    rc, out, err = run("--max-handle", "1MiB", good)
+    case("--max-handle below a page is refused (exit 2)", rc == 2 and "--max-handle" in err, f"rc={rc} {err!r}")
     rc, out, err = run("--json", "--capacity", "8MiB", good)
     try:
         d = json.loads(out.splitlines()[0])

@@ -226,7 +226,10 @@ TEST(create_rules)
     p.location.id = 7;
     CU_IS(cuMemCreate(&h, g, &p, 0), CUDA_ERROR_INVALID_DEVICE);
     p = prop_on(0);
-    p.location.type = CU_MEM_LOCATION_TYPE_HOST;
+    p.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT; /* refused, as documented */
+    CU_IS(cuMemCreate(&h, g, &p, 0), CUDA_ERROR_INVALID_VALUE);
+    p.location.type = CU_MEM_LOCATION_TYPE_HOST; /* host memory is not IPC capable */
+    p.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     CU_IS(cuMemCreate(&h, g, &p, 0), CUDA_ERROR_INVALID_VALUE);
     p = prop_on(0);
     CU_OK(cuMemCreate(&h, 2 * g, &p, 0));
@@ -1059,6 +1062,113 @@ TEST(access_is_per_device)
     CU_OK(cuMemRelease(h));
     CU_OK(cuMemAddressFree(va, 2 * g));
     CU_OK(cuDevicePrimaryCtxRelease(1));
+    CHECK(counts_zero());
+    CHECK(cudbl_configure(n0, 0, 0) == CUDA_SUCCESS);
+}
+
+/* Host memory through VMM (issue 20): cuMemCreate with a HOST_NUMA or HOST location where the
+ * device attributes say the driver has it, charged to the host and never to the device, no IPC,
+ * mapped into the device's address space and reached by any device once granted (no peer rule:
+ * it is not another device's memory), its data kept through every remap. */
+TEST(host_located_handles)
+{
+    REQUIRE(setup() == 0);
+    int n0 = 0;
+    CU_OK(cuDeviceGetCount(&n0));
+    REQUIRE(cudbl_configure(2, 0, 0) == CUDA_SUCCESS);
+    REQUIRE(cudbl_set_peer(0, 1, 0) == 0); /* no P2P: host memory is reached anyway */
+    size_t g = gran();
+    int numa = -1, host = -1, nid = -1;
+    CU_OK(cuDeviceGetAttribute(&numa, CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, 0));
+    CU_OK(cuDeviceGetAttribute(&host, CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, 0));
+    CU_OK(cuDeviceGetAttribute(&nid, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, 0));
+    CHECK(numa == 1 && host == 1 && nid == 0);
+    CUmemAllocationProp hp = prop_on(0);
+    hp.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+    hp.location.id = 0;
+    size_t hg = 0;
+    CU_OK(cuMemGetAllocationGranularity(&hg, &hp, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    CHECK(hg == g);
+    hp.location.id = 3; /* no such NUMA node */
+    CUmemGenericAllocationHandle hh = 0;
+    CU_IS(cuMemCreate(&hh, g, &hp, 0), CUDA_ERROR_INVALID_VALUE);
+    hp.location.id = 0;
+    size_t free0 = 0, total = 0, free1 = 0;
+    CU_OK(cuMemGetInfo(&free0, &total));
+    struct cudbl_counts c0, c1;
+    cudbl_get_counts(&c0);
+    CU_OK(cuMemCreate(&hh, 2 * g, &hp, 0));
+    CU_OK(cuMemGetInfo(&free1, &total));
+    cudbl_get_counts(&c1);
+    CHECK(free1 == free0);                       /* not device memory */
+    CHECK(c1.bytes_in_use == c0.bytes_in_use && c1.host_bytes_in_use == c0.host_bytes_in_use + 2 * g &&
+          c1.host_handles == c0.host_handles + 1 && c1.handles == c0.handles + 1);
+    CUmemAllocationProp got;
+    CU_OK(cuMemGetAllocationPropertiesFromHandle(&got, hh));
+    CHECK(got.location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA && got.requestedHandleTypes == 0);
+    int fd = -1;
+    CU_IS(cuMemExportToShareableHandle(&fd, hh, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+          CUDA_ERROR_INVALID_VALUE);
+    /* the move a spill makes: device data copied into the host handle, then the host handle
+     * mapped where the device handle was */
+    CUdeviceptr va = reserve(2 * g), scratch = reserve(2 * g);
+    CUmemGenericAllocationHandle dh = create(2 * g);
+    REQUIRE(va && scratch && dh);
+    CU_OK(cuMemMap(va, 2 * g, 0, dh, 0));
+    CU_OK(grant(va, 2 * g));
+    uint32_t *pv = (uint32_t *)(uintptr_t)va;
+    for (size_t i = 0; i < 2 * g / 4; i += 509) pv[i] = (uint32_t)(i * 2654435761u);
+    CU_OK(cuMemMap(scratch, 2 * g, 0, hh, 0));
+    CU_OK(grant(scratch, 2 * g));
+    CU_OK(cuMemcpyDtoD(scratch, va, 2 * g));
+    CU_OK(cuMemUnmap(scratch, 2 * g));
+    CU_OK(cuMemUnmap(va, 2 * g));
+    CU_OK(cuMemMap(va, 2 * g, 0, hh, 0));
+    CU_OK(grant(va, 2 * g));
+    CU_OK(cuMemRelease(dh));
+    int bad = 0;
+    for (size_t i = 0; i < 2 * g / 4; i += 509) bad += pv[i] != (uint32_t)(i * 2654435761u);
+    CHECK(bad == 0);
+    CHECK(cudbl_check_access(0, va, 64, 1) == CUDA_SUCCESS);
+    /* device 1 is not peer capable with device 0, yet may be granted host memory */
+    CU_OK(grant_dev(va, 2 * g, 1, CU_MEM_ACCESS_FLAGS_PROT_READWRITE));
+    CHECK(cudbl_check_access(1, va + g, 64, 1) == CUDA_SUCCESS);
+    /* the host's own access may be named for host memory, never for device memory */
+    CUmemAccessDesc hd;
+    memset(&hd, 0, sizeof hd);
+    hd.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+    hd.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CU_OK(cuMemSetAccess(va, 2 * g, &hd, 1));
+    CUdeviceptr va2 = reserve(g);
+    CUmemGenericAllocationHandle d2 = create(g);
+    REQUIRE(va2 && d2);
+    CU_OK(cuMemMap(va2, g, 0, d2, 0));
+    CU_IS(cuMemSetAccess(va2, g, &hd, 1), CUDA_ERROR_INVALID_VALUE);
+    CU_OK(cuMemUnmap(va2, g));
+    CU_OK(cuMemRelease(d2));
+    CU_OK(cuMemAddressFree(va2, g));
+    CU_OK(cuMemUnmap(va, 2 * g));
+    CU_OK(cuMemRelease(hh));
+    CHECK(cudbl_host_peak() >= 2 * g);
+    /* the host's capacity, and a driver without host VMM */
+    REQUIRE(cudbl_set_host(-1, g) == CUDA_SUCCESS);
+    CU_IS(cuMemCreate(&hh, 2 * g, &hp, 0), CUDA_ERROR_OUT_OF_MEMORY);
+    REQUIRE(cudbl_set_host(CUDBL_HOST_VMM_HOST, 64 * g) == CUDA_SUCCESS);
+    CU_OK(cuDeviceGetAttribute(&numa, CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, 0));
+    CHECK(numa == 0);
+    CU_IS(cuMemCreate(&hh, g, &hp, 0), CUDA_ERROR_NOT_SUPPORTED);
+    hp.location.type = CU_MEM_LOCATION_TYPE_HOST;
+    CU_OK(cuMemCreate(&hh, g, &hp, 0));
+    CHECK(cudbl_set_host(0, 0) == CUDA_ERROR_NOT_PERMITTED); /* not while host handles live */
+    CU_OK(cuMemRelease(hh));
+    REQUIRE(cudbl_set_host(0, 0) == CUDA_SUCCESS);
+    CU_OK(cuDeviceGetAttribute(&host, CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, 0));
+    CHECK(host == 0);
+    CU_IS(cuMemCreate(&hh, g, &hp, 0), CUDA_ERROR_NOT_SUPPORTED);
+    REQUIRE(cudbl_set_host(CUDBL_HOST_VMM_NUMA | CUDBL_HOST_VMM_HOST, 64ull << 30) == CUDA_SUCCESS);
+    CU_OK(cuMemAddressFree(va, 2 * g));
+    CU_OK(cuMemAddressFree(scratch, 2 * g));
+    REQUIRE(cudbl_set_peer(0, 1, 1) == 0);
     CHECK(counts_zero());
     CHECK(cudbl_configure(n0, 0, 0) == CUDA_SUCCESS);
 }

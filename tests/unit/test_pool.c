@@ -1,5 +1,5 @@
 /*
- * test_pool.c: the defragmenting pool (policy/pool.c) over the simulated device and over a
+ * test_pool.c: the defragmenting pool (policy/pool/) over the simulated device and over a
  * recording fake device defined here.
  *
  * The fake device (struct fake) implements struct msh_device_ops, logs every call in order (so
@@ -422,7 +422,7 @@ static bool fake_is_mapped(struct fake *f, uint64_t page_va)
 
 __attribute__((constructor)) static void quiet(void)
 {
-    msh_log_level = MSH_LOG_ERROR; /* OOM warnings are expected in these tests */
+    msh_log_level = getenv("TDEBUG") ? MSH_LOG_DEBUG : MSH_LOG_ERROR; /* OOM warnings are expected in these tests */
     alarm(600);                    /* a deadlock (GC callback under the lock) must not hang CI */
 }
 
@@ -817,8 +817,8 @@ TEST(limit_without_defrag_releases_cached_pages_before_failing)
     CHECK(s.reclaimed_pages == 0 && s.rescue_reclaim == 0);
     CHECK(gc_calls == 1);
     CHECKF(rc == 0, "rc %d", rc);
-    /* four one-page handles, two released, one two-page handle for the block's whole pages */
-    CHECK(s.rescue_empty_cache == 1 && s.released_pages == 2 && s.create_ops == 5);
+    /* four one-page handles, two released, and under a limit one handle per page of the block */
+    CHECK(s.rescue_empty_cache == 1 && s.released_pages == 2 && s.create_ops == 6);
     CHECK(s.oom_events == 0);
     if (rc == 0) CHECK(msh_pool_free(pool, e, 1) == 0);
     /* live 4 MiB of 8: a 6 MiB request cannot fit whatever the chain does */
@@ -1809,7 +1809,7 @@ TEST(steady_state_second_round_maps_nothing)
 TEST(one_handle_for_the_pages_a_block_covers_whole_and_one_access_grant)
 {
     struct fake *f = fake_new(0, 0);
-    struct msh_pool *pool = mk_pool(&f->dev, 64 * MiB, true, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0); /* no limit: far from any */
     REQUIRE(pool);
     uint64_t a;
     /* 10 MiB + 512 from a page boundary: five whole pages and a sixth touched in part */
@@ -1830,20 +1830,65 @@ TEST(one_handle_for_the_pages_a_block_covers_whole_and_one_access_grant)
     free(f);
 }
 
+TEST(at_the_limit_every_page_is_a_handle_of_its_own)
+{
+    /* issue 15: under a limit a page can be given back alone only if it is a handle alone (the
+     * page model), so the same block maps six one-page handles there, with one access grant */
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 64 * MiB, true, 0);
+    REQUIRE(pool);
+    uint64_t a;
+    REQUIRE(msh_pool_alloc(pool, 10 * MiB + 512, 1, &a) == 0);
+    CHECK(f->calls[OP_CREATE] == 6 && f->calls[OP_MAP] == 6 && f->calls[OP_ACCESS] == 1);
+    for (int i = 0; i < f->nlog; i++)
+        if (f->log[i].op == 'C') CHECK(f->log[i].a == GRAN);
+    CHECK(stats(pool).handles == 6);
+    CHECK(msh_pool_free(pool, a, 1) == 0);
+    /* the same without a limit but near the device's capacity (3/4 of it held): pages too */
+    msh_pool_destroy(pool);
+    free(f);
+    f = fake_new(16 * MiB, 0);
+    REQUIRE((pool = mk_pool(&f->dev, 0, true, 0)));
+    REQUIRE(msh_pool_alloc(pool, 10 * MiB + 512, 1, &a) == 0); /* 6 + 1 > 3/4 of 8 pages */
+    CHECK(f->calls[OP_CREATE] == 6 && stats(pool).handles == 6);
+    CHECK(msh_pool_free(pool, a, 1) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
+/* A pool under a limit that can change (struct msh_pool_share, as shim/torch.c's pools have): a
+ * test makes handles far from any limit, then sets one. */
+static struct msh_pool *mk_pool_shared(struct msh_device *d, struct msh_pool_share *sh)
+{
+    struct msh_pool_params p;
+    msh_pool_params_default(&p);
+    p.ahead_bytes = GRAN;
+    p.plan_sync = true;
+    p.va_bytes = 8 * GiB;
+    p.share = sh;
+    struct msh_pool *pool = NULL;
+    if (msh_pool_create(d, &p, &pool)) return NULL;
+    return pool;
+}
+
 TEST(a_cached_handle_used_in_part_is_repartitioned_so_nothing_is_stranded)
 {
-    /* A's five pages share a handle. When B takes only the first page and a half of it, a handle
-     * left whole would keep the other three pages unreclaimable while B lives (stranded), and D
-     * below would not fit in the 7-page limit. The pool re-partitions the cached handle instead:
-     * B's pages and the rest become handles of their own, the rest stays cached and reclaimable. */
+    /* A's five pages share a handle (made far from any limit). When, under a limit, B takes only
+     * the first page and a half of it, a handle left whole would keep the other three pages
+     * unreclaimable while B lives (stranded), and D below would not fit in the 7-page limit. The
+     * pool re-partitions the cached handle instead: B's pages and the rest become handles of
+     * their own, the rest stays cached and reclaimable. */
     struct fake *f = fake_new(0, 0);
-    struct msh_pool *pool = mk_pool(&f->dev, 14 * MiB, true, 0);
+    struct msh_pool_share sh = {0};
+    struct msh_pool *pool = mk_pool_shared(&f->dev, &sh);
     REQUIRE(pool);
     uint64_t a, g, b, d;
     REQUIRE(msh_pool_alloc(pool, 10 * MiB, 1, &a) == 0); /* pages 0-4, one handle */
     REQUIRE(msh_pool_alloc(pool, 2 * MiB, 1, &g) == 0);  /* page 5: bounds A's extent */
     CHECK(stats(pool).handles == 2);
     CHECK(msh_pool_free(pool, a, 1) == 0);
+    __atomic_store_n(&sh.limit_bytes, 14 * MiB, __ATOMIC_RELAXED);
     fake_log_clear(f);
     REQUIRE(msh_pool_alloc(pool, 2 * MiB + 4096, 1, &b) == 0);
     CHECK(b == a);
@@ -1855,9 +1900,45 @@ TEST(a_cached_handle_used_in_part_is_repartitioned_so_nothing_is_stranded)
     s = stats(pool);
     CHECK(s.reclaimed_pages == 3 && s.mapped_bytes == 7 * GRAN);
     for (uint64_t p = d / GRAN; p < (d + 8 * MiB) / GRAN; p++) CHECK(fake_is_mapped(f, p * GRAN));
+    char why[256];
+    CHECKF(msh_pool_check(pool, why, sizeof why) == 0, "%s", why);
     CHECK(msh_pool_free(pool, b, 1) == 0);
     CHECK(msh_pool_free(pool, d, 1) == 0);
     CHECK(msh_pool_free(pool, g, 1) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
+TEST(a_split_handle_leaves_out_the_pages_it_has_no_room_for)
+{
+    /* issue 15: a 5-page handle at pages 1-5 (made far from any limit), page 0 unmapped, then a
+     * limit of 5 pages. B covers pages 0-2 whole and page 3 in part: with one handle per page it
+     * needs page 0 only, and reclaims a cached page for it. Splitting the handle made B's four
+     * handles and kept pages 4-5 as a fifth: 6 pages where 5 may be held, and the request failed.
+     * The pages beside B are left out (the farthest first) until it fits. */
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool_share sh = {0};
+    struct msh_pool *pool = mk_pool_shared(&f->dev, &sh);
+    REQUIRE(pool);
+    uint64_t p, a, b;
+    REQUIRE(msh_pool_alloc(pool, 2 * MiB, 1, &p) == 0);  /* page 0 */
+    REQUIRE(msh_pool_alloc(pool, 10 * MiB, 1, &a) == 0); /* pages 1-5, one handle */
+    CHECK(a == p + GRAN && stats(pool).handles == 2);
+    CHECK(msh_pool_free(pool, p, 1) == 0);
+    CHECK(msh_pool_empty_cache(pool) == GRAN); /* page 0 goes back; A is live */
+    CHECK(msh_pool_free(pool, a, 1) == 0);
+    __atomic_store_n(&sh.limit_bytes, 10 * MiB, __ATOMIC_RELAXED);
+    fake_log_clear(f);
+    CHECK(msh_pool_alloc(pool, 7 * MiB + 4096, 1, &b) == 0);
+    CHECK(b == p);
+    struct msh_pool_stats s = stats(pool);
+    CHECK(s.mapped_bytes == 5 * GRAN && s.touched_bytes == 4 * GRAN && sh.handle_bytes == 10 * MiB);
+    CHECK(fake_is_mapped(f, p + 4 * GRAN) && !fake_is_mapped(f, p + 5 * GRAN)); /* one page left out */
+    CHECK(s.reclaimed_pages == 1);
+    char why[256];
+    CHECKF(msh_pool_check(pool, why, sizeof why) == 0, "%s", why);
+    CHECK(msh_pool_free(pool, b, 1) == 0);
     msh_pool_destroy(pool);
     CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
     free(f);
@@ -1987,6 +2068,63 @@ TEST(a_repeated_step_that_remaps_is_learned_and_then_maps_nothing)
     free(f);
 }
 
+/* The first `nsmall` allocations of churn_step's step (an evaluation running the step's forward
+ * part), then `odd` bytes when nonzero (a step that leaves the plan), all freed at its end. */
+static int partial_step(struct msh_pool *pool, int nsmall, size_t odd)
+{
+    int fails = 0;
+    uint64_t a, b, x = 0, sm[20];
+    fails += msh_pool_alloc(pool, 4 * MiB, 1, &a) != 0;
+    fails += msh_pool_alloc(pool, 2 * MiB, 1, &b) != 0;
+    for (int i = 0; i < nsmall; i++) fails += msh_pool_alloc(pool, 64 * 1024, 1, &sm[i]) != 0;
+    if (odd) fails += msh_pool_alloc(pool, odd, 1, &x) != 0;
+    for (int i = 0; i < nsmall; i++) msh_pool_free(pool, sm[i], 1);
+    if (odd) msh_pool_free(pool, x, 1);
+    msh_pool_free(pool, a, 1);
+    msh_pool_free(pool, b, 1);
+    return fails;
+}
+
+/* Issue 15: a learned step is not lost to what runs between two of its steps. An evaluation that
+ * runs the first part of the step begins the step again before its end: the plan starts over at
+ * the next step (it used to be dropped there, in mid-step, for good). A step that leaves the plan
+ * in mid-step (another size) drops it, and the plan is resumed when its start comes back (it used
+ * to be resumed only when dropped at its own end). Both times the next step maps nothing. */
+TEST(a_learned_step_survives_an_evaluation_and_a_step_that_leaves_it)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 10 * MiB, true, 0);
+    REQUIRE(pool);
+    int fails = 0;
+    for (int step = 0; step < 4; step++) fails += churn_step(pool, 6 * MiB);
+    struct msh_pool_stats s0 = stats(pool);
+    CHECK(s0.plans_built == 1);
+    fails += partial_step(pool, 20, 0); /* the evaluation: 22 of the step's allocations */
+    long m0 = f->calls[OP_MAP], u0 = f->calls[OP_UNMAP];
+    fails += churn_step(pool, 6 * MiB);
+    long m1 = f->calls[OP_MAP] - m0, u1 = f->calls[OP_UNMAP] - u0;
+    struct msh_pool_stats s1 = stats(pool);
+    CHECKF(m1 == 0 && u1 == 0, "the step after the evaluation: %ld maps, %ld unmaps", m1, u1);
+    CHECKF(s1.plan_dropped == s0.plan_dropped && s1.plan_placed - s0.plan_placed == 22 + 23, "dropped %llu -> %llu, placed %llu", (unsigned long long)s0.plan_dropped, (unsigned long long)s1.plan_dropped, (unsigned long long)(s1.plan_placed - s0.plan_placed));
+    fails += partial_step(pool, 3, 3 * MiB / 2); /* leaves the plan at its sixth allocation, for mapped pages */
+    struct msh_pool_stats s2 = stats(pool);
+    CHECK(s2.plan_dropped == s1.plan_dropped + 1);
+    m0 = f->calls[OP_MAP], u0 = f->calls[OP_UNMAP];
+    fails += churn_step(pool, 6 * MiB);
+    long m2 = f->calls[OP_MAP] - m0, u2 = f->calls[OP_UNMAP] - u0;
+    struct msh_pool_stats s3 = stats(pool);
+    CHECKF(m2 == 0 && u2 == 0, "the step after the one that left the plan: %ld maps, %ld unmaps", m2, u2);
+    CHECK(s3.plans_built == s2.plans_built + 1 && s3.plan_placed - s2.plan_placed == 23); /* resumed */
+    CHECK(fails == 0);
+    printf("    after the evaluation %ld/%ld, after the step that left the plan %ld/%ld map/unmap; plans %llu, "
+           "dropped %llu\n", m1, u1, m2, u2, (unsigned long long)s3.plans_built, (unsigned long long)s3.plan_dropped);
+    char why[256];
+    CHECKF(msh_pool_check(pool, why, sizeof why) == 0, "%s", why);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
 /* A step whose large blocks take back, late in the step, the small area's only page: at the step
  * boundary the small area has nothing mapped, while the large area has room for the small blocks
  * at the time they live. Returns the allocations that failed. */
@@ -2007,7 +2145,7 @@ static int area_step(struct msh_pool *pool)
 
 /* Issue 10: from the second step on, no map and no unmap. The plan is packed into the pages
  * mapped at the step boundary only, across both areas (the small blocks go to large-area pages
- * that are free while they live), and a block the plan places shares the handles it finds. The
+ * that are free while they live), and a block the plan places shares the pages it finds. The
  * pool before this change mapped again in the second step (it packed the small blocks into the
  * small area, whose page the first step had given to the large blocks). */
 TEST(the_second_step_maps_nothing_when_the_step_boundary_left_one_area_unmapped)

@@ -1,7 +1,7 @@
 /*
  * policy.h: allocator policies the replay can run a recorded stream through, behind one interface.
  *
- *  - memshim: the real pool (policy/pool.c) over the simulated device (policy_memshim.c);
+ *  - memshim: the real pool (policy/pool/) over the simulated device (policy_memshim.c);
  *  - torch: a model of PyTorch's native CUDA caching allocator (model_torch.c);
  *  - torch-expandable: the same allocator with expandable_segments:True (model_expandable.c).
  *

@@ -1,5 +1,5 @@
 /*
- * policy_memshim.c: memshim's real pool (policy/pool.c) over the simulated device, behind the
+ * policy_memshim.c: memshim's real pool (policy/pool/) over the simulated device, behind the
  * replay's common policy interface (policy.h). The capacity is the pool's limit, as in
  * `memshim-replay --capacity`; "segments" are the pool's physical handles (create/release).
  */

@@ -1,0 +1,1017 @@
+/*
+ * pool.c: the defragmenting pool (DESIGN.md 4, docs/pool.md), its public API (pool.h).
+ *
+ * Virtual address space is plentiful and physical pages can be remapped, so fragmentation is a
+ * physical-page problem. The pool keeps one long VA line per area (small requests and large
+ * requests live in separate areas so a long-lived small block never pins a page in the middle of
+ * large traffic), places blocks best-fit by (size, address) along it, and maps physical memory
+ * only where a live block touches a page. Neighbours share pages, so the physical memory held
+ * approaches the peak of live bytes. The interior of a large block gets one handle for the whole
+ * run of pages it alone covers; pages a block shares (or may share) with a neighbour get a handle
+ * of their own, so that they can be reclaimed one by one. A handle no live block touches stays
+ * mapped as a cached handle; under pressure cached handles are unmapped (after their last use is
+ * known complete: unmap is not stream-ordered) and their memory mapped where a new block needs
+ * it. Training repeats the same step: once a step has been seen twice and remapped, the pool
+ * places the next ones by a plan packed for that step, so that it fits in what is mapped.
+ *
+ * Driver work (create, map, access, unmap, release, events, synchronize) never runs under the
+ * pool lock: a request claims its extent and pages under the lock ("in progress"), calls the
+ * driver unlocked, and publishes the result under the lock again; a thread that needs a page
+ * another thread is working on waits on a condition variable, never while holding a claim.
+ *
+ * The pool is a folder of concerns, one per file, sharing internal.h:
+ *   pool.c     this file: create and destroy, allocate (place, back, retry, the OOM rescue chain),
+ *              free, empty-cache and trim, statistics, captures' deferred work, lookups by
+ *              address, peers' access, the entry points of issue 8;
+ *   extents.c  the VA line: regions, blocks, both free treaps, the live hash, carving,
+ *              coalescing and best-fit placement; the pool's own memory (mmap);
+ *   pages.c    pages and handles: claiming the pages a block touches, the driver work done
+ *              outside the lock (claim, run, publish), cached handles and reclaim, the counted
+ *              device calls;
+ *   streams.c  streams and events: pooled events, known streams and what they have completed,
+ *              the stream tags of free extents, what a reuse on another stream must wait for;
+ *   step.c     the learned step: the event log, finding a repeating step, following its plan,
+ *              the planner thread;
+ *   pack.c     packing a step offline (no lock held, on a copy);
+ *   check.c    msh_pool_check, the invariant checker.
+ *
+ * It must never call a CUDA hook, never allocate with malloc (its memory comes from mmap), never
+ * call the GC callback or the device while holding its lock, and never hand out a byte that a
+ * live block or queued GPU work still uses.
+ */
+#include "internal.h"
+
+/* ---- allocation ----------------------------------------------------------------------------------- */
+
+/* One try at placing and backing a block. reclaim_only: the driver said it is full, so the pool
+ * holds no more handles than it does now (it reclaims cached ones instead). While the device
+ * captures a CUDA graph, a placement that would need a synchronize, an unmap or a release
+ * (reclaim, a split handle) is given up for fresh memory, and failing that the request fails
+ * (*capture_blocked). */
+static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64_t stream, uint64_t *addr,
+                     bool reclaim_only, bool *reclaimed, bool *driver_enomem, bool *capture_blocked)
+{
+    int area = area_of(pool, rsize);
+    bool fresh_only = false;
+    struct blk *b;
+    int rc;
+    struct job j;
+    job_init(&j);
+    for (;;) {
+        rc = 0;
+        while (!(b = fresh_only ? place_fresh(pool, area, rsize, &rc) : place(pool, area, rsize, stream, &rc))) {
+            if (rc != ENOSPC || !region_add(pool, area, rsize)) return ENOMEM;
+        }
+        bool fresh = b->addr >= page_va(pool, b->reg, b->reg->hi_page);
+        if (!fresh && capturing(pool) && fit_kind(pool, b, b->addr, b->addr + b->size, stream, NULL) == FIT_SYNC) {
+            rc = ECAPTURE; /* the learned step's address needs a synchronize */
+        } else {
+            for (;;) {
+                size_t cap = cap_pages(pool);
+                if (reclaim_only && pool->held < cap) cap = pool->held;
+                rc = claim_pages(pool, b, &j, cap);
+                if (rc != EAGAIN) break;
+                /* another thread maps or unmaps one of our pages: wait for it to publish */
+                pool->st.lock_waits++;
+                pool->waiters++;
+                pthread_cond_wait(&pool->cv, &pool->lock);
+                pool->waiters--;
+            }
+        }
+        if (rc == ECAPTURE) {
+            job_fini(pool, &j);
+            if (pool->step && step_want(pool->step, b->addr))
+                step_drop(pool, "its planned address would need a synchronize or an unmap during a capture", rsize, true);
+            blk_make_free(pool, b);
+            pool->st.capture_deferrals++;
+            if (!fresh_only && !fresh) {
+                fresh_only = true;
+                continue;
+            }
+            *capture_blocked = true;
+            return ENOMEM;
+        }
+        break;
+    }
+    if (rc) {
+        job_fini(pool, &j);
+        blk_make_free(pool, b);
+        return rc;
+    }
+    bool fresh = b->addr >= page_va(pool, b->reg, b->reg->hi_page);
+    streams_plan(pool, b, stream, fresh, &j);
+    rc = job_do(pool, &j);
+    if (j.nvic && !rc) *reclaimed = true;
+    if (j.driver_enomem) *driver_enomem = true;
+    job_fini(pool, &j);
+    if (!rc && pool->hcount >= pool->hcap && hash_grow(pool)) rc = ENOMEM;
+    if (rc) {
+        block_untouch(pool, b);
+        b->claimed = 0;
+        blk_make_free(pool, b);
+        return rc;
+    }
+    sref_clear(pool, b); /* the waits are enqueued: the new stream owns the extent */
+    b->claimed = 0;
+    b->state = B_LIVE;
+    b->req = req;
+    b->tag = msh_pool_tags.next;
+    b->s[0] = (struct sref){.stream = stream, .ev = NO_EV}; /* [0]: the allocation stream */
+    b->ns = 1;
+    hash_insert(pool, b);
+    *addr = b->addr;
+    return 0;
+}
+
+/* The driver ran out (no limit set, or other allocators hold the device): reclaim instead. */
+static int try_alloc_all(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64_t stream, uint64_t *addr,
+                         bool *reclaimed, bool *capture_blocked)
+{
+    bool denomem = false;
+    int rc = try_alloc(pool, rsize, req, stream, addr, false, reclaimed, &denomem, capture_blocked);
+    if (rc == ENOMEM && denomem && pool->prm.defrag && pool->cached && !capturing(pool))
+        rc = try_alloc(pool, rsize, req, stream, addr, true, reclaimed, &denomem, capture_blocked);
+    return rc;
+}
+
+/* ---- public API ------------------------------------------------------------------------------- */
+
+void msh_pool_params_default(struct msh_pool_params *p)
+{
+    memset(p, 0, sizeof *p);
+    p->small_max = MSH_MiB;
+    p->defrag = true;
+}
+
+int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params,
+                    struct msh_pool **out)
+{
+    struct msh_pool *pool = raw_alloc(sizeof *pool);
+    if (!pool) return ENOMEM;
+    pthread_mutex_init(&pool->lock, NULL);
+    pthread_cond_init(&pool->cv, NULL);
+    pool->dev = dev;
+    if (params) pool->prm = *params;
+    else msh_pool_params_default(&pool->prm);
+    pool->rng = 0x2545F491u;
+    pool->evfree = NO_EV;
+    pool->t0_ns = msh_now_ns();
+    int rc = dev->ops->granularity(dev, &pool->gran);
+    if (rc || !pool->gran) {
+        pthread_cond_destroy(&pool->cv);
+        pthread_mutex_destroy(&pool->lock);
+        raw_free(pool, sizeof *pool);
+        return rc ? rc : EIO;
+    }
+    size_t free_b = 0, total = 0;
+    if (dev->ops->mem_info(dev, &free_b, &total) == 0) pool->device_total = total;
+    if (pool->prm.share) pool->prm.limit_bytes = 0; /* the share's limit applies (limit_now) */
+    pool->limit = pool->prm.limit_bytes ? round_up(pool->prm.limit_bytes, pool->gran) : 0;
+    if (pool->prm.limit_bytes && pool->limit > pool->prm.limit_bytes)
+        pool->limit -= pool->gran; /* a cap is a cap: round down to whole pages */
+    pool->limit_pages = (uint32_t)(pool->limit / pool->gran < UINT32_MAX ? pool->limit / pool->gran : UINT32_MAX);
+    uint64_t mh = pool->prm.max_handle_bytes ? pool->prm.max_handle_bytes / pool->gran : MAX_REGION_PAGES;
+    pool->max_handle_pages = (uint32_t)(mh < 1 ? 1 : mh > MAX_REGION_PAGES ? MAX_REGION_PAGES : mh);
+    if (!pool->prm.release_quiet_ms) pool->prm.release_quiet_ms = 1000;
+    size_t ahead = pool->prm.ahead_bytes ? pool->prm.ahead_bytes : 20 * MSH_MiB;
+    pool->chunk_pages = (uint32_t)(ahead / pool->gran ? (ahead / pool->gran < MAX_REGION_PAGES ? ahead / pool->gran : MAX_REGION_PAGES) : 1);
+    if (!pool->prm.va_bytes) {
+        uint64_t base = limit_now(pool) ? limit_now(pool) : (total ? total : 64 * MSH_GiB);
+        pool->prm.va_bytes = base * 4;
+    }
+    pool->prm.va_bytes = round_up(pool->prm.va_bytes < MSH_GiB ? MSH_GiB : pool->prm.va_bytes, pool->gran);
+    uint64_t max_va = (uint64_t)pool->gran * MAX_REGION_PAGES;
+    if (pool->prm.va_bytes > max_va) pool->prm.va_bytes = max_va;
+    if (!pool->prm.no_learn) step_create(pool);
+    *out = pool;
+    return 0;
+}
+
+void msh_pool_destroy(struct msh_pool *pool)
+{
+    if (!pool) return;
+    step_stop(pool);
+    dev_synchronize(pool);
+    for (int a = 0; a < NAREAS; a++) {
+        struct region *r = pool->areas[a];
+        while (r) {
+            bool stuck = false;
+            for (uint32_t p = 0; p < r->hi_page; p++) {
+                struct page *pg = &r->pages[p];
+                if (pg_head(pg) != p) continue;
+                size_t bytes = (size_t)pg->npages * pool->gran;
+                if (dev_unmap(pool, page_va(pool, r, p), bytes)) {
+                    stuck = true; /* a mapped handle must not be released nor its range freed */
+                    continue;
+                }
+                if (dev_release(pool, pg->handle, bytes) == 0) held_sub(pool, pg->npages);
+                else if (pool->norphans < 64) {
+                    pool->orphans[pool->norphans].h = pg->handle;
+                    pool->orphans[pool->norphans++].pages = pg->npages;
+                }
+            }
+            if (!stuck) dev_unreserve(pool, r->base, r->size);
+            else msh_warn("pool: unmap failed at shutdown; leaving a reserved range to the driver");
+            struct region *nx = r->next;
+            raw_free(r->pages, (size_t)r->npages * sizeof *r->pages);
+            raw_free(r, sizeof *r);
+            r = nx;
+        }
+    }
+    for (int i = 0; i < pool->norphans; i++) /* a second chance for handles whose release failed */
+        dev_release(pool, pool->orphans[i].h, (size_t)pool->orphans[i].pages * pool->gran);
+    for (uint32_t i = 0; i < pool->nevs; i++)
+        if (pool->evs[i].h) ev_destroy(pool, pool->evs[i].h);
+    raw_free(pool->evs, (size_t)pool->capevs * sizeof *pool->evs);
+    step_destroy(pool);
+    raw_free(pool->htab, pool->hcap * sizeof *pool->htab);
+    pthread_cond_destroy(&pool->cv);
+    pthread_mutex_destroy(&pool->lock);
+    /* Block slabs are not tracked individually; they are reclaimed with the process. */
+    raw_free(pool, sizeof *pool);
+}
+
+static void fill_oom(struct msh_pool *pool, size_t req, size_t dev_free, size_t dev_total);
+
+static inline uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* One timed call: the total, the histogram behind the reports' latency percentiles, the max. */
+static inline void lat_note(uint64_t *hist, uint64_t *total, uint64_t *max, uint64_t ns, uint32_t w)
+{
+    *total += ns * w; /* a timed call stands for w calls (hotclock.h) */
+    hist[msh_lat_bucket(ns)] += w;
+    if (ns > *max) *max = ns;
+}
+
+static void note_alloc(struct msh_pool *pool, uint64_t req, bool reclaimed)
+{
+    struct msh_pool_stats *st = &pool->st;
+    st->allocs++;
+    st->live_bytes += req;
+    st->live_blocks++;
+    if (st->live_bytes > st->peak_live_bytes) st->peak_live_bytes = st->live_bytes;
+    if (st->live_bytes > st->run_peak_live_bytes) st->run_peak_live_bytes = st->live_bytes;
+    size_t touched = pool->touched * pool->gran;
+    if (touched > st->peak_touched_bytes) st->peak_touched_bytes = touched;
+    if (reclaimed) st->rescue_reclaim++;
+    int bucket = 0;
+    for (uint64_t s = req >> 9; s && bucket < 23; s >>= 1) bucket++;
+    st->hist[bucket]++;
+}
+
+static void settle_locked(struct msh_pool *pool);
+
+/* Query up to 8 recorded events not yet seen complete (each stream's latest first, then round robin over the
+ * table), as PyTorch's process_events does at each allocation: a complete one covers its stream's
+ * earlier tags, so memory freed there serves other streams without a wait. Called with the lock
+ * held; drops it for the queries. Only while some event is outstanding, every 16 allocations or
+ * right after an event was recorded for a stream another one waits on. */
+static void events_poll(struct msh_pool *pool)
+{
+    uint32_t slot[8];
+    uint64_t h[8];
+    int n = 0, rcs[8];
+    for (uint32_t i = 0; i < MAX_KSTREAMS && n < 8; i++) {
+        uint32_t e = pool->ks[i].latest;
+        if (pool->ks[i].used && e != NO_EV && pool->evs[e].state == EV_RECORDED && pool->evs[e].h) slot[n++] = e;
+    }
+    for (uint32_t scan = 0; scan < 64 && scan < pool->nevs && n < 8; scan++) {
+        uint32_t e = (pool->poll_cursor + scan) % pool->nevs;
+        bool dup = false;
+        for (int k = 0; k < n && !dup; k++) dup = slot[k] == e;
+        if (!dup && pool->evs[e].state == EV_RECORDED && pool->evs[e].refs && pool->evs[e].h) slot[n++] = e;
+    }
+    if (pool->nevs) pool->poll_cursor = (pool->poll_cursor + 64) % pool->nevs;
+    if (!n) return;
+    for (int k = 0; k < n; k++) {
+        ev_ref(pool, slot[k]); /* held across the unlocked queries */
+        h[k] = pool->evs[slot[k]].h;
+    }
+    pool->jobs++;
+    pthread_mutex_unlock(&pool->lock);
+    for (int k = 0; k < n; k++) rcs[k] = dev_event_query(pool, h[k]);
+    pthread_mutex_lock(&pool->lock);
+    pool->jobs--;
+    for (int k = 0; k < n; k++) {
+        if (rcs[k] == 0) ev_done(pool, slot[k]);
+        ev_put(pool, slot[k]);
+    }
+}
+
+int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t *addr)
+{
+    if (size > MAX_SIZE) return EINVAL;
+    uint64_t rsize = round_up(size ? size : 1, BLOCK_ALIGN);
+    uint32_t lw = pool->timing ? msh_lat_sample() : 0;
+    uint64_t t0 = lw ? now_ns() : 0;
+    pthread_mutex_lock(&pool->lock);
+    ks_get(pool, stream);
+    if (MSH_UNLIKELY(pool->parked || pool->empty_deferred) && !capturing(pool)) settle_locked(pool);
+    if (pool->nrecorded && (pool->poll_soon || ++pool->poll_tick >= 16)) {
+        pool->poll_tick = 0;
+        pool->poll_soon = false;
+        events_poll(pool);
+    }
+    if (pool->step) step_before_alloc(pool, rsize);
+    size_t held0 = pool->held; /* issue 8: a failed request gives back what it created */
+    bool reclaimed = false, capture_blocked = false;
+    int rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed, &capture_blocked);
+    if (rc == ENOMEM && pool->gc_fn) {
+        msh_pool_gc_fn fn = pool->gc_fn;
+        void *arg = pool->gc_arg;
+        pthread_mutex_unlock(&pool->lock);
+        fn(arg); /* may free blocks through msh_pool_free */
+        pthread_mutex_lock(&pool->lock);
+        rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed, &capture_blocked);
+        if (rc == 0) pool->st.rescue_gc++;
+    }
+    if (rc == ENOMEM && pool->cached && (pool->driver_oom || !pool->prm.defrag) && !pool->prm.no_release_on_oom &&
+        !capturing(pool)) {
+        pool->driver_oom = false;
+        /* Cached pages were already candidates for reclaim; giving them back helps when the
+         * driver itself ran out (other allocators in the process hold the rest), and when reclaim
+         * is off (MEMSHIM_DEFRAG=0: under a limit new pages can be created only after these go). */
+        release_cached(pool, 0, 0);
+        rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed, &capture_blocked);
+        if (rc == 0) pool->st.rescue_empty_cache++;
+    }
+    if (rc == 0) {
+        note_alloc(pool, size, reclaimed);
+        struct blk *b = hash_find(pool, *addr);
+        if (pool->step && b) step_note_alloc(pool, b);
+        if (lw) lat_note(pool->st.alloc_lat, &pool->st.alloc_ns_total, &pool->st.alloc_ns_max, now_ns() - t0, lw);
+        pthread_mutex_unlock(&pool->lock);
+        return 0;
+    }
+    /* Pages this request created and could not use are given back: the memory a failed request
+     * leaves held is what it found (cudaMemGetInfo's answer counts on that, issue 8). */
+    if (pool->held > held0)
+        release_cached(pool, (pool->cached > pool->held - held0 ? pool->cached - (pool->held - held0) : 0) * pool->gran, 0);
+    pool->st.alloc_fail++;
+    pool->st.oom_events++;
+    pthread_mutex_unlock(&pool->lock);
+    size_t df = 0, dt = 0;
+    if (pool->dev->ops->mem_info(pool->dev, &df, &dt)) df = dt = 0;
+    pthread_mutex_lock(&pool->lock);
+    fill_oom(pool, size, df, dt);
+    pool->oom.capture = capture_blocked || (capturing(pool) && pool->cached);
+    struct msh_pool_oom o = pool->oom;
+    pthread_mutex_unlock(&pool->lock);
+    msh_warn("out of memory on device %d: requested %zu bytes; live %zu, reserved %zu, limit %zu, "
+             "device free %zu of %zu, largest usable free extent %zu: %s%s",
+             pool->dev->ordinal, o.requested, o.live_bytes, o.mapped_bytes, o.limit_bytes,
+             o.device_free, o.device_total, o.largest_free,
+             o.fragmentation ? "fragmentation (enough bytes are free, but not in usable pages)"
+                             : "capacity (the live set does not fit)",
+             o.capture ? "; a CUDA-graph capture was in progress, during which memshim cannot reclaim or "
+                         "release cached memory" : "");
+    return rc == ENOMEM ? ENOMEM : rc;
+}
+
+/* MEMSHIM_EMPTY_CACHE=threshold: cached bytes above the threshold go back to the driver once they
+ * have not been reused for the quiet period, so a loop whose cache hovers around the threshold
+ * keeps its pages (it reuses them every iteration) and an idle one gives them back. */
+static size_t trim_cached(struct msh_pool *pool)
+{
+    size_t thr = pool->prm.release_threshold;
+    if (!thr || pool->cached * pool->gran <= thr) return 0;
+    size_t n = release_cached(pool, thr, pool->prm.release_quiet_ms);
+    if (n) { /* the reports count these as empty-cache runs, whichever thread made them */
+        pool->st.trim_runs++;
+        pool->st.trim_bytes += n;
+    }
+    return n;
+}
+
+/* The tags of a block freed on `stream`: the free's own stream needs no event (stream order
+ * covers a reuse there; a reuse elsewhere waits for a later event of that stream), while
+ * every other stream the block was used on (its allocation stream, record_stream's) gets an
+ * event recorded now, so that a reuse elsewhere waits for exactly the work queued before the
+ * free: PyTorch's allocator records such events too (record_stream), and none for a block used
+ * on its own stream only. While another stream wants this one's memory (want_events), the free's
+ * own stream gets an event too. The
+ * block is in no structure meanwhile (B_FREEING), and the lock is dropped while recording. An
+ * event the driver refused: that stream is synchronized instead (it may belong to another
+ * device's context, which a synchronize of this device would not cover), else the extent needs
+ * a synchronize before reuse elsewhere. `used`: the block's streams (from its live tags). */
+static void free_tags(struct msh_pool *pool, struct blk *b, uint64_t stream, const uint64_t *used, int nused, bool overflow)
+{
+    uint64_t rec[MAX_STREAMS + 1];
+    int n = 0;
+    for (int i = 0; i < nused; i++) {
+        bool dup = used[i] == stream || used[i] == MSH_STREAM_COMPLETED;
+        for (int k = 0; k < n && !dup; k++) dup = rec[k] == used[i];
+        if (!dup && n < MAX_STREAMS) rec[n++] = used[i];
+        else if (!dup) overflow = true;
+    }
+    struct kstream *kf = ks_get(pool, stream);
+    bool own_ev = kf && kf->demand; /* this free's own event, for the stream waiting (last) */
+    if (kf) kf->frees++;
+    if (own_ev) {
+        if (kf->window < DEMAND_MAX && --kf->demand == 0) kf->ran_out = kf->frees;
+        rec[n++] = stream;
+    }
+    uint64_t seq = ++pool->evseq; /* the free: every event recorded below comes after it */
+    b->ns = 0;
+    b->sync_needed = 0;
+    b->free_gen = 0;
+    if (n) {
+        /* in no structure from here on: asking for a stream's context drops the lock too */
+        b->state = B_FREEING;
+        ks_resolve_homes(pool, rec, n);
+        uint32_t slot[MAX_STREAMS + 1];
+        uint64_t h[MAX_STREAMS + 1], home[MAX_STREAMS + 1], evseq[MAX_STREAMS + 1];
+        int rcs[MAX_STREAMS + 1];
+        bool created[MAX_STREAMS + 1], synced[MAX_STREAMS + 1];
+        for (int k = 0; k < n; k++) {
+            home[k] = ks_home(pool, rec[k]);
+            slot[k] = ev_get(pool, home[k]);
+            h[k] = slot[k] != NO_EV ? pool->evs[slot[k]].h : 0;
+            created[k] = synced[k] = false;
+            /* numbered before the record is made, under the lock: a free numbered later may have
+             * queued its work after the record, so only tags numbered earlier are covered */
+            evseq[k] = ++pool->evseq;
+        }
+        b->state = B_FREEING;
+        pool->jobs++;
+        pthread_mutex_unlock(&pool->lock);
+        for (int k = 0; k < n; k++) {
+            rcs[k] = slot[k] == NO_EV ? ENOMEM : 0;
+            if (!rcs[k] && !h[k]) {
+                rcs[k] = dev_event_create(pool, home[k], &h[k]);
+                created[k] = !rcs[k];
+            }
+            if (!rcs[k]) rcs[k] = dev_event_record(pool, h[k], rec[k]);
+            if (rcs[k] && !(own_ev && k == n - 1) && pool->dev->ops->stream_sync)
+                synced[k] = pool->dev->ops->stream_sync(pool->dev, rec[k]) == 0;
+        }
+        pthread_mutex_lock(&pool->lock);
+        pool->jobs--;
+        for (int k = 0; k < n; k++) {
+            if (created[k]) pool->evs[slot[k]].h = h[k];
+            bool is_own = own_ev && k == n - 1;
+            if (rcs[k]) {
+                ev_put(pool, slot[k]);
+                if (!is_own && !synced[k]) b->sync_needed = 1;
+                continue;
+            }
+            struct pev *ev = &pool->evs[slot[k]];
+            ev->stream = rec[k];
+            ev->seq = evseq[k];
+            ev->state = EV_RECORDED;
+            pool->nrecorded++;
+            pool->st.free_event_records++;
+            struct kstream *kl = ks_find(pool, rec[k]);
+            if (kl && (kl->latest == NO_EV || pool->evs[kl->latest].seq < ev->seq)) {
+                ev_put(pool, kl->latest);
+                kl->latest = slot[k];
+                ev_ref(pool, slot[k]);
+            }
+            if (is_own) {
+                pool->poll_soon = 1;
+                pool->st.demand_records++;
+            }
+            sref_add(pool, b, &(struct sref){.stream = rec[k], .seq = seq, .ev = slot[k]});
+        }
+    }
+    bool own = false;
+    for (int i = 0; i < b->ns; i++) own |= b->s[i].stream == stream;
+    if (stream != MSH_STREAM_COMPLETED && !own) sref_add(pool, b, &(struct sref){.stream = stream, .seq = seq, .ev = NO_EV});
+    for (int i = 0; i < b->ns; i++) {
+        b->s[i].lo = b->addr;
+        b->s[i].hi = b->addr + b->size;
+    }
+    if (overflow) b->sync_needed = 1;
+    if (b->sync_needed) {
+        b->slo = b->addr;
+        b->shi = b->addr + b->size;
+    }
+    if (b->ns || b->sync_needed) b->free_gen = ++pool->free_gen;
+}
+
+int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream)
+{
+    uint32_t lw = pool->timing ? msh_lat_sample() : 0;
+    uint64_t t0 = lw ? now_ns() : 0;
+    pthread_mutex_lock(&pool->lock);
+    struct blk *b = hash_remove(pool, addr);
+    if (!b) {
+        pthread_mutex_unlock(&pool->lock);
+        return EINVAL;
+    }
+    msh_pool_tags = (struct msh_pool_tags){msh_pool_tags.next, b->tag, b->req};
+    pool->st.frees++;
+    pool->st.live_bytes -= b->req;
+    pool->st.live_blocks--;
+    if (pool->step) step_note_free(pool, b);
+    ks_get(pool, stream);
+    /* A free known complete (MSH_STREAM_COMPLETED: cudaFree synchronized) leaves no tag at all;
+     * otherwise the streams the block was used on, beside the free's own, need events. */
+    uint64_t used[MAX_STREAMS];
+    int nused = 0;
+    for (int i = 0; i < b->ns && stream != MSH_STREAM_COMPLETED; i++)
+        if (b->s[i].stream != stream && b->s[i].stream != MSH_STREAM_COMPLETED) used[nused++] = b->s[i].stream;
+    bool overflow = b->sync_needed && stream != MSH_STREAM_COMPLETED;
+    if (nused && capturing(pool)) {
+        /* Recording those events now would put them where a capture can see them (querying an
+         * event recorded in a capture invalidates it): PyTorch defers such frees until no
+         * capture is underway (needs_events_deferred_until_no_capture), and so does the pool. */
+        b->state = B_PARKED;
+        b->fstream = stream;
+        b->hnext = pool->parked;
+        pool->parked = b;
+        pool->st.parked_frees++;
+        pool->st.capture_deferrals++;
+        pthread_mutex_unlock(&pool->lock);
+        return 0;
+    }
+    b->ns = 0;
+    free_tags(pool, b, stream, used, nused, overflow);
+    block_untouch(pool, b);
+    blk_make_free(pool, b);
+    trim_cached(pool);
+    if (lw) lat_note(pool->st.free_lat, &pool->st.free_ns_total, &pool->st.free_ns_max, now_ns() - t0, lw);
+    pthread_mutex_unlock(&pool->lock);
+    return 0;
+}
+
+static void events_trim(struct msh_pool *pool, bool at_exit);
+
+/* After the device's last capture (or at the next call that finds none): the frees the capture
+ * parked record their events now, and a deferred empty-cache runs. Called with the lock held. */
+static void settle_locked(struct msh_pool *pool)
+{
+    while (pool->parked && !capturing(pool)) {
+        struct blk *b = pool->parked;
+        pool->parked = b->hnext;
+        b->hnext = NULL;
+        uint64_t used[MAX_STREAMS];
+        int nused = 0;
+        for (int i = 0; i < b->ns; i++)
+            if (b->s[i].stream != b->fstream && b->s[i].stream != MSH_STREAM_COMPLETED) used[nused++] = b->s[i].stream;
+        bool overflow = b->sync_needed;
+        b->ns = 0;
+        free_tags(pool, b, b->fstream, used, nused, overflow);
+        block_untouch(pool, b);
+        blk_make_free(pool, b);
+    }
+    if (pool->empty_deferred && !capturing(pool)) {
+        pool->empty_deferred = false;
+        release_cached(pool, 0, 0);
+        events_trim(pool, false);
+    }
+}
+
+void msh_pool_after_capture(struct msh_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    settle_locked(pool);
+    pthread_mutex_unlock(&pool->lock);
+}
+
+__thread struct msh_pool_tags msh_pool_tags;
+
+void msh_pool_block_tags(struct msh_pool *pool, const uint64_t *addrs, uint32_t *tags, size_t n)
+{
+    pthread_mutex_lock(&pool->lock);
+    for (size_t i = 0; i < n; i++) {
+        struct blk *b = hash_find(pool, addrs[i]);
+        tags[i] = b ? b->tag : 0;
+    }
+    pthread_mutex_unlock(&pool->lock);
+}
+
+size_t msh_pool_block_size(struct msh_pool *pool, uint64_t addr)
+{
+    pthread_mutex_lock(&pool->lock);
+    struct blk *b = hash_find(pool, addr);
+    size_t s = b ? b->req : 0;
+    pthread_mutex_unlock(&pool->lock);
+    return s;
+}
+
+bool msh_pool_owns(struct msh_pool *pool, uint64_t addr)
+{
+    pthread_mutex_lock(&pool->lock);
+    bool own = hash_find(pool, addr) != NULL;
+    pthread_mutex_unlock(&pool->lock);
+    return own;
+}
+
+int msh_pool_record_stream(struct msh_pool *pool, uint64_t addr, uint64_t stream)
+{
+    pthread_mutex_lock(&pool->lock);
+    struct blk *b = hash_find(pool, addr);
+    int rc = EINVAL;
+    if (b) {
+        rc = 0;
+        ks_get(pool, stream);
+        bool seen = stream == MSH_STREAM_COMPLETED;
+        for (int i = 0; i < b->ns; i++) seen |= b->s[i].stream == stream;
+        if (!seen) {
+            if (b->ns < MAX_STREAMS) b->s[b->ns++] = (struct sref){.stream = stream, .ev = NO_EV};
+            else b->sync_needed = 1; /* too many streams to track: synchronize before reuse */
+        }
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return rc;
+}
+
+/* Empty-cache gives back the pool's idle events too (as PyTorch's emptyCache synchronizes and
+ * frees its events): after a synchronize no queued work can touch a free extent, so their stream
+ * tags are dropped and every event no extent refers to is destroyed (its slot stays, to be
+ * created again when needed). Called with the lock held; destroys without it. */
+static void events_trim(struct msh_pool *pool, bool at_exit)
+{
+    if (capturing(pool) && !at_exit) {
+        pool->empty_deferred = true; /* its synchronize would invalidate the capture */
+        return;
+    }
+    if (pool->free_gen > pool->synced_gen) {
+        struct job j;
+        job_init(&j);
+        job_need_settle(pool, &j);
+        job_do(pool, &j);
+        job_fini(pool, &j);
+    }
+    for (int a = 0; a < NAREAS; a++)
+        for (struct region *r = pool->areas[a]; r; r = r->next)
+            for (struct blk *b = r->first; b; b = b->next)
+                if (b->state == B_FREE && (b->ns || b->sync_needed) && (blk_clean(pool, b) || at_exit))
+                    sref_clear(pool, b); /* at exit nothing is reused: an event still pending may go too */
+    for (uint32_t i = 0; i < MAX_KSTREAMS; i++) /* complete after the synchronize */
+        if (pool->ks[i].used && (pool->free_gen <= pool->synced_gen || at_exit)) {
+            ev_put(pool, pool->ks[i].latest);
+            pool->ks[i].latest = NO_EV;
+        }
+    uint64_t h[64];
+    for (;;) {
+        int n = 0;
+        for (uint32_t e = 0; e < pool->nevs && n < 64; e++)
+            if (!pool->evs[e].refs && pool->evs[e].h) {
+                h[n++] = pool->evs[e].h;
+                pool->evs[e].h = 0;
+            }
+        if (!n) break;
+        pthread_mutex_unlock(&pool->lock);
+        for (int i = 0; i < n; i++) ev_destroy(pool, h[i]);
+        pthread_mutex_lock(&pool->lock);
+    }
+}
+
+void msh_pool_release_events(struct msh_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    events_trim(pool, true);
+    pthread_mutex_unlock(&pool->lock);
+}
+
+size_t msh_pool_empty_cache(struct msh_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    size_t n = release_cached(pool, 0, 0);
+    events_trim(pool, false);
+    pthread_mutex_unlock(&pool->lock);
+    return n;
+}
+
+size_t msh_pool_trim(struct msh_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    size_t n = trim_cached(pool);
+    pthread_mutex_unlock(&pool->lock);
+    return n;
+}
+
+void msh_pool_set_gc(struct msh_pool *pool, msh_pool_gc_fn fn, void *arg)
+{
+    pthread_mutex_lock(&pool->lock);
+    pool->gc_fn = fn;
+    pool->gc_arg = arg;
+    pthread_mutex_unlock(&pool->lock);
+}
+
+void msh_pool_set_timing(struct msh_pool *pool, bool on)
+{
+    pthread_mutex_lock(&pool->lock);
+    pool->timing = on;
+    pthread_mutex_unlock(&pool->lock);
+}
+
+/* Free bytes that could be handed out now without mapping anything, and the largest such run. */
+static void scan_free(struct msh_pool *pool, size_t *free_bytes, size_t *largest)
+{
+    size_t total = 0, best = 0;
+    for (int a = 0; a < NAREAS; a++) {
+        for (struct region *r = pool->areas[a]; r; r = r->next) {
+            uint64_t hi = page_va(pool, r, r->hi_page);
+            size_t run = 0;
+            for (struct blk *x = r->first; x && x->addr < hi; x = x->next) {
+                if (x->state != B_FREE) {
+                    run = 0;
+                    continue;
+                }
+                uint64_t end = x->addr + x->size < hi ? x->addr + x->size : hi;
+                for (uint64_t a0 = x->addr; a0 < end;) {
+                    uint32_t p = (uint32_t)((a0 - r->base) / pool->gran);
+                    uint64_t pend = page_va(pool, r, p + 1);
+                    if (pend > end) pend = end;
+                    uint32_t h = pg_head(&r->pages[p]);
+                    if (h != NO_PAGE && r->pages[h].state == PG_MAPPED) {
+                        run += pend - a0;
+                        total += pend - a0;
+                        if (run > best) best = run;
+                    } else {
+                        run = 0;
+                    }
+                    a0 = pend;
+                }
+            }
+        }
+    }
+    *free_bytes = total;
+    *largest = best;
+}
+
+size_t msh_pool_mapped_bytes(struct msh_pool *pool)
+{
+    return __atomic_load_n(&pool->held, __ATOMIC_RELAXED) * pool->gran;
+}
+
+void msh_pool_get_stats(struct msh_pool *pool, struct msh_pool_stats *out)
+{
+    pthread_mutex_lock(&pool->lock);
+    pool->st.mapped_bytes = pool->held * pool->gran;
+    pool->st.handle_bytes = pool->held * pool->gran;
+    pool->st.touched_bytes = pool->touched * pool->gran;
+    pool->st.handles = pool->nhandles;
+    scan_free(pool, &pool->st.free_bytes, &pool->st.largest_free);
+    *out = pool->st;
+    out->peak_mapped_bytes = __atomic_load_n(&pool->drv_peak_epoch, __ATOMIC_RELAXED);
+    out->run_peak_mapped_bytes = __atomic_load_n(&pool->drv_peak_run, __ATOMIC_RELAXED);
+    for (int k = 0; k < MSH_DRV_NKINDS; k++) {
+        out->drv_calls[k] = __atomic_load_n(&pool->st.drv_calls[k], __ATOMIC_RELAXED);
+        out->drv_bytes[k] = __atomic_load_n(&pool->st.drv_bytes[k], __ATOMIC_RELAXED);
+    }
+    pthread_mutex_unlock(&pool->lock);
+}
+
+void msh_pool_reset_peaks(struct msh_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    pool->st.peak_live_bytes = pool->st.live_bytes;
+    __atomic_store_n(&pool->drv_peak_epoch, __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+    pool->st.peak_touched_bytes = pool->touched * pool->gran;
+    pthread_mutex_unlock(&pool->lock);
+}
+
+static void fill_oom(struct msh_pool *pool, size_t req, size_t dev_free, size_t dev_total)
+{
+    struct msh_pool_oom *o = &pool->oom;
+    memset(o, 0, sizeof *o);
+    o->requested = req;
+    o->device_free = dev_free;
+    o->device_total = dev_total;
+    o->live_bytes = pool->st.live_bytes;
+    o->mapped_bytes = pool->held * pool->gran;
+    o->limit_bytes = limit_now(pool);
+    size_t fb = 0;
+    scan_free(pool, &fb, &o->largest_free);
+    size_t cap = o->limit_bytes ? o->limit_bytes : (o->mapped_bytes + o->device_free);
+    o->fragmentation = o->live_bytes + req <= cap;
+    for (size_t i = 0; i < pool->hcap; i++) {
+        for (struct blk *b = pool->htab[i]; b; b = b->hnext) {
+            int k = o->ntop;
+            if (k < 5) o->ntop++;
+            else if (b->req <= o->top[4].size) continue;
+            else k = 4;
+            while (k > 0 && o->top[k - 1].size < b->req) {
+                o->top[k] = o->top[k - 1];
+                k--;
+            }
+            o->top[k].addr = b->addr;
+            o->top[k].size = b->req;
+        }
+    }
+}
+
+void msh_pool_last_oom(struct msh_pool *pool, struct msh_pool_oom *out)
+{
+    pthread_mutex_lock(&pool->lock);
+    *out = pool->oom;
+    pthread_mutex_unlock(&pool->lock);
+}
+
+void msh_pool_for_each_live(struct msh_pool *pool,
+                            void (*fn)(void *arg, uint64_t addr, size_t size, uint64_t stream),
+                            void *arg)
+{
+    pthread_mutex_lock(&pool->lock);
+    for (size_t i = 0; i < pool->hcap; i++)
+        for (struct blk *b = pool->htab[i]; b; b = b->hnext)
+            fn(arg, b->addr, b->req, b->ns ? b->s[0].stream : MSH_STREAM_COMPLETED);
+    pthread_mutex_unlock(&pool->lock);
+}
+
+/* ---- issue 8's entry points: streams that go away, blocks by interior address, release on free -- */
+
+/* Drop `stream` from b's tags (its event reference too); true when it was there. */
+static bool sref_drop(struct msh_pool *pool, struct blk *b, uint64_t stream)
+{
+    int k = 0;
+    bool found = false;
+    for (int i = 0; i < b->ns; i++) {
+        if (b->s[i].stream == stream) {
+            found = true;
+            ev_put(pool, b->s[i].ev);
+            if (b->state == B_FREE) { /* its bytes need the synchronize now */
+                if (!b->sync_needed || b->s[i].lo < b->slo) b->slo = b->s[i].lo;
+                if (!b->sync_needed || b->s[i].hi > b->shi) b->shi = b->s[i].hi;
+                b->sync_needed = 1;
+            }
+        } else {
+            b->s[k++] = b->s[i];
+        }
+    }
+    b->ns = (uint8_t)k;
+    return found;
+}
+
+/* A destroyed stream's handle is undefined from then on (the driver may give the value to a new
+ * stream), so no tag may name it afterwards: no event is ever recorded on it, and "same stream"
+ * never matches it. Tagged blocks, live or free, trade the tag for sync_needed: whoever reuses
+ * them elsewhere first waits for the whole device. No device call here. */
+int msh_pool_forget_stream(struct msh_pool *pool, uint64_t stream)
+{
+    if (stream == MSH_STREAM_COMPLETED) return 0;
+    pthread_mutex_lock(&pool->lock);
+    for (size_t i = 0; i < pool->hcap; i++)
+        for (struct blk *b = pool->htab[i]; b; b = b->hnext)
+            if (sref_drop(pool, b, stream)) b->sync_needed = 1;
+    for (int a = 0; a < NAREAS; a++)
+        for (struct region *r = pool->areas[a]; r; r = r->next)
+            for (struct blk *b = r->first; b; b = b->next)
+                if ((b->state == B_FREE && !blk_clean(pool, b)) || b->state == B_PARKED)
+                    if (sref_drop(pool, b, stream)) b->sync_needed = 1;
+    struct kstream *k = ks_find(pool, stream);
+    if (k) { /* its handle value may come back for a new stream: nothing of the old one stays */
+        ev_put(pool, k->latest);
+        memset(k, 0, sizeof *k);
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return 0;
+}
+
+static struct region *region_of(struct msh_pool *pool, uint64_t addr)
+{
+    for (int a = 0; a < NAREAS; a++)
+        for (struct region *r = pool->areas[a]; r; r = r->next)
+            if (addr >= r->base && addr - r->base < r->size) return r;
+    return NULL;
+}
+
+/* The live block whose requested bytes contain addr. An exact start is one hash probe; an
+ * interior address walks its region's blocks in address order (callers are rare: buffer
+ * registration by NCCL or an MPI library, not every allocation). */
+int msh_pool_block_containing(struct msh_pool *pool, uint64_t addr, uint64_t *base, size_t *size)
+{
+    pthread_mutex_lock(&pool->lock);
+    struct blk *b = hash_find(pool, addr);
+    if (!b) {
+        struct region *r = region_of(pool, addr);
+        for (struct blk *x = r ? r->first : NULL; x && x->addr <= addr; x = x->next)
+            if (x->state == B_LIVE && addr - x->addr < (x->req ? x->req : 1)) b = x;
+    }
+    if (b) {
+        *base = b->addr;
+        *size = b->req ? b->req : 1;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return b ? 0 : EINVAL;
+}
+
+bool msh_pool_covers_fast(struct msh_pool *pool, uint64_t addr)
+{
+    int n = __atomic_load_n(&pool->nvr, __ATOMIC_ACQUIRE);
+    for (int i = 0; i < n; i++)
+        if (addr >= pool->vr[i].base && addr < pool->vr[i].end) return true;
+    if (n < (int)(sizeof pool->vr / sizeof pool->vr[0])) return false;
+    return msh_pool_covers(pool, addr);
+}
+
+bool msh_pool_covers(struct msh_pool *pool, uint64_t addr)
+{
+    pthread_mutex_lock(&pool->lock);
+    bool in = region_of(pool, addr) != NULL;
+    pthread_mutex_unlock(&pool->lock);
+    return in;
+}
+
+/* A peer gained access (the backend's descriptors include it already, so mappings made from now
+ * on grant it): grant it on every handle mapped now. Requests doing driver work are waited for
+ * first, so that none of them granted access before the backend changed and publishes a mapping
+ * this walk does not see. One call per handle, without the lock: a handle unmapped meanwhile
+ * makes only its own call fail, and it gets the grant when it is mapped again. */
+int msh_pool_regrant_access(struct msh_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    while (pool->jobs) {
+        pool->waiters++;
+        pthread_cond_wait(&pool->cv, &pool->lock);
+        pool->waiters--;
+    }
+    size_t n = 0, cap = 0;
+    uint64_t (*runs)[2] = NULL;
+    for (int a = 0; a < NAREAS; a++)
+        for (struct region *r = pool->areas[a]; r; r = r->next)
+            for (uint32_t p = 0; p < r->hi_page; p++) {
+                const struct page *pg = &r->pages[p];
+                if (pg_head(pg) != p || pg->state != PG_MAPPED || !pg->handle) continue;
+                if (n == cap) {
+                    size_t ncap = cap ? cap * 2 : 256;
+                    uint64_t (*nr)[2] = raw_alloc(ncap * sizeof *nr);
+                    if (!nr) break;
+                    if (n) memcpy(nr, runs, n * sizeof *nr);
+                    raw_free(runs, cap * sizeof *runs);
+                    runs = nr;
+                    cap = ncap;
+                }
+                runs[n][0] = page_va(pool, r, p);
+                runs[n][1] = (uint64_t)pg->npages * pool->gran;
+                n++;
+            }
+    pthread_mutex_unlock(&pool->lock);
+    int first = 0;
+    for (size_t i = 0; i < n; i++) {
+        int rc = dev_set_access(pool, runs[i][0], runs[i][1]);
+        if (rc && !first) first = rc;
+    }
+    raw_free(runs, cap * sizeof *runs);
+    return first;
+}
+
+void msh_pool_counters(struct msh_pool *pool, struct msh_pool_counters *out)
+{
+    pthread_mutex_lock(&pool->lock);
+    out->gran = pool->gran;
+    out->limit = limit_now(pool);
+    out->handles = pool->held;
+    out->cached_pages = pool->cached;
+    out->touched_pages = pool->touched;
+    out->live_bytes = pool->st.live_bytes;
+    out->defrag = pool->prm.defrag;
+    out->release_on_oom = !pool->prm.no_release_on_oom;
+    pthread_mutex_unlock(&pool->lock);
+}
+
+/* Free a block, then return to the driver the cached handles on the pages it touched (a handle
+ * is released whole: its other pages are untouched too, or it would not be cached). DESIGN.md 3:
+ * a cudaFree in segment mode is PyTorch giving memory back. */
+int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream, size_t *released)
+{
+    if (released) *released = 0;
+    pthread_mutex_lock(&pool->lock);
+    struct blk *b = hash_find(pool, addr);
+    struct region *r = b ? b->reg : NULL;
+    uint32_t p0 = 0, p1 = 0;
+    if (b) page_range(pool, b, &p0, &p1);
+    pthread_mutex_unlock(&pool->lock);
+    if (!b) return EINVAL;
+    int rc = msh_pool_free(pool, addr, stream);
+    if (rc) return rc;
+    /* another thread may have placed a block on these pages meanwhile: those stay (live) */
+    pthread_mutex_lock(&pool->lock);
+    if (capturing(pool)) { /* the release waits: the pages stay cached */
+        pool->st.capture_deferrals++;
+        pthread_mutex_unlock(&pool->lock);
+        return 0;
+    }
+    struct job j;
+    job_init(&j);
+    size_t before = pool->st.released_pages;
+    for (uint32_t p = p0; p <= p1 && p < r->hi_page;) {
+        uint32_t h = pg_head(&r->pages[p]);
+        if (h == NO_PAGE) {
+            p++;
+            continue;
+        }
+        struct page *hp = &r->pages[h];
+        uint32_t next = h + hp->npages;
+        if (hp->state == PG_MAPPED && !hp->nlive) {
+            if (!take_victim(pool, &j, r, h, V_RELEASE)) break;
+            held_sub(pool, hp->npages);
+        }
+        p = next;
+    }
+    job_do(pool, &j);
+    job_fini(pool, &j);
+    size_t n = (pool->st.released_pages - before) * pool->gran;
+    pthread_mutex_unlock(&pool->lock);
+    if (released) *released = n;
+    return 0;
+}
