@@ -17,12 +17,15 @@
  * log-linear histogram: per epoch in epoch reports, since start otherwise), `driver` (the pool's
  * driver calls by kind and their modelled seconds), `sites` (allocation sites at the epoch's
  * peak, shim/sites.c) and `trend.growing_sites`.
+ *
+ * Everything a report shows is handed over in struct msh_report (report.h), filled by the shim
+ * (shim/core.c, shim/report_feed.c): this file formats and writes it, and never calls back into
+ * the shim.
  */
 #include "report.h"
 
 #include <dlfcn.h>
 #include <fcntl.h>
-#include <link.h>
 #include <jansson.h>
 #include <limits.h>
 #include <pthread.h>
@@ -34,13 +37,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "core.h"
-#include "cuda_real.h"
 #include "drvcost.h"
-#include "memshim.h"
 #include "msh.h"
-#include "sites.h"
-#include "torch.h"
 
 static struct {
     void *h;
@@ -224,72 +222,15 @@ static void set_sn(json_t *o, const char *k, const char *v) { J.object_set_new(o
 
 /* ---- versions ---------------------------------------------------------------------------------- */
 
-static pthread_mutex_t ver_lock = PTHREAD_MUTEX_INITIALIZER;
-static char driver_version[16], runtime_version[16];
-static bool versions_read;
-static char device_names[MSH_MAX_DEVICES][128];
-
-static void cuda_version_text(int v, char *out, size_t len)
+/* The driver's, the runtime's and the device's were read by the shim (shim/report_feed.c). */
+static json_t *versions_json(const struct msh_report *r, const struct msh_report_device *d)
 {
-    snprintf(out, len, "%d.%d", v / 1000, (v % 1000) / 10);
-}
-
-/* The libcudart the process loaded (PyTorch's own copy, or the program's); never memshim's. */
-static int find_cudart(struct dl_phdr_info *info, size_t size, void *arg)
-{
-    (void)size;
-    const char *base = info->dlpi_name ? strrchr(info->dlpi_name, '/') : NULL;
-    base = base ? base + 1 : info->dlpi_name;
-    if (base && !strncmp(base, "libcudart.so", 12)) {
-        snprintf(arg, PATH_MAX, "%s", info->dlpi_name);
-        return 1;
-    }
-    return 0;
-}
-
-/* Driver and runtime versions once; the device's name when first asked. Called with no pool
- * lock held (the driver may take its own locks). */
-static void read_versions(int device)
-{
-    pthread_mutex_lock(&ver_lock);
-    if (!versions_read) {
-        versions_read = true;
-        int v = 0;
-        if (msh_cu.cuDriverGetVersion && msh_cu.cuDriverGetVersion(&v) == CUDA_SUCCESS && v > 0)
-            cuda_version_text(v, driver_version, sizeof driver_version);
-        char path[PATH_MAX] = "";
-        if (dl_iterate_phdr(find_cudart, path) && path[0]) {
-            void *h = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
-            int (*rtv)(int *) = h ? (int (*)(int *))dlsym(h, "cudaRuntimeGetVersion") : NULL;
-            v = 0;
-            if (rtv && rtv(&v) == 0 && v > 0) cuda_version_text(v, runtime_version, sizeof runtime_version);
-            if (h) dlclose(h);
-        }
-    }
-    if (device >= 0 && device < MSH_MAX_DEVICES && !device_names[device][0] && msh_cu.cuDeviceGet &&
-        msh_cu.cuDeviceGetName) {
-        CUdevice dev;
-        char name[128];
-        if (msh_cu.cuDeviceGet(&dev, device) == CUDA_SUCCESS &&
-            msh_cu.cuDeviceGetName(name, (int)sizeof name, dev) == CUDA_SUCCESS) {
-            name[sizeof name - 1] = 0;
-            memcpy(device_names[device], name, sizeof name);
-        }
-    }
-    pthread_mutex_unlock(&ver_lock);
-}
-
-static json_t *versions_json(int device)
-{
-    read_versions(device);
     json_t *v = J.object();
-    pthread_mutex_lock(&ver_lock);
-    set_sn(v, "cuda_driver", driver_version[0] ? driver_version : NULL);
-    set_sn(v, "cuda_runtime", runtime_version[0] ? runtime_version : NULL);
-    set_sn(v, "device_name", device >= 0 && device < MSH_MAX_DEVICES && device_names[device][0] ? device_names[device] : NULL);
-    set_s(v, "memshim", MEMSHIM_VERSION);
-    set_sn(v, "torch", msh_torch_version()); /* handed over by the Python side (shim/torch.c) */
-    pthread_mutex_unlock(&ver_lock);
+    set_sn(v, "cuda_driver", r->cuda_driver[0] ? r->cuda_driver : NULL);
+    set_sn(v, "cuda_runtime", r->cuda_runtime[0] ? r->cuda_runtime : NULL);
+    set_sn(v, "device_name", d->device_name[0] ? d->device_name : NULL);
+    set_s(v, "memshim", r->memshim_version);
+    set_sn(v, "torch", r->torch_version); /* handed over by the Python side (shim/torch.c) */
     return v;
 }
 
@@ -362,8 +303,8 @@ static json_t *site_json(const char *file, int line, const char *function)
 static void sites_json(json_t *root, json_t *trend, const struct msh_report *r, const struct msh_report_device *d,
                        char *verdict_extra, size_t extra_len)
 {
-    struct msh_site_row rows[MSH_REPORT_SITES];
-    int n = msh_sites_top(d->device, rows, MSH_REPORT_SITES);
+    const struct msh_site_row *rows = d->sites;
+    int n = d->nsites;
     json_t *arr = J.array();
     for (int i = 0; i < n; i++) {
         json_t *o = site_json(rows[i].file, rows[i].line, rows[i].function);
@@ -372,21 +313,21 @@ static void sites_json(json_t *root, json_t *trend, const struct msh_report *r, 
         J.array_append_new(arr, o);
     }
     J.object_set_new(root, "sites", arr);
-    const char *note = msh_sites_note();
+    const char *note = r->sites_note;
     char buf[200];
     if (!note && !n && strcmp(r->mode, "tensor"))
         note = "segment mode: memshim sees PyTorch's segments, not tensors; sites need tensor mode";
     else if (!note && !n)
         note = "no tensor allocations were attributed in this period";
-    else if (!note && msh_sites_sample_bytes()) {
+    else if (!note && r->sites_sample_bytes) {
         snprintf(buf, sizeof buf, "allocations below %llu bytes are sampled: their bytes and counts are estimates",
-                 (unsigned long long)msh_sites_sample_bytes());
+                 (unsigned long long)r->sites_sample_bytes);
         note = buf;
     }
     set_sn(root, "sites_note", note);
 
-    struct msh_site_growth g[MSH_REPORT_SITES];
-    int ng = msh_sites_growing(d->device, g, MSH_REPORT_SITES);
+    const struct msh_site_growth *g = d->growing;
+    int ng = d->ngrowing;
     json_t *garr = J.array();
     for (int i = 0; i < ng; i++) {
         json_t *o = site_json(g[i].file, g[i].line, g[i].function);
@@ -406,7 +347,7 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     json_t *root = J.object();
     set_i(root, "schema_version", MSH_REPORT_SCHEMA);
     set_s(root, "kind", r->kind);
-    set_s(root, "memshim_version", MEMSHIM_VERSION);
+    set_s(root, "memshim_version", r->memshim_version);
     set_s(root, "host", host);
     set_i(root, "pid", getpid());
     set_i(root, "rank", msh_report_rank());
@@ -421,7 +362,7 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_d(root, "t_end_s", r->t_end);
     set_u(root, "steps", r->steps);
     set_u(root, "wall_time_unix", (uint64_t)time(NULL));
-    J.object_set_new(root, "versions", versions_json(d->device));
+    J.object_set_new(root, "versions", versions_json(r, d));
 
     const struct msh_pool_stats *st = &d->st;
     json_t *mem = J.object();
@@ -584,11 +525,9 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
 
     /* Segment mode: PyTorch's own memory_stats() for the epoch, handed over by the Python side
      * (shim/torch.c); absent when it handed none (tensor mode, or CUDA not initialized). */
-    const char *tkey;
-    int64_t tval;
-    if (msh_torch_report_stat(d->device, 0, &tkey, &tval)) {
+    if (d->ntorch_stats) {
         json_t *ts = J.object();
-        for (int i = 0; msh_torch_report_stat(d->device, i, &tkey, &tval); i++) set_i(ts, tkey, tval);
+        for (int i = 0; i < d->ntorch_stats; i++) set_i(ts, d->torch_stats[i].key, d->torch_stats[i].val);
         J.object_set_new(root, "torch_memory_stats", ts);
     }
 

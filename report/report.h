@@ -6,6 +6,11 @@
  * unguessable name created O_EXCL|O_NOFOLLOW in the report directory, then rename), mode 0644,
  * in a directory memshim creates 0755 when needed. A failing disk gives one warning and stops
  * reports; it never stops the job. Nothing here runs with a pool lock held.
+ *
+ * A report is handed everything it shows: the shim fills struct msh_report (the pools' figures in
+ * shim/core.c, the versions, allocation sites and PyTorch's facts in shim/report_feed.c) and
+ * report.c formats and writes it. report/ never calls back into the shim; it reads only the pool's
+ * types (pool.h), the driver cost table and the configuration below it.
  */
 #ifndef MSH_REPORT_H
 #define MSH_REPORT_H
@@ -16,6 +21,27 @@
 #include "pool.h"
 
 #define MSH_REPORT_SCHEMA 2
+
+/* Allocation sites (filled by shim/sites.c). */
+struct msh_site_row {
+    const char *file, *function; /* interned: valid for the life of the process */
+    int line;
+    uint64_t bytes, count; /* live bytes and blocks at the epoch's peak (estimates when sampled) */
+};
+struct msh_site_growth {
+    const char *file, *function;
+    int line;
+    uint64_t growth_bytes_per_epoch;
+    int epochs; /* epoch ends the growth was seen over */
+};
+#define MSH_REPORT_SITES 10
+
+/* One of PyTorch's own memory_stats() figures handed over by the Python side (shim/torch.c). */
+struct msh_report_stat {
+    const char *key; /* stable until the Python side clears them after the report */
+    int64_t val;
+};
+#define MSH_REPORT_TORCH_STATS 48
 
 struct msh_report_device {
     int device;
@@ -28,6 +54,15 @@ struct msh_report_device {
     /* allocated bytes at the end of each closed epoch, oldest first (the last MSH_TREND_MAX) */
     const uint64_t *epoch_end_live;
     int nepoch_end;
+    char device_name[128]; /* the driver's name for the device; "" when unknown */
+    /* top sites by live bytes at the epoch's peak, largest first; sites that grew every epoch */
+    struct msh_site_row sites[MSH_REPORT_SITES];
+    int nsites;
+    struct msh_site_growth growing[MSH_REPORT_SITES];
+    int ngrowing;
+    /* segment mode: PyTorch's memory_stats() for the epoch; none in tensor mode */
+    struct msh_report_stat torch_stats[MSH_REPORT_TORCH_STATS];
+    int ntorch_stats;
 };
 #define MSH_TREND_MAX 64
 
@@ -46,6 +81,13 @@ struct msh_report {
     uint64_t empty_cache_runs, empty_cache_bytes, gc_runs;
     uint64_t gc_skipped_no_gil; /* GC steps skipped: this thread did not hold Python's GIL */
     const char *interrupted_by; /* reason `interrupted`: the signal ("SIGTERM"), else NULL */
+    /* versions: "13.0" as the driver and the process's libcudart report them, "" when unknown;
+     * PyTorch's as the Python side reported it, NULL when unknown */
+    char cuda_driver[16], cuda_runtime[16];
+    const char *memshim_version; /* MEMSHIM_VERSION (memshim.h, the shim's public face) */
+    const char *torch_version;
+    const char *sites_note;      /* why `sites` is empty or estimated; NULL: nothing to say */
+    uint64_t sites_sample_bytes; /* allocations below this are sampled; 0: none */
 };
 
 /* Open the report directory (MEMSHIM_REPORT_DIR with %p/%h expanded). Returns true when reports

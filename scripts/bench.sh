@@ -194,7 +194,7 @@ echo
 echo "### 5. Cached-path latency (pool over the simulated device vs glibc, same sizes, same process)"
 echo
 if [ -f tests/bench/bench_latency.c ]; then
-    gcc -O2 -std=c11 -D_GNU_SOURCE -pthread -Ishim -Ipolicy tests/bench/bench_latency.c "$BUILD/libmemshim_core.a" -ldl -lm -o "$BUILD/bench_latency"
+    gcc -O2 -std=c11 -D_GNU_SOURCE -pthread -Ishim -Ipolicy -Ipolicy/base tests/bench/bench_latency.c "$BUILD/libmemshim_core.a" -ldl -lm -o "$BUILD/bench_latency"
     "$BUILD/bench_latency"
 else
     echo "(tests/bench/bench_latency.c missing)"
@@ -207,7 +207,7 @@ python3 tests/bench/bench_reports.py "$BUILD"
 echo
 echo "### 7. Streams: event records and waits per 1000 alloc/free pairs (pool on the CUDA driver double)"
 echo
-gcc -O2 -std=c11 -D_GNU_SOURCE -pthread -Ishim -Ipolicy -Itests/cudadouble tests/bench/bench_streams.c \
+gcc -O2 -std=c11 -D_GNU_SOURCE -pthread -Ishim -Ipolicy -Ipolicy/base -Itests/cudadouble tests/bench/bench_streams.c \
     "$BUILD/libmemshim_core.a" -L"$BUILD/double" -Wl,-rpath,"$(cd "$BUILD/double" && pwd)" -lcuda -ldl -lm \
     -o "$BUILD/bench_streams"
 "$BUILD/bench_streams"

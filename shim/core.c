@@ -454,6 +454,15 @@ static void fill_report(struct msh_report *r, const char *kind, const char *reas
     }
 }
 
+/* Hand a filled report what else it shows (shim/report_feed.c) and write it; nothing is read
+ * when reports are off. Never with a pool lock held. */
+static void write_report(struct msh_report *r)
+{
+    if (!msh_report_init()) return;
+    msh_report_feed(r);
+    msh_report_write(r);
+}
+
 /* Give every pool's cached pages back to the driver and count it for the epoch report. The
  * caller holds epoch_lock when `locked`. Returns the bytes released per device in `out` (may be
  * NULL). */
@@ -527,7 +536,7 @@ static void close_epoch(const char *reason, bool may_gc, bool policies, const ch
     fill_report(&r, "epoch", reason);
     r.interrupted_by = by;
     keep_figures(&r);
-    if (r.ndev) msh_report_write(&r);
+    if (r.ndev) write_report(&r);
     for (int i = 0; i < r.ndev; i++)
         msh_info("epoch %llu (%s) device %d: peak allocated %.1f MiB, peak reserved %.1f MiB, maps %llu, "
                  "unmaps %llu, reclaimed pages %llu",
@@ -720,7 +729,7 @@ void msh_core_finish(bool interrupted, int signo)
         fill_report(&r, "summary", interrupted ? "interrupted" : "exit");
         r.interrupted_by = by;
         pthread_mutex_unlock(&epoch_lock);
-        if (r.ndev) msh_report_write(&r);
+        if (r.ndev) write_report(&r);
         msh_history_exit();
         /* The pools' pooled events (issue 10), at a normal exit only: after a signal the program's
          * threads still run until the signal ends them, and may still use them. */
@@ -764,7 +773,7 @@ void msh_core_note_oom(int device)
         if (r.dev[i].device == device) {
             r.dev[0] = r.dev[i];
             r.ndev = 1;
-            msh_report_write(&r);
+            write_report(&r);
             break;
         }
     msh_in_hook--;

@@ -64,4 +64,10 @@ void msh_core_close_epoch(const char *reason);
  * the first (a few seconds at most) and returns. */
 void msh_core_finish(bool interrupted, int signo);
 
+/* (shim/report_feed.c) Fill in what a report shows besides the pools' figures: the versions,
+ * each device's name, allocation sites and PyTorch's memory_stats(); just before it is written,
+ * never with a pool lock held. */
+struct msh_report;
+void msh_report_feed(struct msh_report *r);
+
 #endif

@@ -78,7 +78,7 @@ int memshim_last_epoch(int device, struct memshim_epoch_figures *out);
  * started), EINVAL. */
 int memshim_run_interrupted(int signo);
 
-/* PyTorch memory snapshots served by memshim (report/trace/history.c; the Python side is
+/* PyTorch memory snapshots served by memshim (shim/record/history.c; the Python side is
  * hooks/python/memshim/_history.py). memshim_history_record: mode 0 stops recording, 1 keeps
  * the sites of live blocks only ("state"), 2 records every event too ("all") in a ring of
  * `max_entries` (at most 2^24); `clear` drops the events so far; `frames` 0 records no stacks.

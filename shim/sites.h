@@ -2,7 +2,7 @@
  * sites.h: allocation sites (shim/sites.c). For the blocks memshim places in tensor mode it
  * records the Python call site (the first frame outside torch and memshim's own package, with a
  * few frames around it), interned once, and keeps live bytes per site and device: at the epoch's
- * peak, and at each epoch's end for the leak verdict. The snapshot writer (report/trace/) reads
+ * peak, and at each epoch's end for the leak verdict. The snapshot writer (shim/record/) reads
  * the interned stacks for PyTorch's `frames`.
  *
  * Never called with a pool lock held; never calls a CUDA hook. CPython is resolved at run time
@@ -14,6 +14,8 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#include "report.h"
 
 /* Stack ids. 0: none. The pseudo stacks stand for allocations whose Python stack was not read. */
 #define MSH_STACK_NONE 0u
@@ -50,19 +52,7 @@ void msh_sites_epoch_reset(void);
  * Python package). Returns 0, EINVAL or ENOSPC. */
 int msh_sites_add_internal_prefix(const char *prefix);
 
-/* ---- for reports -------------------------------------------------------------------------- */
-struct msh_site_row {
-    const char *file, *function; /* interned: valid for the life of the process */
-    int line;
-    uint64_t bytes, count; /* live bytes and blocks at the epoch's peak (estimates when sampled) */
-};
-struct msh_site_growth {
-    const char *file, *function;
-    int line;
-    uint64_t growth_bytes_per_epoch;
-    int epochs; /* epoch ends the growth was seen over */
-};
-#define MSH_REPORT_SITES 10
+/* ---- for reports (the rows are report.h's: shim/report_feed.c hands them to the report) ---- */
 /* Top sites of `device` by live bytes at the current epoch's peak, largest first. */
 int msh_sites_top(int device, struct msh_site_row *rows, int max);
 /* Sites whose live bytes at the end of each recorded epoch grew at every boundary (at least two

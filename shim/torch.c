@@ -1213,7 +1213,7 @@ MSH_EXPORT int memshim_torch_oom_message(int device, size_t size, char *buf, siz
 
 /* ---- PyTorch's own figures for the epoch report (segment mode) ---------------------------------- */
 
-#define ESTAT_MAX 48
+#define ESTAT_MAX MSH_REPORT_TORCH_STATS /* as many as a report carries (report.h) */
 static struct {
     char key[64];
     int64_t val;

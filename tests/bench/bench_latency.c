@@ -4,7 +4,7 @@
  * process. Not a test: it prints a table and one summary line for scripts/bench.sh.
  *
  * Build (from the repository root, after `make build/libmemshim_core.a`):
- *   gcc -O2 -std=c11 -D_GNU_SOURCE -pthread -Ishim -Ipolicy tests/bench/bench_latency.c \
+ *   gcc -O2 -std=c11 -D_GNU_SOURCE -pthread -Ishim -Ipolicy -Ipolicy/base tests/bench/bench_latency.c \
  *       build/libmemshim_core.a -ldl -lm -o build/bench_latency
  * Run: build/bench_latency [sizes-file]   (one size in bytes per line; default: a PyTorch-like mix)
  *

@@ -1,12 +1,12 @@
 /*
- * fuzz_conf.c: libFuzzer target for the combined MEMSHIM_CONF string (policy/options.c). The
+ * fuzz_conf.c: libFuzzer target for the combined MEMSHIM_CONF string (policy/base/options.c). The
  * input, up to its first NUL, is MEMSHIM_CONF; when it starts with a byte 0xF0 or above, the
  * next byte picks one MEMSHIM_* variable that is also set (to "1"), to exercise precedence.
  * After msh_config_load_from: the invariants of options_checks.h, and a second fixed point: the
  * effective values written as one MEMSHIM_CONF ("key:value,...", keys in lower case) read back
  * to the same values (values with a comma cannot be written in MEMSHIM_CONF and are left out).
- * Build and run: tests/fuzz/run_fuzz.sh fuzz_conf (sources: this file, policy/options.c,
- * shim/log.c). It must keep no state between inputs.
+ * Build and run: tests/fuzz/run_fuzz.sh fuzz_conf (sources: this file, policy/base/options.c,
+ * policy/base/log.c). It must keep no state between inputs.
  */
 #include <ctype.h>
 #include <stdint.h>

@@ -1,11 +1,11 @@
 /*
- * fuzz_options.c: libFuzzer target for memshim's option parser (policy/options.c): the input is a
+ * fuzz_options.c: libFuzzer target for memshim's option parser (policy/base/options.c): the input is a
  * list of environment entries, one per line. A line whose first byte is below 0x80 sets option
  * (byte % number of options) to the rest of the line; other lines are taken whole as
  * "MEMSHIM_<rest>" (unknown names, names with '=' inside, ...). The list goes through
  * msh_config_load_from, every value also through each public parser, then the invariants of
  * options_checks.h. Build and run: tests/fuzz/run_fuzz.sh fuzz_options (sources: this file,
- * policy/options.c, shim/log.c, shim/paths.c). It must keep no state between inputs.
+ * policy/base/options.c, policy/base/log.c, policy/base/paths.c). It must keep no state between inputs.
  */
 #include <stdint.h>
 #include <stdlib.h>

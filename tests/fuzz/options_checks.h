@@ -1,7 +1,7 @@
 /*
  * options_checks.h: the invariants the option fuzzers (fuzz_options.c, fuzz_conf.c) and their
  * regression tests (tests/reliability/test_fuzz_regress.c) check after msh_config_load_from.
- * Header-only so each target stays one .c file plus policy/options.c, shim/log.c and shim/paths.c. A broken
+ * Header-only so each target stays one .c file plus policy/base/options.c, policy/base/log.c and policy/base/paths.c. A broken
  * invariant calls abort(), which libFuzzer reports with the input.
  *
  *  - every parsed field is within its documented range, and every path is a NUL-terminated
@@ -12,7 +12,7 @@
  *    back as MEMSHIM_* variables gives the same printed values (what reports and
  *    `memshim-options --check` show can be pasted back into a job).
  *
- * Known issue (found by these fuzzers, reported; policy/options.c is not this suite's to fix):
+ * Known issue (found by these fuzzers, reported; policy/base/options.c is not this suite's to fix):
  * durations and fractions are printed with "%g", so a large value prints in exponent form
  * ("3.33333e+09") that the parser refuses. Until it is fixed, a printed value in exponent form is
  * left out of the fixed-point check; build with -DMSH_FUZZ_STRICT to check it anyway.

@@ -25,7 +25,7 @@ FUZZ_PARALLEL="${FUZZ_PARALLEL:-1}"
 CC_FUZZ="${CC_FUZZ:-clang}"
 CUDA_INC="${CUDA_HOME:-/usr/local/cuda}/include"
 FLAGS="-g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -D_GNU_SOURCE \
--Ishim -Ipolicy -Ipolicy/models -Ireport -Ireport/trace -I$CUDA_INC"
+-Ishim -Ishim/record -Ipolicy -Ipolicy/base -Ireport -Ireport/trace -Ireport/replay/models -I$CUDA_INC"
 ARTIFACTS=/tmp/memshim-fuzz-artifacts
 
 # Targets known to this script, whether or not their file exists yet.
@@ -35,12 +35,12 @@ KNOWN="fuzz_pickle fuzz_text fuzz_profiler fuzz_options fuzz_conf fuzz_drvcost"
 # static archive, so a target pulls in only the objects it reaches (the trace readers reach the
 # allocator models, which reach the pool; the options parser reaches only the log).
 trace_sources() { # as the Makefile's libmemshim_trace.a + libmemshim_core.a
-    ls report/trace/*.c policy/models/*.c shim/*.c policy/*.c report/*.c 2>/dev/null | tr '\n' ' '
+    ls report/trace/*.c report/replay/models/*.c shim/*.c shim/record/*.c policy/*.c policy/pool/*.c policy/base/*.c report/*.c 2>/dev/null | tr '\n' ' '
 }
 target_sources() { # target -> its source list, by name
     case "$1" in
     fuzz_pickle|fuzz_text|fuzz_profiler|fuzz_drvcost) echo "trace $(trace_sources)" ;;
-    fuzz_options|fuzz_conf) echo "options policy/options.c shim/log.c shim/paths.c" ;;
+    fuzz_options|fuzz_conf) echo "options policy/base/options.c policy/base/log.c policy/base/paths.c" ;;
     *) return 1 ;;
     esac
 }

@@ -48,13 +48,13 @@ DATA_LIMIT = 6 << 30
 UNIT_FIRST = {
     "test_pool": ("policy/pool/", "policy/dev_sim.c"), "test_stress": ("policy/pool/", "policy/dev_cuda.c"),
     "test_trace": ("report/trace/",), "test_profiler": ("report/trace/profiler.c", "report/trace/trace.c"),
-    "test_models": ("policy/models/",), "test_options": ("policy/options.c", "shim/log.c"),
+    "test_models": ("report/replay/models/",), "test_options": ("policy/base/options.c", "policy/base/log.c"),
     "test_double": ("tests/cudadouble/",), "test_drvcost": ("policy/drvcost.c",), "test_torch": ("shim/torch.c",),
 }
 SCRIPT_FIRST = [  # (word in the suite's name, files whose mutants try it first)
     ("preload", ("hooks/", "shim/", "policy/dev_cuda.c")),
-    ("--check", ("policy/pool/", "report/replay/", "policy/models/policy_memshim.c")),
-    ("replay", ("report/replay/", "report/trace/", "policy/models/")),
+    ("--check", ("policy/pool/", "report/replay/", "report/replay/models/policy_memshim.c")),
+    ("replay", ("report/replay/", "report/trace/", "report/replay/models/")),
     ("demo", ("shim/", "report/report.c")),
     ("reports", ("report/report.c", "shim/core.c", "policy/pool/")),
     ("report tool", ("report/report.c",)),

@@ -171,8 +171,8 @@ def check_wheel(tmp, hdr_env, info):
         cmd += ["-isystem", "/usr/include", f"-I{bi['cuda_include']}"]
         for d in bi.get("cuda_include_after") or []:
             cmd += ["-idirafter", d]
-        cmd += ["-Ishim", "-Ipolicy", "-Ireport", "-Ireport/trace"]
-        p = subprocess.run(cmd + ["shim/cuda_real.c", "hooks/runtime.c"], cwd=ROOT, capture_output=True, text=True)
+        cmd += ["-Ishim", "-Ipolicy", "-Ipolicy/base", "-Ireport", "-Ireport/trace"]
+        p = subprocess.run(cmd + ["policy/base/cuda_real.c", "hooks/runtime.c"], cwd=ROOT, capture_output=True, text=True)
         case("the wheel-header set compiles memshim's CUDA sources with no other include directory "
              f"(after: {bi.get('cuda_include_after')})", p.returncode == 0, p.stderr[-800:])
     return whl[0]

@@ -2,7 +2,7 @@
  * driver_oom.c: the driver running out of memory while the pool maps a page is memory pressure:
  * the pool's rescue chain retries (here the retry succeeds, the failure being a single injected
  * one), and the request never goes to the real allocator, which is only for pool errors other
- * than "no room" (shim/msh.h's errno convention: the driver's CUDA_ERROR_OUT_OF_MEMORY is ENOMEM,
+ * than "no room" (policy/base/msh.h's errno convention: the driver's CUDA_ERROR_OUT_OF_MEMORY is ENOMEM,
  * never EIO). A mutant that read the driver's OOM as an I/O error passed every other suite
  * (docs/testing.md): its cudaMalloc went to cuMemAlloc. Run under LD_PRELOAD=libmemshim.so on the
  * driver double.

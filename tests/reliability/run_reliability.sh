@@ -19,14 +19,14 @@ OUT="$BUILD/reliability"
 CUDA_INC="${CUDA_HOME:-/usr/local/cuda}/include"
 CC="${CC:-gcc}"
 CFLAGS="-O2 -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -fPIC -pthread \
--Ishim -Ipolicy -Itests -Itests/cudadouble -I$CUDA_INC"
+-Ishim -Ipolicy -Ipolicy/base -Itests -Itests/cudadouble -I$CUDA_INC"
 P=0; F=0; S=0
 mkdir -p "$OUT"
 
 build() { # output source extra-args... (rebuilt when any source, header or the library is newer)
     local out=$1 src=$2 dep
     shift 2
-    for dep in "$src" "$@" tests/cudadouble/cudbl.h tests/harness.h tests/fuzz/options_checks.h shim/msh.h \
+    for dep in "$src" "$@" tests/cudadouble/cudbl.h tests/harness.h tests/fuzz/options_checks.h policy/base/msh.h \
                "$BUILD/libmemshim.so"; do
         case "$dep" in -*) continue ;; esac
         if [ ! -f "$out" ] || [ "$dep" -nt "$out" ]; then
@@ -43,7 +43,7 @@ build "$OUT/reli-soak" tests/reliability/soak.c $DBL -lcudart -lcuda -ldl || ok_
 build "$OUT/libreli-callcount.so" tests/reliability/callcount.c -shared $DBL -lcuda || ok_build=0
 build "$OUT/libreli-openspy.so" tests/reliability/openspy.c -shared || ok_build=0
 build "$OUT/libreli-poolcheck.so" tests/reliability/poolcheck.c -shared -ldl || ok_build=0
-build "$OUT/test_fuzz_regress" tests/reliability/test_fuzz_regress.c policy/options.c shim/log.c shim/paths.c -lm || ok_build=0
+build "$OUT/test_fuzz_regress" tests/reliability/test_fuzz_regress.c policy/base/options.c policy/base/log.c policy/base/paths.c -lm || ok_build=0
 if [ "$ok_build" = 0 ]; then
     echo "FAIL building the reliability helpers"
     echo "0 passed, 1 failed, 0 skipped"

@@ -1,7 +1,7 @@
 /*
  * test_fuzz_regress.c: inputs the option fuzzers (tests/fuzz/fuzz_options.c, fuzz_conf.c) found,
  * kept as regression tests, with the same invariants (tests/fuzz/options_checks.h). Linked with
- * policy/options.c, shim/log.c and shim/paths.c only. A case that shows a known issue in code this suite does
+ * policy/base/options.c, policy/base/log.c and policy/base/paths.c only. A case that shows a known issue in code this suite does
  * not own is skipped with the reason, unless RELI_STRICT=1.
  *
  * Found by the first 60-second runs (2026-11-30):
@@ -11,7 +11,7 @@
  *     "8.88899e+15", same effect.
  *   fuzz_conf crash-cce44b88: MEMSHIM_CONF=limit:0.000000000000000000093 prints as "9.3e-20";
  *     read back, MEMSHIM_LIMIT falls to its default (0, no limit).
- * Cause: policy/options.c format_value() prints T_SECONDS, T_FRACTION and T_LIMIT fractions with
+ * Cause: policy/base/options.c format_value() prints T_SECONDS, T_FRACTION and T_LIMIT fractions with
  * "%g" (6 significant digits, exponent form for large values), and parse_decimal() accepts no
  * exponent. So reports and `memshim-options --check` can show values that cannot be pasted back,
  * and lose precision (1234567 s shows as 1.23457e+06).
@@ -59,7 +59,7 @@ static void round_trip(const char *var, const char *value, const char *known)
     CHECKF(same, "%s=%s printed '%s', read back '%s'", var, value, first, second);
 }
 
-#define KNOWN_G "known issue: policy/options.c prints durations and fractions with %g (exponent form the parser refuses)"
+#define KNOWN_G "known issue: policy/base/options.c prints durations and fractions with %g (exponent form the parser refuses)"
 
 TEST(fuzz_options_crash_903f1a48_epoch_seconds_exponent)
 {

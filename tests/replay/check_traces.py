@@ -8,7 +8,7 @@ SMALL_EVENTS events) also at the smallest capacity that fits (--capacity auto --
 reclaimed and remapped, then the steady second pass) and at 90% of their live peak, where requests
 fail and the rescue chain runs. A violation makes memshim-replay exit 3 and name the event; each
 run here is one case. For the small traces, the memshim column of --compare (the policy runner of
-policy/models/policy_memshim.c) must also equal what the plain replay found on its own code path:
+report/replay/models/policy_memshim.c) must also equal what the plain replay found on its own code path:
 the minimum capacity, the unlimited peak and the maps at the minimum. Skips with a clear message
 when the traces are absent.
 Ends with "N passed, N failed, N skipped"."""

@@ -1,5 +1,5 @@
 /*
- * options_main.c: memshim-options, the command-line face of policy/options.c.
+ * options_main.c: memshim-options, the command-line face of policy/base/options.c.
  *
  *   memshim-options --markdown   print docs/configuration.md, generated from the option table
  *   memshim-options --check      read MEMSHIM_* from this environment as libmemshim.so would,

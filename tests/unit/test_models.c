@@ -1,5 +1,5 @@
 /*
- * test_models.c: the models of PyTorch's caching allocator (policy/models/model_torch.c,
+ * test_models.c: the models of PyTorch's caching allocator (report/replay/models/model_torch.c,
  * model_expandable.c) on small synthetic streams, one rule of CUDACachingAllocator.cpp per test.
  */
 #include <errno.h>

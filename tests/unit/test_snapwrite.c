@@ -1,6 +1,6 @@
 /*
  * test_snapwrite.c: the pickle writer (report/trace/pkwrite.c) read back by memshim's own pickle
- * reader, and the snapshot writer (report/trace/snapwrite.c) over the driver double: the window
+ * reader, and the snapshot writer (shim/record/snapwrite.c) over the driver double: the window
  * of events starts where PyTorch's viewer can replay it even when an allocation is in the pool
  * but its alloc event is not in the ring yet (the race between two threads, made deterministic
  * by allocating from the pool directly).

@@ -3,7 +3,7 @@
 Under a pluggable allocator PyTorch's own torch.cuda.memory._record_memory_history(), _snapshot(),
 memory_snapshot() and _dump_snapshot() raise: its caching allocator, which keeps that history, is
 not in use. install() replaces them with versions backed by memshim's history ring
-(report/trace/history.c): the snapshot is built in C (the same pickle PyTorch writes) and loaded
+(shim/record/history.c): the snapshot is built in C (the same pickle PyTorch writes) and loaded
 here with an unpickler that refuses every class. Existing memory-debugging code, torch.cuda's
 _memory_viz and pytorch.org/memory_viz then work unchanged.
 

@@ -73,7 +73,7 @@ def need_lib(where):
 
 def option_table(where):
     """[(name, default)] of every MEMSHIM_* option, read from memshim-options (the option table
-    of policy/options.c), so `run` offers a flag for each and stays in step with the library."""
+    of policy/base/options.c), so `run` offers a flag for each and stays in step with the library."""
     try:
         p = subprocess.run([where["options"], "--check"], capture_output=True, text=True, timeout=30,
                            env={k: v for k, v in os.environ.items() if not k.startswith("MEMSHIM_")})

@@ -7,6 +7,9 @@
  * dlsym, which never returns memshim's own exported hooks. msh_cu is filled once; a function
  * the driver lacks stays NULL and its user falls back. The pool and the hooks call the driver
  * only through this table.
+ *
+ * policy/base/ is the ground floor every folder may use (msh.h says what it holds); it includes
+ * nothing of memshim's outside policy/base.
  */
 #ifndef MSH_CUDA_REAL_H
 #define MSH_CUDA_REAL_H

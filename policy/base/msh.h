@@ -7,6 +7,10 @@
  * types (CUresult, cudaError_t) appear only at the API boundary in hooks/. Nothing declared here
  * may call back into a CUDA hook. The pool takes its own memory from mmap, never from malloc,
  * so an allocation hook never depends on the host allocator while it holds a pool lock.
+ *
+ * policy/base/ is the ground floor: this header and what it declares (log.c, paths.c, options.c),
+ * the real driver table (cuda_real.h) and the clocks (hotclock.h). Every folder may use it; it
+ * includes nothing of memshim's outside policy/base, so it stands on no other floor.
  */
 #ifndef MSH_H
 #define MSH_H
@@ -28,7 +32,7 @@
 #define MSH_GiB ((size_t)1 << 30)
 #define MSH_MAX_DEVICES 64
 
-/* ---- logging (shim/log.c) -------------------------------------------------------------------
+/* ---- logging (policy/base/log.c) -------------------------------------------------------------------
  * Lines go out with one write(2) from a stack buffer: no allocation, no interleaving of partial
  * lines across threads. Prefix "memshim[pid]: level: ". Warnings are capped (MSH_LOG_WARN_CAP) so
  * a bad loop cannot flood the job's stderr. */
@@ -41,7 +45,7 @@ void msh_vlog(int level, const char *fmt, va_list ap);
 void msh_log_open(const char *path_template);
 /* Expand %p (pid), %h (host name) and %% in `tmpl` into `out`; returns 0 or ENAMETOOLONG. */
 int msh_expand_path(const char *tmpl, char *out, size_t outlen);
-/* (shim/paths.c) The directory the job started in: the first CPython process with a relative
+/* (policy/base/paths.c) The directory the job started in: the first CPython process with a relative
  * path setting exports its own as _MEMSHIM_START_DIR to the processes it launches; else this
  * process's directory at start-up. NULL when unknown. */
 const char *msh_start_dir(void);
@@ -58,8 +62,8 @@ void msh_log_reset_warn_count(void);
 #define msh_info(...) do { if (msh_log_level >= MSH_LOG_INFO) msh_log(MSH_LOG_INFO, __VA_ARGS__); } while (0)
 #define msh_debug(...) do { if (msh_log_level >= MSH_LOG_DEBUG) msh_log(MSH_LOG_DEBUG, __VA_ARGS__); } while (0)
 
-/* ---- configuration (policy/options.c) -------------------------------------------------------
- * Every MEMSHIM_* variable is one row of the option table in policy/options.c; this struct is
+/* ---- configuration (policy/base/options.c) -------------------------------------------------------
+ * Every MEMSHIM_* variable is one row of the option table in policy/base/options.c; this struct is
  * the parsed result. msh_config_load() reads the environment once; a bad value gives one warning
  * and the default (MEMSHIM_STRICT=1: abort after all are read). */
 enum msh_mode { MSH_MODE_AUTO, MSH_MODE_TENSOR, MSH_MODE_SEGMENT, MSH_MODE_OFF };

@@ -1,5 +1,5 @@
 /*
- * hotclock.h: time on the allocation path (shim/hotclock.c). clock_gettime(CLOCK_MONOTONIC)
+ * hotclock.h: time on the allocation path (policy/base/hotclock.c). clock_gettime(CLOCK_MONOTONIC)
  * costs 20-60 ns on a virtual machine, about what the pool's whole cached path costs, so the
  * path reads no precise clock on most calls: msh_ticks() (the CPU's invariant counter, as
  * PyTorch's own history recorder stamps its events) stamps the snapshot ring and times GIL
@@ -8,6 +8,9 @@
  *
  * Must never allocate, take a lock or call a CUDA hook from the inline functions; ticks taken
  * before msh_hotclock_init() are nanoseconds and must not be compared with later ones.
+ *
+ * policy/base/ is the ground floor every folder may use (msh.h says what it holds); it includes
+ * nothing of memshim's outside policy/base.
  */
 #ifndef MSH_HOTCLOCK_H
 #define MSH_HOTCLOCK_H

@@ -1,6 +1,6 @@
 /*
- * history.h: memshim's allocation history for PyTorch memory snapshots (report/trace/history.c)
- * and the snapshot writer that turns it into PyTorch's pickle (report/trace/snapwrite.c).
+ * history.h: memshim's allocation history for PyTorch memory snapshots (shim/record/history.c)
+ * and the snapshot writer that turns it into PyTorch's pickle (shim/record/snapwrite.c).
  *
  * The history is a bounded ring of the last N events (alloc, free_requested, free_completed,
  * segment_map, segment_unmap, oom, snapshot), recorded when MEMSHIM_SNAPSHOT is set or when
@@ -9,6 +9,10 @@
  * wrapper around the device backend's map/unmap), so a snapshot's `segments` are exact even when
  * recording starts late. Recording happens under the pool lock (map/unmap) or with no lock held
  * (alloc/free); the history lock is a leaf: nothing is called while holding it.
+ *
+ * shim/record/ is what records, kept with the shim it records for: it reads the pools through
+ * core.h and the allocation sites through sites.h, and writes PyTorch's pickle with the trace
+ * formats' writer (report/trace/pkwrite.h), a floor below. Nothing under report/ calls into it.
  */
 #ifndef MSH_HISTORY_H
 #define MSH_HISTORY_H

@@ -12,6 +12,10 @@
  *
  * This header also declares the snapshot reader's extra output for the models: the recorded
  * segment events, the segments and blocks at dump time, and the recorded allocator settings.
+ *
+ * report/replay/models/ lives beside the replay that runs it (report/replay/main.c): it reads the
+ * trace formats (report/trace) and drives the pool (policy/), both below it; the pool never
+ * knows it is being replayed.
  */
 #ifndef MSH_POLICY_H
 #define MSH_POLICY_H
