@@ -123,7 +123,7 @@ $(BUILD)/libmemshim_trace.a: $(TRACE_OBJ)
 	@rm -f $@; ar rcs $@ $^
 
 # ---- tools -----------------------------------------------------------------------------------
-$(BUILD)/memshim-replay: $(BUILD)/obj/report/replay/main.o $(BUILD)/libmemshim_trace.a $(BUILD)/libmemshim_core.a
+$(BUILD)/memshim-replay: $(BUILD)/obj/report/replay/main.o $(BUILD)/obj/report/replay/devtime.o $(BUILD)/libmemshim_trace.a $(BUILD)/libmemshim_core.a
 	$(CC) -o $@ $^ $(LDFLAGS) $(TOOL_JANSSON) $(LIBS)
 
 $(BUILD)/memshim-options: $(BUILD)/obj/tests/tools/options_main.o $(BUILD)/libmemshim_core.a

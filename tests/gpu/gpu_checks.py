@@ -255,6 +255,57 @@ class Run:
         return rc == 0, {"rc": rc, "timed_out": to, "file": path, "counts": line[0] if line else None,
                          "failures": [ln for ln in out.splitlines() if ln.startswith("FAIL")][:10]}
 
+    def spill(self, limit):
+        """MEMSHIM_SPILL=host (issue 20). On the GPU: a real training step unlimited, then at a limit of
+        0.9x its peak with spill (same losses, step time measured against the unlimited run), then
+        the same limit with spill off (torch.OutOfMemoryError). Dry run: the replay below a trace's
+        peak on the simulated device (the pool's part)."""
+        if self.dry:
+            trace = os.path.join(self.out, "spill-offload.txt")
+            sh(self.py(os.path.join(ROOT, "scripts", "gen_offload_trace.py"), "-o", trace, "--seed", "1"), 60, self.env)
+            rc, out, err, s, to = sh([os.path.join(B, "memshim-replay"), "--json", trace], 60, self.env)
+            try:
+                peak = json.loads(out.splitlines()[0])["peak_live_bytes"]
+            except (ValueError, IndexError, KeyError):
+                return False, {"rc": rc, "stderr": err[-400:]}
+            cap = int(peak * 0.95) // (2 << 20) * (2 << 20)
+            rc, out, err, s, to = sh([os.path.join(B, "memshim-replay"), "--json", "--spill", "host", "--capacity",
+                                      str(cap), trace], max(10, limit - 60), self.env)
+            try:
+                d = json.loads(out.splitlines()[0])
+            except (ValueError, IndexError):
+                return False, {"rc": rc, "stderr": err[-400:]}
+            return d["ooms"] == 0 and d["spilled_peak_bytes"] > 0, {
+                "replay": {k: v for k, v in d.items() if "spill" in k or k == "ooms"}}
+        script = os.path.join(ROOT, "tests", "gpu", "spill_step.py")
+        runs = {}
+        for name, extra in (("unlimited", {}), ("spill", None), ("off", None)):
+            env = dict(self.memshim_env(), MEMSHIM_LOG="info")
+            if extra is None:
+                peak = (runs.get("unlimited") or {}).get("peak_allocated")
+                if not peak:
+                    break
+                env.update(MEMSHIM_LIMIT=str(int(peak * 0.9)), MEMSHIM_SPILL="host" if name == "spill" else "off")
+            path = os.path.join(self.out, f"spill-{name}.json")
+            rc, out, err, s, to = sh(self.memshim_cmd("run", "--", sys.executable, script, path),
+                                     max(10, min(120, self.left() - 20)), env,
+                                     out_path=os.path.join(self.out, f"spill-{name}.txt"))
+            try:
+                runs[name] = json.load(open(path))
+            except (OSError, ValueError):
+                runs[name] = {"ok": False, "rc": rc, "timed_out": to, "stderr": err[-600:]}
+        u, sp, off = runs.get("unlimited", {}), runs.get("spill", {}), runs.get("off", {})
+        same = bool(u.get("ok") and sp.get("ok")) and all(
+            abs(a - b) <= 1e-4 * max(1.0, abs(a)) for a, b in zip(u["losses"], sp["losses"]))
+        med = lambda v: sorted(v)[len(v) // 2] if v else None  # noqa: E731
+        d = {"unlimited_step_s": med(u.get("step_s", [])[1:]), "spill_step_s": med(sp.get("step_s", [])[1:]),
+             "peak_allocated": u.get("peak_allocated"), "losses_match": same, "off_ooms": bool(off.get("oom")),
+             "spill_stats": sp.get("memshim_stats"), "runs": {k: {x: v.get(x) for x in ("ok", "oom", "rc")}
+                                                             for k, v in runs.items()}}
+        if d["unlimited_step_s"] and d["spill_step_s"]:
+            d["slowdown"] = d["spill_step_s"] / d["unlimited_step_s"]
+        return same and d["off_ooms"], d
+
     def report(self, limit):
         dirs = sorted(d for d in glob.glob(os.path.join(self.out, "memreport-*")) if os.path.isdir(d))
         if not dirs:
@@ -276,6 +327,7 @@ class Run:
         self.step("doctor", self.doctor, 60)
         self.step("demo", self.demo, 90, needs=("vmm",))
         self.step("torch", self.torch, 330, needs=("torch", "vmm"))
+        self.step("spill", self.spill, 150, needs=("torch", "vmm", "gpu") if not self.dry else ())
         self.step("report", self.report, 60)
         total = round(time.time() - self.t0, 1)
         summary = {"dry_run": self.dry, "budget_s": self.budget, "total_s": total, "steps": self.steps,

@@ -217,6 +217,7 @@ TEST(defaults)
     CHECK(msh_cfg.epoch_interval == 1000 && msh_cfg.catch_signals && msh_cfg.trainer_metrics);
     CHECK(msh_cfg.snapshot[0] == '\0' && msh_cfg.snapshot_events == 100000);
     CHECK(msh_cfg.latency_sample == 64);
+    CHECK(msh_cfg.spill == MSH_SPILL_OFF && msh_cfg.spill_max_fraction == 0.5 && msh_cfg.spill_max_bytes == 0);
     char val[256];
     const char *name, *source;
     int n = 0;
@@ -224,7 +225,7 @@ TEST(defaults)
         CHECKF(strncmp(name, "MEMSHIM_", 8) == 0, "%s", name);
         CHECKF(strcmp(source, "default") == 0, "%s from %s", name, source);
     }
-    CHECK(n == 28);
+    CHECK(n == 30);
     CHECK(msh_config_iter(n, &name, val, sizeof val, &source) == 0);
     CHECK(msh_config_iter(-1, &name, val, sizeof val, &source) == 0);
     CHECK(strcmp(value_of("MEMSHIM_SMALL_MAX", val, sizeof val, NULL), "1MiB") == 0);
@@ -241,7 +242,8 @@ TEST(every_option_parses)
         "MEMSHIM_EPOCH=steps", "MEMSHIM_EPOCH_STEPS=100", "MEMSHIM_EPOCH_SECONDS=1h",
         "MEMSHIM_EPOCH_SIGNAL=USR1", "MEMSHIM_REPORT_DIR=/tmp/rep-%p",
         "MEMSHIM_REPORT_FORMAT=json-pretty", "MEMSHIM_TRACE_FILE= /tmp/t.trace ",
-        "MEMSHIM_LOG=debug", "MEMSHIM_LOG_FILE=/tmp/memshim-%h.log", "MEMSHIM_STRICT=yes", NULL};
+        "MEMSHIM_LOG=debug", "MEMSHIM_LOG_FILE=/tmp/memshim-%h.log", "MEMSHIM_STRICT=yes", "MEMSHIM_SPILL=Host",
+        "MEMSHIM_SPILL_MAX=64G", NULL};
     const char *log;
     CHECK(load_env(env, &log) == 0);
     CHECK(count_warnings(log) == 0);
@@ -262,6 +264,8 @@ TEST(every_option_parses)
     CHECK(msh_cfg.log_level == MSH_LOG_DEBUG && msh_log_level == MSH_LOG_DEBUG);
     CHECK(strcmp(msh_cfg.log_file, "/tmp/memshim-%h.log") == 0);
     CHECK(msh_cfg.strict);
+    CHECK(msh_cfg.spill == MSH_SPILL_HOST && msh_cfg.spill_max_bytes == 64 * (uint64_t)MSH_GiB &&
+          msh_cfg.spill_max_fraction == 0);
     char val[256];
     const char *src;
     CHECK(strcmp(value_of("MEMSHIM_LIMIT", val, sizeof val, &src), "40GiB") == 0);
@@ -291,6 +295,9 @@ TEST(bad_values_keep_default_with_one_warning)
         {"MEMSHIM_GC_THRESHOLD", "1.5", "out of range (expected a fraction 0..1); using the default (0.9)"},
         {"MEMSHIM_GC_THRESHOLD", "lots", "is not a fraction"},
         {"MEMSHIM_DEFRAG", "maybe", "is not a boolean"},
+        {"MEMSHIM_SPILL", "disk", "expected one of off, host); using the default (off)"},
+        {"MEMSHIM_SPILL_MAX", "lots", "is not a size or fraction"},
+        {"MEMSHIM_SPILL_MAX", "1.5", "is not a size or fraction"},
         {"MEMSHIM_SMALL_MAX", "65MiB", "out of range (expected a size from 0 to 64MiB); using the default (1MiB)"},
         {"MEMSHIM_SMALL_MAX", "1.5", "is not a size"},
         {"MEMSHIM_EPOCH", "weekly", "one of auto, steps, seconds, signal, manual"},
@@ -539,7 +546,7 @@ TEST(info_echo_of_non_default_settings)
     cap_begin();
     msh_config_dump(MSH_LOG_INFO);
     log = cap_end();
-    CHECK(count_substr(log, "]: info: ") == 29);
+    CHECK(count_substr(log, "]: info: ") == 31);
     CHECK(strstr(log, "MEMSHIM_LIMIT=40GiB (environment)") != NULL);
     CHECK(strstr(log, "MEMSHIM_GC=oom (default)") != NULL);
     msh_log_level = MSH_LOG_WARN;
