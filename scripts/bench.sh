@@ -11,7 +11,10 @@
 #  4. replay speed as a range over BENCH_RUNS runs (default 5), and the cached-path latency of the
 #     pool next to glibc malloc/free;
 #  then section 3's steady state on SYNTHETIC offload/reload traces (scripts/gen_offload_trace.py,
-#  written into $BUILD/bench/ at each run: no real trace of that workload exists);
+#  written into $BUILD/bench/ at each run: no real trace of that workload exists), on SYNTHETIC
+#  held-out-like transformations of every recording (scripts/bench_heldout.sh, about 5 minutes), and
+#  every recording replayed below its live peak with spill to host memory (scripts/bench_spill.py,
+#  about 5 minutes);
 #  7. streams: event records, waits, queries and synchronizes per 1000 alloc/free pairs for a
 #     DDP-like stream mix (tests/bench/bench_streams.c), beside PyTorch's allocator's rules.
 # Prints markdown (docs/benchmarks.md quotes it with the date and the machine). MEMSHIM_TRACES
@@ -190,6 +193,15 @@ echo
 echo "### Held-out-like traces: SYNTHETIC transformations of every recording (section 3's method, page model beside)"
 echo
 BUILD="$BUILD" bash scripts/bench_heldout.sh
+echo
+echo "### Spill to host memory: every trace at 0.95x and 0.9x of its live peak (MEMSHIM_SPILL=host, first pass)"
+echo
+if [ -d "$TRACES" ]; then
+    mapfile -t spill_traces < <(find "$TRACES" -name '*.pickle' | sort)
+    python3 scripts/bench_spill.py "$BUILD/memshim-replay" "${spill_traces[@]}"
+else
+    echo "($TRACES not found: skipping the spill table)"
+fi
 echo
 echo "### 5. Cached-path latency (pool over the simulated device vs glibc, same sizes, same process)"
 echo
