@@ -470,6 +470,20 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_u(sp, "bytes_to_device", st->spill_in_bytes);
     set_d(sp, "seconds_moving", (double)st->spill_ns / 1e9);
     set_u(sp, "requests_refused", st->spill_refused);
+    /* where the spilled bytes are: the sites of the blocks on the host now, by host bytes */
+    json_t *ss = J.array();
+    for (int i = 0; i < d->nspilled_sites; i++) {
+        const struct msh_site_row *x = &d->spilled_sites[i];
+        json_t *o = J.object();
+        J.object_set_new(o, "file", J.string(x->file));
+        set_i(o, "line", x->line);
+        J.object_set_new(o, "function", J.string(x->function));
+        set_u(o, "host_bytes", x->bytes);
+        set_u(o, "blocks", x->count);
+        J.array_append_new(ss, o);
+    }
+    J.object_set_new(sp, "sites", ss);
+    set_u(sp, "unattributed_host_bytes", d->spilled_unattributed);
     J.object_set_new(root, "spill", sp);
 
     if (d->had_oom) {

@@ -60,6 +60,11 @@ struct msh_report_device {
     int nsites;
     struct msh_site_growth growing[MSH_REPORT_SITES];
     int ngrowing;
+    /* MEMSHIM_SPILL=host: the sites of the blocks on host memory now, by host bytes, and the host
+     * bytes of blocks with no known site */
+    struct msh_site_row spilled_sites[MSH_REPORT_SITES];
+    int nspilled_sites;
+    uint64_t spilled_unattributed;
     /* segment mode: PyTorch's memory_stats() for the epoch; none in tensor mode */
     struct msh_report_stat torch_stats[MSH_REPORT_TORCH_STATS];
     int ntorch_stats;

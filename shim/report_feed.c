@@ -88,6 +88,11 @@ void msh_report_feed(struct msh_report *r)
         pthread_mutex_unlock(&ver_lock);
         d->nsites = msh_sites_top(d->device, d->sites, MSH_REPORT_SITES);
         d->ngrowing = msh_sites_growing(d->device, d->growing, MSH_REPORT_SITES);
+        d->nspilled_sites = 0;
+        d->spilled_unattributed = 0;
+        if (d->has_pool && d->st.spilled_bytes)
+            d->nspilled_sites = msh_sites_spilled(msh_core_pool_get(d->device), d->spilled_sites, MSH_REPORT_SITES,
+                                                  &d->spilled_unattributed);
         d->ntorch_stats = 0;
         while (d->ntorch_stats < MSH_REPORT_TORCH_STATS &&
                msh_torch_report_stat(d->device, d->ntorch_stats, &d->torch_stats[d->ntorch_stats].key,

@@ -1009,6 +1009,79 @@ int msh_sites_stack_frames(uint32_t stack, struct msh_site_frame *out, int max)
     return n;
 }
 
+/* Spill (issue 20): the sites of the blocks on host memory, by host bytes. */
+struct spilled_acc {
+    uint64_t *addr, *bytes;
+    size_t n, cap;
+};
+
+static void spilled_one(void *arg, uint64_t addr, size_t size, size_t host_bytes)
+{
+    (void)size;
+    struct spilled_acc *s = arg;
+    if (s->n < s->cap) {
+        s->addr[s->n] = addr;
+        s->bytes[s->n++] = host_bytes;
+    }
+}
+
+int msh_sites_spilled(struct msh_pool *pool, struct msh_site_row *rows, int max, uint64_t *unattributed)
+{
+    *unattributed = 0;
+    if (!pool || max <= 0) return 0;
+    enum { CAP = 1 << 16 };
+    struct spilled_acc s = {malloc(CAP * sizeof(uint64_t)), malloc(CAP * sizeof(uint64_t)), 0, CAP};
+    uint32_t *tags = malloc(CAP * sizeof(uint32_t));
+    int n = 0;
+    if (!s.addr || !s.bytes || !tags) goto out;
+    msh_pool_for_each_spilled(pool, spilled_one, &s);
+    msh_sites_block_stacks(pool, s.addr, tags, s.n);
+    pthread_mutex_lock(&intern_lock);
+    for (size_t i = 0; i < s.n; i++) {
+        uint32_t st = tags[i];
+        uint32_t site = tables_ok && st && st < nstacks ? stacks[st].site : 0;
+        if (site <= 2) { /* no site known (no Python, sampled out, a pseudo site) */
+            *unattributed += s.bytes[i];
+            continue;
+        }
+        int k = 0;
+        while (k < n && !(rows[k].line == sites[site].line && rows[k].file == str_arena + sites[site].file &&
+                          rows[k].function == str_arena + sites[site].name))
+            k++;
+        if (k == n) {
+            if (n == max) { /* the table is full: the smallest row gives way if this block is larger */
+                int lo = 0;
+                for (int j = 1; j < n; j++)
+                    if (rows[j].bytes < rows[lo].bytes) lo = j;
+                if (rows[lo].bytes >= s.bytes[i]) {
+                    *unattributed += s.bytes[i];
+                    continue;
+                }
+                *unattributed += rows[lo].bytes;
+                k = lo;
+            } else {
+                n++;
+            }
+            rows[k] = (struct msh_site_row){str_arena + sites[site].file, str_arena + sites[site].name,
+                                            sites[site].line, 0, 0};
+        }
+        rows[k].bytes += s.bytes[i];
+        rows[k].count++;
+    }
+    pthread_mutex_unlock(&intern_lock);
+    for (int i = 1; i < n; i++) /* largest first */
+        for (int j = i; j > 0 && rows[j].bytes > rows[j - 1].bytes; j--) {
+            struct msh_site_row t = rows[j];
+            rows[j] = rows[j - 1];
+            rows[j - 1] = t;
+        }
+out:
+    free(s.addr);
+    free(s.bytes);
+    free(tags);
+    return n;
+}
+
 void msh_sites_block_stacks(struct msh_pool *pool, const uint64_t *addrs, uint32_t *out, size_t n)
 {
     if (!sites_on || !pool) {

@@ -74,6 +74,10 @@ int msh_sites_stack_frames(uint32_t stack, struct msh_site_frame *out, int max);
 /* The stacks of the live blocks at addrs[0..n) of `pool` (0 where unknown), in one lock hold
  * (the pool's: never call it with that lock held). */
 void msh_sites_block_stacks(struct msh_pool *pool, const uint64_t *addrs, uint32_t *stacks, size_t n);
+/* MEMSHIM_SPILL=host: the sites of the live blocks that have pages on host memory now, by host
+ * bytes (rows' bytes: host bytes, count: blocks), largest first; *unattributed: host bytes of
+ * blocks with no known site. Takes the pool's lock (never call it with that lock held). */
+int msh_sites_spilled(struct msh_pool *pool, struct msh_site_row *rows, int max, uint64_t *unattributed);
 
 
 #endif

@@ -65,6 +65,7 @@ quick|all)
         run_suite "report tool (advice rules, charts)" env BUILD="$BUILD" python3 tests/report_tool/test_advice.py
         run_suite "python GC step (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_pygc.py
         run_suite "allocation sites (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_sites.py
+        run_suite "spill to host (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_spill_job.py
         run_suite "PyTorch snapshots (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_snapshot.py
         run_suite "reliability" env BUILD="$BUILD" bash tests/reliability/run_reliability.sh
         run_suite "pytorch (allocator API; GPU parts)" env BUILD="$BUILD" python3 tests/gpu/test_torch.py

@@ -788,7 +788,9 @@ FIELDS = {
     "oom.rescued_by_spill": (T, lambda c, v, i: eq(v, 0, "MEMSHIM_SPILL is off")),
     **{f"spill.{k}": (T, lambda c, v, i, k=k: eq(v, 0, f"{k}: MEMSHIM_SPILL is off"))
        for k in ("spilled_bytes", "spilled_peak_bytes", "spilled_run_peak_bytes", "pages_to_host", "pages_to_device",
-                 "bytes_to_host", "bytes_to_device", "seconds_moving", "requests_refused")},
+                 "bytes_to_host", "bytes_to_device", "seconds_moving", "requests_refused", "unattributed_host_bytes")},
+    **{f"spill.sites[].{k}": (T, lambda c, v, i, k=k: f"spill.sites[].{k}: {v}, but nothing is spilled")
+       for k in ("line", "host_bytes", "blocks")},
     "driver.modelled_seconds": (R, check_modelled_seconds),
     **{f"latency.alloc_ns.{f}": e for f, e in check_latency("alloc_ns").items()},
     **{f"latency.free_ns.{f}": e for f, e in check_latency("free_ns").items()},
@@ -801,7 +803,7 @@ FIELDS = {
 }
 # Declared fields that these runs cannot produce (no failure when never seen): PyTorch's own
 # memory_stats() exist only in segment mode once PyTorch initialized CUDA (a GPU).
-OPTIONAL = {"torch_memory_stats.*"}
+OPTIONAL = {"torch_memory_stats.*", "spill.sites[].line", "spill.sites[].host_bytes", "spill.sites[].blocks"}  # spill.sites: only with spill on (test_spill_job.py)
 
 
 def numeric_leaves(obj, path="", idx=()):
