@@ -259,7 +259,7 @@ int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream,
 /* ---- spill to host memory (docs/pool.md "Spill") ---- */
 /* A step or epoch boundary (the caller's: an optimizer step, an epoch): blocks allocated before it
  * count as cold from now on, and spilled pages come back if the device has room for them with a
- * margin (1/16 of the limit or capacity: no ping-pong), idle host pages are given back. A safe
+ * margin (1/16 of the limit or capacity, at least a page: no ping-pong), idle host pages are given back. A safe
  * point: never during a capture (then it only sets the mark). Returns bytes brought back. */
 size_t msh_pool_mark_step(struct msh_pool *pool);
 /* Turn spilling on or off (params.spill, spill_max_bytes) for requests from now on: memshim turns

@@ -20,7 +20,8 @@
  */
 #include "internal.h"
 
-/* A spilled page comes back only while the pool would still hold 1/16 of its cap free after it:
+/* A spilled page comes back only while the pool would still hold 1/16 of its cap (at least a page)
+ * free after it:
  * a job that spills at the limit does not bring its pages back at once to spill them again. */
 #define RETURN_MARGIN_SHIFT 4
 
@@ -301,7 +302,7 @@ static size_t unspill_locked(struct msh_pool *pool, bool all)
     if (!pool->spill_pages || capturing(pool)) return 0;
     size_t cap = cap_pages(pool);
     if (cap == SIZE_MAX && pool->device_total) cap = pool->device_total / pool->gran;
-    size_t margin = all || cap == SIZE_MAX ? 0 : cap >> RETURN_MARGIN_SHIFT;
+    size_t margin = all || cap == SIZE_MAX ? 0 : (cap >> RETURN_MARGIN_SHIFT ? cap >> RETURN_MARGIN_SHIFT : 1);
     size_t n = 0, ccap = 0, idle = 0;
     struct cand *c = NULL;
     /* idle host handles first: nothing to copy, they are only given back */

@@ -1083,7 +1083,13 @@ static void advance_locked(struct stream *s, uint64_t pos)
 
 /* Synchronize every stream of ctx c (all contexts of device dev when c is NULL; everything
  * when dev < 0 too), up to the work queued when called. */
-static void sync_streams_locked(struct ctx *c, int dev)
+static void sync_streams_snap_locked(struct ctx *c, int dev, int blocking_only);
+static void sync_streams_locked(struct ctx *c, int dev) { sync_streams_snap_locked(c, dev, 0); }
+
+/* blocking_only: the streams a synchronous copy on the legacy default stream waits for (the
+ * context's legacy and per-thread streams and its blocking streams, never one created with
+ * CU_STREAM_NON_BLOCKING: CUDA's "NULL stream semantics") */
+static void sync_streams_snap_locked(struct ctx *c, int dev, int blocking_only)
 {
     size_t n = 0;
     for (struct stream *s = g_streams; s; s = s->next) n++;
@@ -1093,6 +1099,7 @@ static void sync_streams_locked(struct ctx *c, int dev)
     for (struct stream *s = g_streams; s && snap; s = s->next) {
         if (c ? s->ctx != c : (dev >= 0 && s->ctx->device != dev)) continue;
         if (s->completed >= s->enqueued) continue;
+        if (blocking_only && s->kind == SK_USER && (s->flags & CU_STREAM_NON_BLOCKING)) continue;
         s->refs++;
         snap[k].s = s;
         snap[k].pos = s->enqueued;
@@ -2006,7 +2013,9 @@ static CUresult copy_sync(CUdeviceptr dst, int dst_need, CUdeviceptr src, int sr
     struct ctx *c = ctx_current();
     CUresult rc = c && ctx_valid_locked(c) ? capture_unsafe_locked() : CUDA_ERROR_INVALID_CONTEXT;
     if (rc == CUDA_SUCCESS) {
-        sync_streams_locked(NULL, c->device);
+        /* a synchronous copy runs on the legacy default stream: it waits for what that stream
+         * waits for, not for non-blocking streams (their work may still be running) */
+        sync_streams_snap_locked(c, c->device, 1);
         rc = copy_arg_locked(c->device, c, dst, n, 1, dst_need);
         if (rc == CUDA_SUCCESS && !set) rc = copy_arg_locked(c->device, c, src, n, 0, src_need);
     }
@@ -2443,6 +2452,22 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)
     CUresult rc = CUDA_SUCCESS;
     if (!r || covered_locked(ptr, size, &partial) != size || partial) rc = CUDA_ERROR_INVALID_VALUE;
     if (rc == CUDA_SUCCESS) rc = capture_unmap_conflict_locked(ptr, size);
+    /* cuMemUnmap is not stream-ordered: unmapping memory that queued or running work still
+     * touches is undefined (a device fault, or the work landing in whatever is mapped there
+     * next). The double takes it as misuse: synchronize (or wait on the work) first. */
+    for (struct stream *s = g_streams; rc == CUDA_SUCCESS && s; s = s->next)
+        for (struct item *it = s->head; it; it = it->next) {
+            int touches = 0;
+            if (it->kind == IT_KERNEL || ((it->kind == IT_SET || it->kind == IT_COPY) && it->chk_dst))
+                touches = it->dst < ptr + size && ptr < it->dst + it->n;
+            if (it->kind == IT_COPY && it->chk_src) touches |= it->src < ptr + size && ptr < it->src + it->n;
+            if (touches) {
+                rc = misuse(CUDA_ERROR_INVALID_VALUE, "unmapping [%#llx, +%zu) while work queued on stream %llu still "
+                            "touches it (unmap is not stream-ordered: synchronize first)",
+                            (unsigned long long)ptr, size, (unsigned long long)s->id);
+                break;
+            }
+        }
     for (CUdeviceptr a = ptr; rc == CUDA_SUCCESS && a < ptr + size;) {
         struct vmap *m = next_map_locked(&a, ptr + size);
         if (!m) break;

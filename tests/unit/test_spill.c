@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define MiB MSH_MiB
 #define PAGE (2 * MiB)
@@ -330,6 +331,96 @@ TEST(nothing_of_the_current_step_spills_nor_during_a_capture)
     CHECK(verify_all(v, 3) == 0);
     CHECK(pool_ok(pool));
     for (int i = 0; i < 3; i++) msh_pool_free(pool, v[i].addr, MSH_STREAM_COMPLETED);
+    msh_pool_destroy(pool);
+}
+
+/* A kernel still queued on a cold block when the spill comes (the double in async mode runs it on
+ * its "GPU" thread up to 20 ms later): its writes must land in the bytes that end up on the host.
+ * The pool synchronizes the device before it copies (unmap is not stream-ordered either). */
+struct late_write {
+    uint64_t addr;
+    size_t n;
+    uint32_t tag;
+};
+
+static void late_write_fn(void *arg)
+{
+    struct late_write *w = arg;
+    usleep(20000);
+    fill(w->addr, w->n, w->tag);
+}
+
+TEST(a_kernel_queued_on_a_cold_block_finishes_before_its_pages_move)
+{
+    if (!device_up()) SKIP("the driver double did not start");
+    struct msh_pool *pool = pool_new(LIMIT, true, 0);
+    REQUIRE(pool);
+    CUstream s;
+    REQUIRE(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+    struct blkrec w[2], a[2];
+    memset(a, 0, sizeof a);
+    CHECK(alloc_fill(pool, &w[0], 6 * MiB, 800) == 0);
+    CHECK(alloc_fill(pool, &w[1], 6 * MiB, 801) == 0);
+    msh_pool_mark_step(pool);
+    cudbl_set_async(1);
+    /* the optimizer's update of the weights, still running when the next step allocates */
+    static struct late_write lw[2];
+    for (int i = 0; i < 2; i++) {
+        lw[i] = (struct late_write){w[i].addr, w[i].size, 900 + (uint32_t)i};
+        w[i].tag = 900 + (uint32_t)i;
+        CHECK(cudbl_launch(s, w[i].addr, w[i].size, 1, late_write_fn, &lw[i]) == CUDA_SUCCESS);
+    }
+    CHECK(alloc_fill(pool, &a[0], 6 * MiB, 810) == 0); /* needs pages: the weights' go to the host */
+    CHECK(alloc_fill(pool, &a[1], 6 * MiB, 811) == 0);
+    cuStreamSynchronize(s);
+    cudbl_set_async(0);
+    struct msh_pool_stats st;
+    msh_pool_get_stats(pool, &st);
+    CHECK(st.spill_out_pages > 0);
+    CHECKF(verify_all(w, 2) == 0, "the queued kernel's writes were lost by the move");
+    CHECK(verify_all(a, 2) == 0);
+    CHECK(pool_ok(pool));
+    for (int i = 0; i < 2; i++) {
+        msh_pool_free(pool, a[i].addr, MSH_STREAM_COMPLETED);
+        msh_pool_free(pool, w[i].addr, MSH_STREAM_COMPLETED);
+    }
+    cuStreamDestroy(s);
+    msh_pool_destroy(pool);
+}
+
+/* Coming back leaves room: at a step mark spilled pages return only while 1/16 of the limit (at
+ * least a page) stays free, so the next step's first request does not spill them again. */
+TEST(a_step_mark_brings_pages_back_but_leaves_room)
+{
+    if (!device_up()) SKIP("the driver double did not start");
+    struct msh_pool *pool = pool_new(LIMIT, true, 0);
+    REQUIRE(pool);
+    struct blkrec w[2], a;
+    CHECK(alloc_fill(pool, &w[0], 6 * MiB, 1000) == 0); /* 3 pages each */
+    CHECK(alloc_fill(pool, &w[1], 6 * MiB, 1001) == 0);
+    msh_pool_mark_step(pool);
+    CHECK(alloc_fill(pool, &a, 8 * MiB, 1002) == 0); /* 4 pages: the weights' pages go to the host */
+    struct msh_pool_stats st;
+    msh_pool_get_stats(pool, &st);
+    size_t out = st.spilled_bytes;
+    CHECK(out >= 4 * MiB);
+    msh_pool_mark_step(pool); /* the 8 MiB block stays live: 4 pages of room, one kept free */
+    msh_pool_get_stats(pool, &st);
+    printf("    spilled %zu MiB; after the mark %zu MiB on the host, the device holds %zu of %zu MiB\n", out >> 20,
+           st.spilled_bytes >> 20, st.mapped_bytes >> 20, (size_t)LIMIT >> 20);
+    CHECKF(st.mapped_bytes <= LIMIT - PAGE, "the mark filled the device to %zu of %zu bytes", st.mapped_bytes,
+           (size_t)LIMIT);
+    CHECK(st.spill_in_pages > 0 && st.spilled_bytes < out);
+    CHECK(verify_all(w, 2) == 0);
+    struct blkrec one;
+    CHECK(alloc_fill(pool, &one, PAGE, 1003) == 0); /* the next step's first page: no spill needed */
+    struct msh_pool_stats st2;
+    msh_pool_get_stats(pool, &st2);
+    CHECK(st2.spill_out_pages == st.spill_out_pages);
+    CHECK(pool_ok(pool));
+    msh_pool_free(pool, one.addr, MSH_STREAM_COMPLETED);
+    msh_pool_free(pool, a.addr, MSH_STREAM_COMPLETED);
+    for (int i = 0; i < 2; i++) msh_pool_free(pool, w[i].addr, MSH_STREAM_COMPLETED);
     msh_pool_destroy(pool);
 }
 
