@@ -44,6 +44,9 @@ enum { B_FREE = 1, B_LIVE, B_PENDING, B_FREEING, B_PARKED };
 /* claim_pages: the request needs a synchronize, an unmap or a release, which a capture in
  * progress on the device forbids; the caller places it where none is needed, or fails. */
 #define ECAPTURE ECANCELED
+/* claim_pages: the block would touch a page of host memory (spill.c); the caller places it on
+ * fresh memory instead: a new block never lands on spilled pages, which only cold blocks hold */
+#define EHOSTPAGE EREMOTE
 /* PG_MOVING: spill.c moves the handle between device and host memory (docs/pool.md "Spill"). */
 enum { PG_MAPPED = 0, PG_MAPPING, PG_UNMAPPING, PG_MOVING };
 

@@ -396,6 +396,10 @@ int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap)
         uint32_t h = pg_head(&r->pages[p]);
         if (h != NO_PAGE && r->pages[h].state != PG_MAPPED) return EAGAIN;
     }
+    for (uint32_t p = p0; pool->spill_pages && p <= p1; p++) {
+        uint32_t h = pg_head(&r->pages[p]);
+        if (h != NO_PAGE && r->pages[h].host) return EHOSTPAGE;
+    }
     j->r = r;
     bool edge_lo = b->addr > page_va(pool, r, p0);
     bool edge_hi = b->addr + b->size < page_va(pool, r, p1) + pool->gran;

@@ -33,6 +33,8 @@
  *   step.c     the learned step: the event log, finding a repeating step, following its plan,
  *              the planner thread;
  *   pack.c     packing a step offline (no lock held, on a copy);
+ *   spill.c    spill to host memory (MEMSHIM_SPILL=host): the rescue chain's last step and the
+ *              return at step marks;
  *   check.c    msh_pool_check, the invariant checker.
  *
  * It must never call a CUDA hook, never allocate with malloc (its memory comes from mmap), never
@@ -89,6 +91,17 @@ static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64
                 continue;
             }
             *capture_blocked = true;
+            return ENOMEM;
+        }
+        if (rc == EHOSTPAGE) { /* a spilled page: fresh memory instead (spill.c) */
+            job_fini(pool, &j);
+            if (pool->step && step_want(pool->step, b->addr))
+                step_drop(pool, "its planned address is on a page spilled to host memory", rsize, true);
+            blk_make_free(pool, b);
+            if (!fresh_only && !fresh) {
+                fresh_only = true;
+                continue;
+            }
             return ENOMEM;
         }
         break;

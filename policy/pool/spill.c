@@ -121,7 +121,13 @@ release_new:
  * Returns how many pages moved. */
 static size_t move_all(struct msh_pool *pool, struct cand *c, size_t n, bool to_host)
 {
-    for (size_t i = 0; i < n; i++) c[i].r->pages[c[i].h].state = PG_MOVING;
+    size_t reserved = 0; /* a return creates device handles: their pages count from now on, so that
+                          * no other thread's claim takes them meanwhile */
+    for (size_t i = 0; i < n; i++) {
+        c[i].r->pages[c[i].h].state = PG_MOVING;
+        if (!to_host) reserved += c[i].n;
+    }
+    if (reserved) held_add(pool, reserved);
     pool->jobs++;
     pthread_mutex_unlock(&pool->lock);
     uint64_t t0 = msh_now_ns();
@@ -174,7 +180,7 @@ static size_t move_all(struct msh_pool *pool, struct cand *c, size_t n, bool to_
                 pool->st.spill_out_bytes += (uint64_t)np * pool->gran;
                 if (!hp->nlive) pool->spill_idle += np;
             } else {
-                held_add(pool, np);
+                reserved -= np; /* counted since the start */
                 pool->nhandles++;
                 pool->nhost--;
                 pool->spill_pages -= np;
@@ -188,6 +194,7 @@ static size_t move_all(struct msh_pool *pool, struct cand *c, size_t n, bool to_
         hp->state = PG_MAPPED;
         if (!hp->host && !hp->nlive) cache_add(pool, r, c[i].h);
     }
+    if (reserved) held_sub(pool, reserved); /* the returns that did not happen */
     pool->st.spill_ns += dt;
     spill_stats(pool);
     pool->jobs--;

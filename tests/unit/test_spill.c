@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -421,6 +423,192 @@ TEST(a_step_mark_brings_pages_back_but_leaves_room)
     msh_pool_free(pool, one.addr, MSH_STREAM_COMPLETED);
     msh_pool_free(pool, a.addr, MSH_STREAM_COMPLETED);
     for (int i = 0; i < 2; i++) msh_pool_free(pool, w[i].addr, MSH_STREAM_COMPLETED);
+    msh_pool_destroy(pool);
+}
+
+/* Threads allocating and freeing at the limit at once: the weights' pages move to the host under
+ * them and come back at the step marks between rounds (handles being moved are waited for, never
+ * handed out), every byte stays. Each round is a step: the marks come when no worker holds a block,
+ * as in a job whose steps end with the optimizer (a block of a step in progress is never cold; a
+ * cold block in use by another thread during a move is outside what spill supports: pool.md). */
+#define ROUNDS 40
+static pthread_barrier_t g_round;
+
+struct worker {
+    struct msh_pool *pool;
+    uint32_t id;
+    int bad, served, refused;
+};
+
+static void *worker_main(void *arg)
+{
+    struct worker *w = arg;
+    for (int round = 0; round < ROUNDS; round++) {
+        pthread_barrier_wait(&g_round); /* the step begins */
+        struct blkrec b[2];
+        memset(b, 0, sizeof b);
+        for (int i = 0; i < 2; i++) {
+            if (alloc_fill(w->pool, &b[i], (size_t)(1 + (round + i + w->id) % 3) * MiB + 512 * (w->id + 1),
+                           2000 + w->id * 100 + (uint32_t)(round % 50))) {
+                w->refused++;
+                b[i].addr = 0;
+            } else {
+                w->served++;
+            }
+        }
+        w->bad += verify_all(b, 2);
+        for (int i = 0; i < 2; i++)
+            if (b[i].addr) msh_pool_free(w->pool, b[i].addr, MSH_STREAM_COMPLETED);
+        pthread_barrier_wait(&g_round); /* the step ends */
+    }
+    return NULL;
+}
+
+TEST(threads_at_the_limit_while_steps_are_marked)
+{
+    if (!device_up()) SKIP("the driver double did not start");
+    struct msh_pool *pool = pool_new(LIMIT, true, 0);
+    REQUIRE(pool);
+    struct blkrec w[3];
+    for (int i = 0; i < 3; i++) CHECK(alloc_fill(pool, &w[i], 3 * MiB, 1900 + (uint32_t)i) == 0);
+    msh_pool_mark_step(pool);
+    struct worker ws[3];
+    pthread_t th[3];
+    REQUIRE(pthread_barrier_init(&g_round, NULL, 4) == 0);
+    for (int i = 0; i < 3; i++) {
+        ws[i] = (struct worker){.pool = pool, .id = (uint32_t)i};
+        REQUIRE(pthread_create(&th[i], NULL, worker_main, &ws[i]) == 0);
+    }
+    for (int k = 0; k < ROUNDS; k++) {
+        pthread_barrier_wait(&g_round);
+        for (int c = 0; c < 3; c++) { /* checks while the workers allocate and moves are in flight */
+            char why[512];
+            int rc = msh_pool_check(pool, why, sizeof why);
+            CHECKF(rc == 0, "%s", why);
+            usleep(500);
+        }
+        pthread_barrier_wait(&g_round);
+        msh_pool_mark_step(pool); /* the step boundary, from the main thread */
+    }
+    int bad = 0, served = 0, refused = 0;
+    for (int i = 0; i < 3; i++) {
+        pthread_join(th[i], NULL);
+        bad += ws[i].bad;
+        served += ws[i].served;
+        refused += ws[i].refused;
+    }
+    pthread_barrier_destroy(&g_round);
+    struct msh_pool_stats st;
+    msh_pool_get_stats(pool, &st);
+    printf("    3 threads at a 16 MiB limit, 40 steps: %d served, %d refused; %llu pages to the host, %llu back\n",
+           served, refused, (unsigned long long)st.spill_out_pages, (unsigned long long)st.spill_in_pages);
+    CHECK(bad == 0);
+    CHECK(verify_all(w, 3) == 0);
+    CHECK(st.spill_out_pages > 0);
+    CHECK(pool_ok(pool));
+    CHECKF(cudbl_device_peak(0) <= LIMIT, "device peak %zu", cudbl_device_peak(0));
+    for (int i = 0; i < 3; i++) msh_pool_free(pool, w[i].addr, MSH_STREAM_COMPLETED);
+    msh_pool_destroy(pool);
+}
+
+/* Marks while other threads allocate (without touching the memory: a block of theirs may turn cold
+ * at the mark): pages coming back to the device count against the limit from the moment they are
+ * chosen, so another thread's request cannot take the same room meanwhile (the device's own peak
+ * stays at the limit). */
+static atomic_int g_stop;
+
+static void *alloc_only_main(void *arg)
+{
+    struct msh_pool *pool = arg;
+    while (!atomic_load(&g_stop)) {
+        uint64_t a = 0;
+        if (msh_pool_alloc(pool, 3 * MiB, MSH_STREAM_COMPLETED, &a) == 0) msh_pool_free(pool, a, MSH_STREAM_COMPLETED);
+    }
+    return NULL;
+}
+
+TEST(returns_count_against_the_limit_while_other_threads_allocate)
+{
+    if (!device_up()) SKIP("the driver double did not start");
+    size_t peak0 = cudbl_device_peak(0);
+    struct msh_pool *pool = pool_new(LIMIT, true, 0);
+    REQUIRE(pool);
+    struct blkrec w[4];
+    for (int i = 0; i < 4; i++) CHECK(alloc_fill(pool, &w[i], 3 * MiB, 2500 + (uint32_t)i) == 0);
+    msh_pool_mark_step(pool);
+    atomic_store(&g_stop, 0);
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++) REQUIRE(pthread_create(&th[i], NULL, alloc_only_main, pool) == 0);
+    struct blkrec a[3];
+    memset(a, 0, sizeof a);
+    for (int k = 0; k < 60; k++) {
+        for (int i = 0; i < 3; i++) { /* a step that needs the weights' room */
+            if (alloc_fill(pool, &a[i], 2 * MiB, 2600 + (uint32_t)i)) a[i].addr = 0;
+        }
+        for (int i = 0; i < 3; i++)
+            if (a[i].addr) msh_pool_free(pool, a[i].addr, MSH_STREAM_COMPLETED);
+        msh_pool_mark_step(pool); /* returns run while the other threads allocate */
+    }
+    atomic_store(&g_stop, 1);
+    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    struct msh_pool_stats st;
+    msh_pool_get_stats(pool, &st);
+    printf("    60 steps with 2 threads allocating throughout: %llu pages to the host, %llu back; device peak %zu of %zu\n",
+           (unsigned long long)st.spill_out_pages, (unsigned long long)st.spill_in_pages, cudbl_device_peak(0),
+           (size_t)LIMIT);
+    CHECK(st.spill_in_pages > 0);
+    CHECKF(cudbl_device_peak(0) <= LIMIT || cudbl_device_peak(0) == peak0, "device peak %zu over the limit %zu",
+           cudbl_device_peak(0), (size_t)LIMIT);
+    CHECK(verify_all(w, 4) == 0);
+    CHECK(pool_ok(pool));
+    for (int i = 0; i < 4; i++) msh_pool_free(pool, w[i].addr, MSH_STREAM_COMPLETED);
+    msh_pool_destroy(pool);
+}
+
+/* A new block never lands on a spilled page: the free bytes beside a cold block on the host are
+ * not handed out (a block of the current step would live on host memory, and the next return
+ * would copy it while it is in use). */
+struct find_addr {
+    uint64_t addr;
+    int found;
+};
+
+static void find_spilled(void *arg, uint64_t addr, size_t size, size_t host_bytes)
+{
+    (void)size;
+    (void)host_bytes;
+    struct find_addr *f = arg;
+    if (addr == f->addr) f->found = 1;
+}
+
+TEST(a_new_block_never_lands_on_a_spilled_page)
+{
+    if (!device_up()) SKIP("the driver double did not start");
+    struct msh_pool *pool = pool_new(LIMIT, true, 0);
+    REQUIRE(pool);
+    struct blkrec w, y, big[2], small;
+    CHECK(alloc_fill(pool, &w, MiB, 3000) == 0); /* two cold blocks share the first page */
+    CHECK(alloc_fill(pool, &y, MiB, 3004) == 0);
+    msh_pool_mark_step(pool);
+    CHECK(alloc_fill(pool, &big[0], 7 * MiB + MiB / 2, 3001) == 0);
+    CHECK(alloc_fill(pool, &big[1], 7 * MiB + MiB / 2, 3002) == 0); /* 17 MiB: the first page goes to the host */
+    struct msh_pool_stats st;
+    msh_pool_get_stats(pool, &st);
+    CHECKF(st.spilled_bytes == PAGE, "%zu bytes spilled", st.spilled_bytes);
+    msh_pool_free(pool, y.addr, MSH_STREAM_COMPLETED); /* 1 MiB free on the spilled page */
+    msh_pool_free(pool, big[1].addr, MSH_STREAM_COMPLETED); /* and room on the device */
+    CHECK(alloc_fill(pool, &small, 512 * 1024, 3003) == 0); /* fits beside the weight: must not go there */
+    struct find_addr f = {small.addr, 0};
+    msh_pool_for_each_spilled(pool, find_spilled, &f);
+    CHECKF(!f.found, "the new block at %#llx is on a spilled page", (unsigned long long)small.addr);
+    f = (struct find_addr){w.addr, 0};
+    msh_pool_for_each_spilled(pool, find_spilled, &f);
+    CHECK(f.found); /* (the walk does see the cold one) */
+    CHECK(verify_all(&w, 1) == 0 && verify_all(&small, 1) == 0);
+    CHECK(pool_ok(pool));
+    msh_pool_free(pool, small.addr, MSH_STREAM_COMPLETED);
+    msh_pool_free(pool, big[0].addr, MSH_STREAM_COMPLETED);
+    msh_pool_free(pool, w.addr, MSH_STREAM_COMPLETED);
     msh_pool_destroy(pool);
 }
 
