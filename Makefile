@@ -91,7 +91,8 @@ $(TORCH_MK): scripts/torch_flags.py
 	@mkdir -p $(dir $@)
 	$(PYTHON) scripts/torch_flags.py $@ > $@.tmp 2>/dev/null && mv $@.tmp $@
 GLUE := $(if $(filter 1,$(TORCH_OK)),$(BUILD)/libmemshim_torch.so,)
-TORCH_TESTS := $(if $(filter 1,$(TORCH_OK)),$(BUILD)/tests/torch/memshim_oom_probe$(TORCH_PYEXT),)
+TORCH_TESTS := $(if $(filter 1,$(TORCH_OK)),$(BUILD)/tests/torch/memshim_oom_probe$(TORCH_PYEXT) \
+    $(BUILD)/tests/differential/glue_routing,)
 
 .PHONY: all lib native double tests check check-asan check-tsan bench demo install install-python clean mutants
 all: $(BUILD)/libmemshim.so $(TOOLS) double $(GLUE)
@@ -157,6 +158,12 @@ $(BUILD)/tests/torch/memshim_oom_probe$(TORCH_PYEXT): tests/torch/oom_probe.cpp 
 	@mkdir -p $(dir $@)
 	$(CXX) -std=c++20 -O1 -fPIC -shared $(TORCH_CXXFLAGS) -I$(TORCH_PYINC) $(CUDA_CPPFLAGS) -o $@ $< \
 	    -L$(TORCH_LIBDIR) -Wl,-rpath,$(TORCH_LIBDIR) -ltorch_python -lc10 -ldl
+
+# The glue's routing against PyTorch's get_pool (tests/differential): no PyTorch headers, it stands
+# in for libmemshim.so's C entry points itself (-rdynamic) and loads the real glue.
+$(BUILD)/tests/differential/glue_routing: tests/differential/glue_routing.cpp
+	@mkdir -p $(dir $@)
+	$(CXX) -std=c++17 -O1 -g -Wall -Wextra $(CUDA_CPPFLAGS) -rdynamic -o $@ $< -ldl
 
 $(BUILD)/tests/%: tests/unit/%.c $(BUILD)/libmemshim_trace.a $(BUILD)/libmemshim_core.a double tests/harness.h
 	@mkdir -p $(dir $@)

@@ -66,6 +66,7 @@ quick|all)
         run_suite "reliability" env BUILD="$BUILD" bash tests/reliability/run_reliability.sh
         run_suite "pytorch (allocator API; GPU parts)" env BUILD="$BUILD" python3 tests/gpu/test_torch.py
         run_suite "pytorch on CPU (hook, tensor mode, epochs)" env BUILD="$BUILD" python3 tests/torch/test_torch_cpu.py
+        run_suite "differential (PyTorch's own rules)" env BUILD="$BUILD" python3 tests/differential/test_differential.py
         run_suite "scenarios (real jobs: signals, chdir, loops, torchrun)" env BUILD="$BUILD" python3 tests/scenarios/run_scenarios.py
         run_suite "pip package (venv, memshim command)" env BUILD="$BUILD" python3 tests/package/test_package.py
         run_suite "GPU check --dry-run (every step, double)" bash -c \
