@@ -122,7 +122,7 @@ GLUE_EXPORT void *memshim_glue_malloc(ssize_t size, int device, cudaStream_t str
         }
     }
     void *p = in_pool ? a.alloc_in_pool(size, device, stream, id.first, id.second) : a.alloc(size, device, stream);
-    if (!p) {
+    if (!p && size > 0) { /* size 0 is NULL, as PyTorch's own allocator answers it */
         char msg[2048];
         a.oom_message(device, size > 0 ? static_cast<size_t>(size) : 0, msg, sizeof msg);
         TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
