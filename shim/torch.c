@@ -343,6 +343,9 @@ MSH_EXPORT void memshim_torch_set_memory_fraction(double fraction, int device)
 MSH_EXPORT double memshim_torch_get_memory_fraction(int device)
 {
     if (!dev_ok(device)) return 1.0;
+    /* MEMSHIM_LIMIT counts as a fraction of the device's memory, known once the device's pool
+     * exists: start it, so that the answer is the same before the first allocation and after. */
+    if (!tdevs[device].params_done && msh_core_started()) (void)msh_core_pool(device);
     pthread_mutex_lock(&tlock);
     struct tdev *t = &tdevs[device];
     double f = t->fraction > 0 ? t->fraction : 1.0;
