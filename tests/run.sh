@@ -69,6 +69,8 @@ quick|all)
         run_suite "pytorch on CPU (hook, tensor mode, epochs)" env BUILD="$BUILD" python3 tests/torch/test_torch_cpu.py
         run_suite "differential (PyTorch's own rules)" env BUILD="$BUILD" python3 tests/differential/test_differential.py
         run_suite "differential (fallbacks as PyTorch decides)" env BUILD="$BUILD" python3 tests/differential/test_fallbacks.py
+        run_suite "differential (snapshot fields as PyTorch's)" env BUILD="$BUILD" python3 tests/differential/test_snapshot_fields.py
+        run_suite "differential (reports past the rings, hosts)" env BUILD="$BUILD" python3 tests/differential/test_report_rings.py
         run_suite "scenarios (real jobs: signals, chdir, loops, torchrun)" env BUILD="$BUILD" python3 tests/scenarios/run_scenarios.py
         run_suite "pip package (venv, memshim command)" env BUILD="$BUILD" python3 tests/package/test_package.py
         run_suite "GPU check --dry-run (every step, double)" bash -c \
