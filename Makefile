@@ -187,9 +187,19 @@ check-tsan:
 	BUILD=build-tsan MSH_SANITIZER=tsan bash tests/run.sh stress
 
 # The mutation run (docs/testing.md): every mutant of tests/mutants/mutants.txt on a scratch copy
-# against the quick suites. Not part of check: it takes most of an hour on 2 cores.
+# against the quick suites, then the mutants universalmutator generates (a seeded sample per product
+# file, tests/mutants/gen_mutants.py; installed here when missing). Not part of check: each takes
+# most of an hour on 2 cores. GEN_MUTANTS=0 runs the hand-written list only, MUTANTS_ONLY_GEN=1 the
+# generated ones only.
+GEN_MUTANTS ?= 1
+MUTANTS_ONLY_GEN ?= 0
 mutants: tests
-	python3 tests/mutants/run_mutants.py
+	$(if $(filter 1,$(MUTANTS_ONLY_GEN)),,python3 tests/mutants/run_mutants.py)
+	@if [ "$(GEN_MUTANTS)" = 1 ] && ! command -v mutate >/dev/null 2>&1; then \
+	    echo "mutants: universalmutator (the generated mutants' tool) is missing: installing it with pip"; \
+	    python3 -m pip install --quiet universalmutator || { echo "mutants: could not install universalmutator (pip install universalmutator, or bash scripts/setup.sh --with-mutants)"; exit 1; }; \
+	fi
+	$(if $(filter 1,$(GEN_MUTANTS)),python3 tests/mutants/gen_mutants.py,)
 
 bench: all
 	BUILD=$(BUILD) bash scripts/bench.sh
