@@ -8,7 +8,7 @@ taken per file, and each sampled mutant is built and run against the suites that
 file until one fails.
 
 Per file:
-  1. `mutate FILE LANG --noCheck` writes every mutant the rules make.
+  1. universalmutator's generator (the rules `mutate FILE LANG` applies) lists every mutant.
   2. They are put in a stable order: a hash of (seed, file, the changed text, which occurrence of
      that text), so the sample does not move when unrelated lines are added above it.
   3. Walking that order, a candidate is dropped when it does not compile (C, C++: the file's own
@@ -37,9 +37,12 @@ Needs universalmutator (`pip install universalmutator`; `make mutants` installs 
 missing, scripts/setup.sh --with-mutants too). Not part of make check."""
 import argparse
 import ast
+import contextlib
+import io
 import difflib
 import glob
 import hashlib
+import json
 import os
 import re
 import shlex
@@ -159,34 +162,24 @@ def norm(s):
 
 
 # ---- generating -------------------------------------------------------------------------------
-def generate(src_abs, lang, workdir):
-    """Every mutant universalmutator makes of one file: [(orig_text, new_text, line_no)], where
-    orig_text/new_text are the changed lines (a mutant changes one line; 'break;' insertions make
-    it two). universalmutator names files by extension, so extension-less files go in as .py."""
-    os.makedirs(workdir, exist_ok=True)
-    base = os.path.basename(src_abs)
-    ext = {"c": ".c", "cpp": ".cpp", "python": ".py"}[lang]
-    work_src = os.path.join(workdir, base if base.endswith(ext) else base + ext)
-    shutil.copy(src_abs, work_src)
-    r = subprocess.run(["mutate", work_src, lang, "--noCheck", "--mutantDir", workdir],
-                       cwd=workdir, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"gen_mutants: mutate failed on {src_abs}:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
-    orig = open(src_abs, encoding="utf-8").read().splitlines(keepends=True)
-    stem = os.path.splitext(os.path.basename(work_src))[0]
+def generate(src_abs, lang, workdir=None):
+    """Every mutant universalmutator's rules make of one file: [(orig_text, new_text, line_no,
+    nlines)], the changed line and what replaces it (one line, or two for its inserted 'break;' /
+    'continue;'). universalmutator's own generator (mutator.mutants_regexp, the rules `mutate FILE
+    LANG` uses: universal, the language's, c_like for C and C++), called as a library: `mutate`
+    writes a full copy of the file per mutant, gigabytes for pool.c."""
+    from universalmutator import mutator
+    rules = {"c": ["universal.rules", "c.rules", "c_like.rules"],
+             "cpp": ["universal.rules", "cpp.rules", "c_like.rules"],
+             "python": ["universal.rules", "python.rules"]}[lang]
+    source = open(src_abs, encoding="utf-8").readlines()
+    with contextlib.redirect_stdout(io.StringIO()):
+        muts = mutator.mutants_regexp(source, ruleFiles=rules, ignorePatterns=[], ignoreStringOnly=True)
     out = []
-    for f in os.listdir(workdir):
-        m = re.match(re.escape(stem) + r"\.mutant\.(\d+)" + re.escape(ext) + "$", f)
-        if not m:
-            continue
-        new = open(os.path.join(workdir, f), encoding="utf-8", errors="replace").read().splitlines(keepends=True)
-        sm = difflib.SequenceMatcher(None, orig, new, autojunk=False)
-        ops = [op for op in sm.get_opcodes() if op[0] != "equal"]
-        if len(ops) != 1:
-            continue
-        _, i1, i2, j1, j2 = ops[0]
-        out.append(("".join(orig[i1:i2]), "".join(new[j1:j2]), i1 + 1, i2 - i1))
-        os.unlink(os.path.join(workdir, f))
+    for lineno, new_line, _rule, _lr in muts:
+        if source[lineno - 1] == new_line:
+            continue  # what mutate's makeMutant skips as identical
+        out.append((source[lineno - 1], new_line, lineno, 1))
     return out
 
 
@@ -223,6 +216,11 @@ class Compiler:
 
     def __init__(self, repo, env):
         self.repo, self.env, self.cmds, self.base = repo, env, {}, {}
+        self.cache_path = os.path.join(os.path.dirname(repo), "verdicts.json")
+        try:
+            self.cache = json.load(open(self.cache_path))
+        except (OSError, ValueError):
+            self.cache = {}
 
     def command(self, path):
         if path in self.cmds:
@@ -262,7 +260,17 @@ class Compiler:
             os.unlink(obj)
 
     def verdict(self, path, orig_text, mut_text):
-        """'invalid', 'equivalent' (the same object or AST) or 'ok'."""
+        """'invalid', 'equivalent' (the same object or AST) or 'ok'; remembered in the scratch
+        directory by the contents' hash, so a second run compiles nothing it has seen."""
+        key = hashlib.sha256((path + "\0" + orig_text + "\0" + mut_text).encode()).hexdigest()
+        if key not in self.cache:
+            self.cache[key] = self._verdict(path, orig_text, mut_text)
+            with open(self.cache_path + ".tmp", "w") as f:
+                json.dump(self.cache, f)
+            os.replace(self.cache_path + ".tmp", self.cache_path)
+        return self.cache[key]
+
+    def _verdict(self, path, orig_text, mut_text):
         if lang_of(path) == "python":
             try:
                 compile(mut_text, path, "exec")
@@ -298,7 +306,7 @@ def sample_file(repo, comp, path, seed, workdir):
     src = os.path.join(repo, path)
     text = open(src, encoding="utf-8").read()
     lines = text.splitlines(keepends=True)
-    muts = ordered(path, seed, generate(src, lang_of(path), workdir))
+    muts = ordered(path, seed, generate(src, lang_of(path)))
     want = quota(path, text)
     chosen, tce, invalid = [], [], 0
     for m in muts:
@@ -399,7 +407,9 @@ def main():
     ap.add_argument("--scratch", help="use (and keep) this scratch directory: a second run rebuilds only what changed")
     ap.add_argument("--report", default=os.path.join(ROOT, "build", "mutants", "generated.md"))
     a = ap.parse_args()
-    if not shutil.which("mutate"):
+    try:
+        import universalmutator  # noqa: F401
+    except ImportError:
         print("gen_mutants: universalmutator's `mutate` is not installed: pip install universalmutator "
               "(or: bash scripts/setup.sh --with-mutants)", file=sys.stderr)
         return 2
@@ -456,6 +466,9 @@ def run_all(a, files, equiv, tmp, t_start):
         s = sample_file(repo, comp, f, a.seed, os.path.join(tmp, "gen", f.replace("/", "_")))
         s["sample_secs"] = time.monotonic() - t0
         samples.append(s)
+        if not a.list:
+            print(f"gen_mutants: {f}: {s['generated']} generated, {len(s['chosen'])} sampled "
+                  f"({s['sample_secs']:.0f} s)", flush=True)
         if a.list:
             print(f"{f}: {s['generated']} generated, {s['invalid']} did not compile, {len(s['tce'])} equivalent "
                   f"by construction, {len(s['chosen'])} sampled (quota {s['quota']})")
