@@ -81,8 +81,9 @@ SUITES_FOR = [
     ("policy/drvcost.c", ["unit test_drvcost", "replay (CLI", "reports"]),
     ("policy/options.c", ["unit test_options", "preload", "reports", "pytorch on CPU"]),
     ("policy/models/", ["unit test_models", "replay (torch models", "replay (CLI"]),
-    ("shim/torch_glue.cpp", ["differential", "pytorch on CPU", "pytorch (allocator"]),
-    ("shim/torch.c", ["unit test_torch", "differential", "preload", "PyTorch snapshots", "pytorch on CPU"]),
+    ("shim/torch_glue.cpp", ["differential (PyTorch's own", "pytorch on CPU", "pytorch (allocator"]),
+    ("shim/torch.c", ["unit test_torch", "differential (PyTorch's own", "differential (snapshot", "preload",
+                      "PyTorch snapshots", "pytorch on CPU"]),
     ("shim/capture.c", ["unit test_torch", "preload", "pytorch on CPU"]),
     ("shim/core.c", ["unit test_torch", "unit test_hotpath", "preload", "demo", "reports", "python GC",
                      "allocation sites", "PyTorch snapshots"]),
@@ -95,14 +96,19 @@ SUITES_FOR = [
     ("shim/watch.c", ["preload", "reports", "pytorch on CPU"]),
     ("shim/selfcheck.c", ["reliability"]),
     ("shim/cuda_real.c", ["preload", "reliability"]),
-    ("hooks/", ["preload", "reliability", "reports", "pytorch on CPU"]),
+    ("hooks/driver.c", ["preload", "reliability", "reports", "pytorch on CPU"]),
+    ("hooks/entry.c", ["preload", "reliability", "reports", "pytorch on CPU"]),
+    ("hooks/runtime.c", ["preload", "reliability", "reports", "pytorch on CPU"]),
     ("report/report.c", ["demo", "reports", "report tool (memshim", "unit test_torch"]),
     ("report/replay/", ["replay (CLI", "replay (torch models", "replay --check"]),
-    ("report/trace/history.c", ["unit test_snapwrite", "PyTorch snapshots", "pytorch on CPU"]),
-    ("report/trace/snapwrite.c", ["unit test_snapwrite", "PyTorch snapshots", "pytorch on CPU"]),
+    ("report/trace/history.c", ["unit test_snapwrite", "PyTorch snapshots", "differential (snapshot",
+                                "pytorch on CPU"]),
+    ("report/trace/snapwrite.c", ["unit test_snapwrite", "PyTorch snapshots", "differential (snapshot",
+                                  "pytorch on CPU"]),
     ("report/trace/pkwrite.c", ["unit test_snapwrite", "PyTorch snapshots"]),
     ("report/trace/", ["unit test_trace", "unit test_profiler", "replay (CLI", "replay (torch models"]),
-    ("hooks/python/memshim/report.py", ["report tool (memshim", "report tool (advice", "demo"]),
+    ("hooks/python/memshim/report.py", ["report tool (memshim", "report tool (advice", "differential (reports",
+                                        "demo"]),
     ("scripts/memshim-report", ["report tool (memshim", "report tool (advice", "demo"]),
     ("hooks/python/memshim/cli.py", ["pip package"]),
     ("hooks/python/memshim/_build.py", ["pip package"]),
@@ -387,6 +393,22 @@ def run_mutant(repo, env, m, suites_by_name):
         m["secs"] = time.monotonic() - t0
 
 
+def read_previous(path):
+    """{id: result} from an earlier run's log: its '[k/N] ID line L: STATUS ...' lines."""
+    prev = {}
+    pat = re.compile(r"^\[\d+/\d+\] (\S+#[0-9a-f]{8}) line \d+: (killed|survived|invalid|equivalent)"
+                     r"(?: by (.+?): (.*))?(?:: (.*))? \((\d+) s\)$")
+    for line in open(path, encoding="utf-8", errors="replace"):
+        m = pat.match(line.rstrip("\n"))
+        if m:
+            st = m.group(2)
+            prev[m.group(1)] = {"status": st, "by": m.group(3), "why": m.group(4) or m.group(5) or "",
+                                "secs": float(m.group(6))}
+            if st == "equivalent":  # listed then; the list decides again now
+                prev[m.group(1)]["status"] = "survived"
+    return prev
+
+
 def diff_of(m):
     return "".join(difflib.unified_diff(m["orig"].splitlines(keepends=True), m["new"].splitlines(keepends=True),
                                         f"a/{m['file']}:{m['line']}", f"b/{m['file']}:{m['line']}", n=0))
@@ -405,6 +427,8 @@ def main():
     ap.add_argument("--show", help="print the diff of the mutants with these ids")
     ap.add_argument("--keep", action="store_true", help="keep the scratch copy")
     ap.add_argument("--scratch", help="use (and keep) this scratch directory: a second run rebuilds only what changed")
+    ap.add_argument("--previous", help="the log of an earlier full run: its results stand for every mutant "
+                                       "not given with --only (re-run the survivors after their tests)")
     ap.add_argument("--report", default=os.path.join(ROOT, "build", "mutants", "generated.md"))
     a = ap.parse_args()
     try:
@@ -414,7 +438,9 @@ def main():
               "(or: bash scripts/setup.sh --with-mutants)", file=sys.stderr)
         return 2
     files = product_files(ROOT)
-    if a.only or a.show:
+    if a.previous and not a.only:
+        raise SystemExit("gen_mutants: --previous goes with --only (the mutants to run again)")
+    if (a.only and not a.previous) or a.show:
         ids = (a.only or a.show).split(",")
         files = sorted({i.split("#")[0] for i in ids})
     elif a.files:
@@ -485,17 +511,26 @@ def run_all(a, files, equiv, tmp, t_start):
 
     if a.only:
         want = set(a.only.split(","))
-        for s in samples:
-            s["chosen"] = [m for m in s["chosen"] if m["id"] in want]
-            s["tce"] = []
         missing = want - {m["id"] for s in samples for m in s["chosen"]}
         if missing:
             raise SystemExit(f"gen_mutants: not in the sample: {', '.join(sorted(missing))}")
+        if a.previous:  # every other mutant keeps the earlier run's result
+            prev = read_previous(a.previous)
+            for s in samples:
+                for m in s["chosen"]:
+                    if m["id"] not in want:
+                        if m["id"] not in prev:
+                            raise SystemExit(f"gen_mutants: {m['id']} is not in {a.previous} (another seed or tree?)")
+                        m.update(prev[m["id"]], kept=True)
+        else:
+            for s in samples:
+                s["chosen"] = [m for m in s["chosen"] if m["id"] in want]
+                s["tce"] = []
 
     suites = rm.discover_suites(repo)
     needed = []
     for s in samples:
-        if s["chosen"]:
+        if any(not m.get("kept") for m in s["chosen"]):
             for want in suites_for(s["file"]):
                 needed += [x for x in suites if x[0].startswith(want) and x not in needed]
     print(f"gen_mutants: {sum(len(s['chosen']) for s in samples)} mutants over {len(samples)} files; "
@@ -510,10 +545,15 @@ def run_all(a, files, equiv, tmp, t_start):
     baseline = time.monotonic() - t0
     print(f"gen_mutants: they pass unmutated ({baseline:.0f} s)", flush=True)
 
-    total = sum(len(s["chosen"]) for s in samples)
+    total = sum(1 for s in samples for m in s["chosen"] if not m.get("kept"))
     k = 0
     for s in samples:
         for m in s["chosen"]:
+            if m.get("kept"):  # the earlier run's result (--previous)
+                if m["status"] == "survived" and m["id"] in equiv:
+                    m["status"], m["why"] = "equivalent", equiv[m["id"]]["why"]
+                    equiv[m["id"]]["used"] = True
+                continue
             k += 1
             run_mutant(repo, env, m, suites)
             if m["status"] == "survived" and m["id"] in equiv:
@@ -556,6 +596,9 @@ def report(a, samples, equiv, baseline, t_start):
     rows.append(f"| all {len(samples)} files | | {tot['gen']} | {tot['invalid']} | {tot['tce']} | {tot['sampled']} | "
                 f"{tot['killed']} | {tot['equiv']} | {tot['surv']} | {100 * tot['killed'] / max(1, counted):.1f}% |")
     rows.append("")
+    if a.previous:
+        rows.append(f"Results of {a.previous} for every mutant but the {sum(1 for s in samples for m in s['chosen'] if not m.get('kept'))} "
+                    f"run again now (--only).")
     rows.append(f"Seed {a.seed}. Run time {secs / 60:.1f} min on {os.cpu_count()} CPUs (scratch build and the "
                 f"unmutated suites, {baseline:.0f} s, included). did not compile: drawn, not buildable, not "
                 f"sampled; same code: drawn, compiles to the same object (C, C++) or AST (Python, docstrings "
