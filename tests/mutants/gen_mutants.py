@@ -84,7 +84,7 @@ SUITES_FOR = [
     ("shim/torch_glue.cpp", ["differential (PyTorch's own", "pytorch on CPU", "pytorch (allocator"]),
     ("shim/torch.c", ["unit test_torch", "differential (PyTorch's own", "differential (snapshot", "preload",
                       "PyTorch snapshots", "pytorch on CPU"]),
-    ("shim/capture.c", ["unit test_torch", "preload", "pytorch on CPU"]),
+    ("shim/capture.c", ["unit test_capture", "unit test_torch", "preload", "pytorch on CPU"]),
     ("shim/core.c", ["unit test_torch", "unit test_hotpath", "preload", "demo", "reports", "python GC",
                      "allocation sites", "PyTorch snapshots"]),
     ("shim/sites.c", ["allocation sites", "reports", "PyTorch snapshots", "unit test_hotpath"]),
