@@ -175,8 +175,8 @@ ENV_EXTRA=(MEMSHIM_EPOCH=seconds MEMSHIM_EPOCH_SECONDS=0.5 MEMSHIM_REPORT_DIR="$
            REPORTS="$TMP/epoch-reports")
 run_prog epoch_seconds_race epoch_seconds_race
 
-# ---- (4) fork while allocating ----------------------------------------------------------------
-ENV_EXTRA=()
+# ---- (4) fork while allocating (with a trace: the child must not keep it open) ---------------
+ENV_EXTRA=(MEMSHIM_TRACE_FILE="$TMP/fork-trace.txt" TRACE="$TMP/fork-trace.txt")
 run_prog fork fork
 
 # ---- (4b) a run a signal ends keeps its reports (issue 16): SIGTERM, SIGINT, SIGHUP, chaining --
