@@ -178,6 +178,8 @@ run_prog epoch_seconds_race epoch_seconds_race
 # ---- (4) fork while allocating (with a trace: the child must not keep it open) ---------------
 ENV_EXTRA=(MEMSHIM_TRACE_FILE="$TMP/fork-trace.txt" TRACE="$TMP/fork-trace.txt")
 run_prog fork fork
+ENV_EXTRA=()
+run_prog trace_fd0 trace_fd0
 
 # ---- (4b) a run a signal ends keeps its reports (issue 16): SIGTERM, SIGINT, SIGHUP, chaining --
 ENV_EXTRA=()
