@@ -2352,6 +2352,8 @@ static void free_tags(struct msh_pool *pool, struct blk *b, uint64_t stream, con
     b->sync_needed = 0;
     b->free_gen = 0;
     if (n) {
+        /* in no structure from here on: asking for a stream's context drops the lock too */
+        b->state = B_FREEING;
         ks_resolve_homes(pool, rec, n);
         uint32_t slot[MAX_STREAMS + 1];
         uint64_t h[MAX_STREAMS + 1], home[MAX_STREAMS + 1], evseq[MAX_STREAMS + 1];

@@ -77,7 +77,9 @@ def discover_suites(repo):
             continue
         name = m.group(1)
         first = next((files for word, files in SCRIPT_FIRST if word in name), ())
-        suites.append((name, shlex.split(m.group(2)), 900 if "reliability" in name else 300, first))
+        # real PyTorch jobs and a pip install take minutes each on a loaded 2-core machine
+        slow = any(w in name for w in ("reliability", "scenarios", "pip package"))
+        suites.append((name, shlex.split(m.group(2)), 900 if slow else 300, first))
     return suites
 
 

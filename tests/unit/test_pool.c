@@ -80,6 +80,9 @@ struct fake {
     struct fk_entry log[FK_LOG];
     int nlog;
     bool ev_busy; /* events are not complete yet: queries answer EBUSY */
+    struct msh_pool *probe; /* fake_ops_home: the pool checked while it waits for stream_home */
+    int probe_bad;
+    char probe_why[256];
 };
 
 static struct fake *FK(struct msh_device *d) { return d->impl; }
@@ -351,6 +354,18 @@ static const struct msh_device_ops fake_ops = {
     .stream_wait = fk_stream_wait,
     .synchronize = fk_synchronize,
 };
+
+/* A stream's context is asked for with the pool's lock dropped: the pool must be consistent then
+ * (another thread may check it, look a block up, or free). */
+static int fk_stream_home(struct msh_device *d, uint64_t stream __attribute__((unused)), uint64_t *home)
+{
+    struct fake *f = FK(d);
+    if (f->probe && (msh_pool_check)(f->probe, f->probe_why, sizeof f->probe_why)) f->probe_bad++;
+    *home = 0;
+    return 0;
+}
+
+static struct msh_device_ops fake_ops_home;
 
 static struct fake *fake_new(size_t capacity, uint64_t base)
 {
@@ -1326,6 +1341,30 @@ TEST(stream_host_alloc_with_room_reuses_after_synchronize)
     CHECK(fake_log_count(f, 'S') == 1 && fake_log_count(f, 'E') == 0);
     CHECK(stats(pool).fresh_placements == 0);
     CHECK(msh_pool_free(pool, b, MSH_STREAM_COMPLETED) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_events == 0 && f->misuse == 0);
+    free(f);
+}
+
+/* The context of a stream is asked for (stream_home) with the pool's lock dropped, during a free
+ * that records an event for another stream: the block being freed was out of the live hash but
+ * still said live, so a check (or a lookup) on another thread found a live block that is not
+ * live (seen by ThreadSanitizer's stress run: "live block ... is not in the hash"). */
+TEST(stream_free_is_consistent_while_a_stream_context_is_asked_for)
+{
+    struct fake *f = fake_new(0, 0);
+    fake_ops_home = fake_ops;
+    fake_ops_home.stream_home = fk_stream_home;
+    f->dev.ops = &fake_ops_home;
+    struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0);
+    REQUIRE(pool);
+    uint64_t a;
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 11, &a) == 0);
+    CHECK(msh_pool_record_stream(pool, a, 12) == 0);
+    f->probe = pool;
+    CHECK(msh_pool_free(pool, a, 11) == 0);
+    f->probe = NULL;
+    CHECKF(f->probe_bad == 0, "checked with the lock dropped: %s", f->probe_why);
     msh_pool_destroy(pool);
     CHECK(f->live_events == 0 && f->misuse == 0);
     free(f);
