@@ -196,6 +196,27 @@ lib.memshim_epoch()
         case(f"GIL {gil}: the same library frames from alternating user lines: each line keeps its own bytes",
              p.returncode == 0 and got == want, (got, (p.stdout + p.stderr)[-300:]))
 
+    # Names are read from CPython's own string objects when the GIL is released (a PyTorch op): a
+    # script and functions named outside ASCII (1-, 2- and 4-byte string kinds; 2-, 3- and 4-byte
+    # UTF-8) get their sites under their own names.
+    UNICODE = PRELUDE + """
+def größe(n):
+    return lib.memshim_malloc(n, 0, None)  # SITE-2B
+def 数据(n):
+    return lib.memshim_malloc(n, 0, None)  # SITE-3B
+def 𠀀x(n):
+    return lib.memshim_malloc(n, 0, None)  # SITE-4B
+keep = [größe(3 * MiB), 数据(5 * MiB), 𠀀x(7 * MiB)]
+lib.memshim_epoch()
+"""
+    p = run(UNICODE, tmp, "zähler-🚀", "released")
+    all_reports += p.reports
+    e = p.epochs[0]["sites"] if p.epochs else []
+    got = {(s["function"], s["line"], s["bytes"]) for s in e if s["file"] == p.path}
+    want = {("größe", line_of(UNICODE, "SITE-2B"), 3 * MiB), ("数据", line_of(UNICODE, "SITE-3B"), 5 * MiB),
+            ("𠀀x", line_of(UNICODE, "SITE-4B"), 7 * MiB)}
+    case("GIL released: a script named zähler-🚀.py and functions größe, 数据, 𠀀x get their sites by those names",
+         p.returncode == 0 and got == want, (e, (p.stdout + p.stderr)[-300:]))
     # a thread without Python state (autograd's backward workers): the pseudo site <backward>
     helper = os.path.join(tmp, "bwthread.so")
     csrc = os.path.join(tmp, "bwthread.c")
