@@ -198,7 +198,8 @@ lib.memshim_epoch()
 
     # Names are read from CPython's own string objects when the GIL is released (a PyTorch op): a
     # script and functions named outside ASCII (1-, 2- and 4-byte string kinds; 2-, 3- and 4-byte
-    # UTF-8) get their sites under their own names.
+    # UTF-8) get their sites under their own names, and code compiled with an empty file name on
+    # the stack does not turn the frame reader off for the run (every later site unattributed).
     UNICODE = PRELUDE + """
 def größe(n):
     return lib.memshim_malloc(n, 0, None)  # SITE-2B
@@ -217,6 +218,27 @@ lib.memshim_epoch()
             ("𠀀x", line_of(UNICODE, "SITE-4B"), 7 * MiB)}
     case("GIL released: a script named zähler-🚀.py and functions größe, 数据, 𠀀x get their sites by those names",
          p.returncode == 0 and got == want, (e, (p.stdout + p.stderr)[-300:]))
+    NONAME = PRELUDE + """
+exec(compile("def from_exec(n):\\n    return lib.memshim_malloc(n, 0, None)\\n", "", "exec"))
+def caller():
+    return from_exec(6 * MiB)  # SITE-CALLER
+keep = [caller()]
+def later():
+    return lib.memshim_malloc(4 * MiB, 0, None)  # SITE-LATER
+keep.append(later())
+lib.memshim_epoch()
+"""
+    for gil, how, extra in (("released", "frames read raw", {}), ("held", "MEMSHIM_SITES=acquire, read through the API",
+                                                                   {"MEMSHIM_SITES": "acquire"})):
+        p = run(NONAME, tmp, "noname-" + gil, gil, extra)
+        all_reports += p.reports
+        e = p.epochs[0]["sites"] if p.epochs else []
+        got = {(s["file"], s["function"], s["line"], s["bytes"]) for s in e}
+        case(f"GIL {gil}, {how}: code compiled with an empty file name is a site ('?' line 2), later sites still count",
+             p.returncode == 0 and got == {("?", "from_exec", 2, 6 * MiB),
+                                           (p.path, "later", line_of(NONAME, "SITE-LATER"), 4 * MiB)},
+             (e, (p.stdout + p.stderr)[-300:]))
+
     # a thread without Python state (autograd's backward workers): the pseudo site <backward>
     helper = os.path.join(tmp, "bwthread.so")
     csrc = os.path.join(tmp, "bwthread.c")
