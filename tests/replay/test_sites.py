@@ -239,6 +239,26 @@ lib.memshim_epoch()
                                            (p.path, "later", line_of(NONAME, "SITE-LATER"), 4 * MiB)},
              (e, (p.stdout + p.stderr)[-300:]))
 
+    # Interned names are told apart by length too: "forward_avz" and "forward" share a slot of the
+    # string table (FNV-1a, 17 bits: shim/sites.c, str_hash), and the longer begins with the
+    # shorter; each function keeps its own name.
+    PREFIX = PRELUDE + """
+def forward_avz(n):
+    return lib.memshim_malloc(n, 0, None)  # SITE-LONG
+def forward(n):
+    return lib.memshim_malloc(n, 0, None)  # SITE-SHORT
+keep = [forward_avz(5 * MiB), forward(3 * MiB)]
+lib.memshim_epoch()
+"""
+    p = run(PREFIX, tmp, "prefix")
+    all_reports += p.reports
+    e = p.epochs[0]["sites"] if p.epochs else []
+    got = {(s["function"], s["line"], s["bytes"]) for s in e}
+    case("two function names in one slot of the string table, one the other's prefix: each site keeps its own",
+         p.returncode == 0 and got == {("forward_avz", line_of(PREFIX, "SITE-LONG"), 5 * MiB),
+                                       ("forward", line_of(PREFIX, "SITE-SHORT"), 3 * MiB)},
+         (e, (p.stdout + p.stderr)[-300:]))
+
     # a thread without Python state (autograd's backward workers): the pseudo site <backward>
     helper = os.path.join(tmp, "bwthread.so")
     csrc = os.path.join(tmp, "bwthread.c")
