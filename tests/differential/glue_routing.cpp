@@ -162,6 +162,21 @@ int main(int argc, char **argv)
     g_end(0, C);
     check("every capture ended: the main pool again", route(0, S(1)) == "main" && route(0, S(7)) == "main",
           route(0, S(1)) + " / " + route(0, S(7)));
+    /* memshim's rule beyond get_pool (the glue's drop_active): a capture abandoned without
+     * endAllocateToPool (an older PyTorch's failed capture) leaves its entry in captures_underway,
+     * and PyTorch would route its filter's streams into that pool for the rest of the process. Once
+     * releasePool has counted the pool's last use down, memshim drops the stale entry: the
+     * stream's allocations go back to the main pool, and the filter is never called again. */
+    const MempoolId D{4, 0};
+    int stale_calls = 0;
+    g_begin(0, D, Filter([&stale_calls](cudaStream_t s) { stale_calls++; return s == S(4); }));
+    check("a capture begun and never ended takes its stream", route(0, S(4)) == "pool:4,0", route(0, S(4)));
+    g_release(0, D); /* its only use released */
+    int calls_before = stale_calls;
+    std::string after = route(0, S(4));
+    check("releasePool of its last use drops the abandoned capture: the main pool, its filter never called again",
+          after == "main" && stale_calls == calls_before, after + ", filter called " +
+          std::to_string(stale_calls - calls_before) + " more times");
     /* size 0: PyTorch's own allocator hands out NULL without an allocation; the glue must not turn
      * memshim's NULL for it into an OutOfMemoryError, in the main pool or in a capture pool */
     std::string z = route(0, S(1), 0);
