@@ -112,6 +112,8 @@ SUITES_FOR = [
     ("hooks/python/memshim/_build.py", ["pip package"]),
     ("hooks/python/memshim/__main__.py", ["pip package"]),
     ("hooks/python/memshim/_history.py", ["PyTorch snapshots", "pytorch on CPU"]),
+    # the start-up hook's pip branch runs only in a python without memshim.pth (another environment)
+    ("hooks/python/sitecustomize.py", ["pytorch on CPU", "PyTorch snapshots", "pip package"]),
     # (the scenario suite also runs the hook, but takes 7 minutes under load and times out there)
     ("hooks/python/", ["pytorch on CPU", "PyTorch snapshots"]),
 ]
