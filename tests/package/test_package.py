@@ -234,6 +234,16 @@ def check_venv(tmp, hdr_env, info):
     except (ValueError, KeyError, IndexError, TypeError):
         ok, src = False, so[-400:]
     case("memshim doctor --json: each setting with where it came from, the writer, the devices", ok, src)
+    # MEMSHIM_REPORT_DIR set: doctor says whether the directory can be made and written (the first
+    # existing directory above it decides); %p and %h are expanded as memshim does
+    blocker = os.path.join(away, "a-file")
+    open(blocker, "w").close()
+    said = []
+    for rd in (os.path.join(away, "doctor-rep", "%h-%p"), os.path.join(blocker, "rep")):
+        rc, so, se = sh([memshim, "doctor"], dict(dbl, MEMSHIM_REPORT_DIR=rd), cwd=away)
+        said.append([ln for ln in so.splitlines() if ln.startswith("reports:")] or [f"exit {rc}: {se[-300:]}"])
+    case("memshim doctor with MEMSHIM_REPORT_DIR: writable below a directory, NOT writable below a file",
+         "(writable)" in said[0][0] and "(NOT writable)" in said[1][0], said)
 
     # memshim run -- python train.py, from another directory, reports written
     shutil.copy(os.path.join(ROOT, "tests", "torch", "train_cpu.py"), os.path.join(away, "train.py"))
