@@ -1283,6 +1283,23 @@ TEST(addrmap_grows)
     msh_addrmap_free(&m);
 }
 
+/* A file that is none of the formats is named as such, whatever its first byte: an xz-compressed
+ * snapshot (first byte 0xfd) is not taken for a pickle (whose first byte is PROTO, 0x80). */
+TEST(load_names_an_unknown_binary_format)
+{
+    char path[] = "/tmp/msh-xz-XXXXXX";
+    int fd = mkstemp(path);
+    REQUIRE(fd >= 0);
+    static const unsigned char xz[] = {0xfd, '7', 'z', 'X', 'Z', 0, 0, 4, 0xe6, 0xd6, 0xb4, 0x46};
+    REQUIRE(write(fd, xz, sizeof xz) == (ssize_t)sizeof xz);
+    close(fd);
+    struct msh_trace_set *s = NULL;
+    char err[512] = "";
+    CHECK(msh_trace_load(path, &s, err, sizeof err) == EINVAL && !s);
+    CHECKF(strstr(err, "unrecognised trace format") && !strstr(err, "pickle opcode"), "%s", err);
+    unlink(path);
+}
+
 /* A trace too large for the machine: the address map refuses the entry (NULL), the map intact, and
  * no SIGSEGV (the loader returns ENOMEM for a NULL entry). In a child whose address space
  * is capped 64 MiB above what it uses now. */
