@@ -93,7 +93,8 @@ $(TORCH_MK): scripts/torch_flags.py
 	@mkdir -p $(dir $@)
 	$(PYTHON) scripts/torch_flags.py $@ > $@.tmp 2>/dev/null && mv $@.tmp $@
 GLUE := $(if $(filter 1,$(TORCH_OK)),$(BUILD)/libmemshim_torch.so,)
-TORCH_TESTS := $(if $(filter 1,$(TORCH_OK)),$(BUILD)/tests/torch/memshim_oom_probe$(TORCH_PYEXT),)
+TORCH_TESTS := $(if $(filter 1,$(TORCH_OK)),$(BUILD)/tests/torch/memshim_oom_probe$(TORCH_PYEXT) \
+    $(BUILD)/tests/differential/glue_routing,)
 
 .PHONY: all lib native double tests check layers check-asan check-tsan bench demo install install-python clean mutants
 all: $(BUILD)/libmemshim.so $(TOOLS) double $(GLUE)
@@ -160,6 +161,12 @@ $(BUILD)/tests/torch/memshim_oom_probe$(TORCH_PYEXT): tests/torch/oom_probe.cpp 
 	$(CXX) -std=c++20 -O1 -fPIC -shared $(TORCH_CXXFLAGS) -I$(TORCH_PYINC) $(CUDA_CPPFLAGS) -o $@ $< \
 	    -L$(TORCH_LIBDIR) -Wl,-rpath,$(TORCH_LIBDIR) -ltorch_python -lc10 -ldl
 
+# The glue's routing against PyTorch's get_pool (tests/differential): no PyTorch headers, it stands
+# in for libmemshim.so's C entry points itself (-rdynamic) and loads the real glue.
+$(BUILD)/tests/differential/glue_routing: tests/differential/glue_routing.cpp
+	@mkdir -p $(dir $@)
+	$(CXX) -std=c++17 -O1 -g -Wall -Wextra $(CUDA_CPPFLAGS) -rdynamic -o $@ $< -ldl
+
 $(BUILD)/tests/%: tests/unit/%.c $(BUILD)/libmemshim_trace.a $(BUILD)/libmemshim_core.a double tests/harness.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(BUILD)/libmemshim_trace.a $(BUILD)/libmemshim_core.a \
@@ -187,9 +194,19 @@ check-tsan:
 	BUILD=build-tsan MSH_SANITIZER=tsan bash tests/run.sh stress
 
 # The mutation run (docs/testing.md): every mutant of tests/mutants/mutants.txt on a scratch copy
-# against the quick suites. Not part of check: it takes most of an hour on 2 cores.
+# against the quick suites, then the mutants universalmutator generates (a seeded sample per product
+# file, tests/mutants/gen_mutants.py; installed here when missing). Not part of check: each takes
+# most of an hour on 2 cores. GEN_MUTANTS=0 runs the hand-written list only, MUTANTS_ONLY_GEN=1 the
+# generated ones only.
+GEN_MUTANTS ?= 1
+MUTANTS_ONLY_GEN ?= 0
 mutants: tests
-	python3 tests/mutants/run_mutants.py
+	$(if $(filter 1,$(MUTANTS_ONLY_GEN)),,python3 tests/mutants/run_mutants.py)
+	@if [ "$(GEN_MUTANTS)" = 1 ] && ! command -v mutate >/dev/null 2>&1; then \
+	    echo "mutants: universalmutator (the generated mutants' tool) is missing: installing it with pip"; \
+	    python3 -m pip install --quiet universalmutator || { echo "mutants: could not install universalmutator (pip install universalmutator, or bash scripts/setup.sh --with-mutants)"; exit 1; }; \
+	fi
+	$(if $(filter 1,$(GEN_MUTANTS)),python3 tests/mutants/gen_mutants.py,)
 
 bench: all
 	BUILD=$(BUILD) bash scripts/bench.sh

@@ -5,12 +5,16 @@
 #                  CUDA libraries) when `import torch` fails, and PyTorch Lightning, transformers and
 #                  accelerate (the framework epoch tests) and matplotlib and tensorboard (memshim-report's
 #                  optional outputs) when they install; their tests skip without
+#   --with-mutants also pip-install universalmutator (`mutate`), which `make mutants` uses for its
+#                  generated mutants (tests/mutants/gen_mutants.py); make check does not need it
 set -euo pipefail
 with_torch=0
+with_mutants=0
 for a in "$@"; do
     case "$a" in
     --with-torch) with_torch=1 ;;
-    *) echo "setup: unknown option $a (known: --with-torch)" >&2; exit 2 ;;
+    --with-mutants) with_mutants=1 ;;
+    *) echo "setup: unknown option $a (known: --with-torch, --with-mutants)" >&2; exit 2 ;;
     esac
 done
 
@@ -88,5 +92,9 @@ if [ "$with_torch" = 1 ]; then
             python3 -m pip install --quiet "${pkg%%:*}" || echo "setup: note: ${pkg%%:*} could not be installed; its tests will skip" >&2
         fi
     done
+fi
+if [ "$with_mutants" = 1 ] && ! command -v mutate >/dev/null 2>&1; then
+    echo "setup: installing universalmutator with pip (make mutants: the generated mutants)"
+    python3 -m pip install --quiet universalmutator || echo "setup: warning: universalmutator could not be installed; make mutants will say so" >&2
 fi
 echo "setup: ok (CUDA headers in $cuda_home/include)"

@@ -315,13 +315,14 @@ static uint32_t code_get(pyobj *code, const struct msh_rawframe *id, bool raw)
     if (raw) {
         char buf[4096];
         int n = msh_pyframes_str(id->filename, buf, sizeof buf);
-        c->file = n >= 0 ? str_intern(buf, (size_t)n) : str_intern("?", 1);
+        c->file = n > 0 ? str_intern(buf, (size_t)n) : str_intern("?", 1); /* compile(src, "", ...) too */
         n = msh_pyframes_str(id->qualname, buf, sizeof buf);
         c->name = n > 0 ? str_intern(buf, (size_t)n) : str_intern("?", 1);
     } else {
         pyobj *et, *ev, *tb;
         py.err_fetch(&et, &ev, &tb);
         c->file = attr_str(code, "co_filename", "?");
+        if (!str_arena[c->file]) c->file = str_intern("?", 1); /* a site's file is never empty (the schema) */
         c->name = attr_str(code, "co_qualname", "");
         if (!str_arena[c->name]) c->name = attr_str(code, "co_name", "?");
         py.err_restore(et, ev, tb);

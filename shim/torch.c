@@ -343,6 +343,9 @@ MSH_EXPORT void memshim_torch_set_memory_fraction(double fraction, int device)
 MSH_EXPORT double memshim_torch_get_memory_fraction(int device)
 {
     if (!dev_ok(device)) return 1.0;
+    /* MEMSHIM_LIMIT counts as a fraction of the device's memory, known once the device's pool
+     * exists: start it, so that the answer is the same before the first allocation and after. */
+    if (!tdevs[device].params_done && msh_core_started()) (void)msh_core_pool(device);
     pthread_mutex_lock(&tlock);
     struct tdev *t = &tdevs[device];
     double f = t->fraction > 0 ? t->fraction : 1.0;
@@ -802,13 +805,17 @@ static void *alloc_in_cap(int device, size_t size, void *stream, uint64_t id0, u
 MSH_EXPORT void *memshim_torch_alloc_in_pool(ssize_t size, int device, memshim_stream_t stream,
                                              unsigned long long id0, unsigned long long id1)
 {
-    if (size < 0 || !dev_ok(device) || !msh_core_init() || !msh_core_pool(device)) return NULL;
+    if (size <= 0 || !dev_ok(device) || !msh_core_init() || !msh_core_pool(device)) return NULL;
     return alloc_in_cap(device, (size_t)size, stream, id0, id1, false);
 }
 
+/* Size 0 (torch.empty(0) on the device): no block and no count, NULL, as PyTorch's own allocator
+ * does (CUDACachingAllocator.cpp, NativeCachingAllocator::allocate calls malloc only for size != 0;
+ * its stats never see the tensor). The glue does not take this NULL for an OOM, and PyTorch never
+ * frees a NULL data pointer. */
 MSH_EXPORT void *memshim_torch_alloc(ssize_t size, int device, memshim_stream_t stream)
 {
-    if (size < 0 || !dev_ok(device)) return NULL;
+    if (size <= 0 || !dev_ok(device)) return NULL;
     if (stream && stream_capturing(stream) == 1) {
         if (!msh_core_init() || !msh_core_pool(device)) return NULL;
         return alloc_in_cap(device, (size_t)size, stream, 0, 0, true);

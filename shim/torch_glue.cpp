@@ -112,8 +112,10 @@ GLUE_EXPORT void *memshim_glue_malloc(ssize_t size, int device, cudaStream_t str
     bool in_pool = false;
     MempoolId id{0, 0};
     if (nactive.load(std::memory_order_acquire)) {
+        /* PyTorch's order (CUDACachingAllocator.cpp, get_pool): the pools in the order they were
+         * begun, the first whose filter claims the stream */
         std::lock_guard<std::mutex> g(active_lock);
-        for (auto it = active.rbegin(); it != active.rend(); ++it) {
+        for (auto it = active.begin(); it != active.end(); ++it) {
             if (it->device == device && (!it->filter || it->filter(stream))) {
                 in_pool = true;
                 id = it->id;
@@ -122,7 +124,7 @@ GLUE_EXPORT void *memshim_glue_malloc(ssize_t size, int device, cudaStream_t str
         }
     }
     void *p = in_pool ? a.alloc_in_pool(size, device, stream, id.first, id.second) : a.alloc(size, device, stream);
-    if (!p) {
+    if (!p && size > 0) { /* size 0 is NULL, as PyTorch's own allocator answers it */
         char msg[2048];
         a.oom_message(device, size > 0 ? static_cast<size_t>(size) : 0, msg, sizeof msg);
         TORCH_CHECK_WITH(OutOfMemoryError, false, msg);

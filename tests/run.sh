@@ -61,6 +61,7 @@ quick|all)
         run_suite "replay --check (pool invariants)" env BUILD="$BUILD" python3 tests/replay/check_traces.py
         run_suite "reports (figures vs ground truth)" env BUILD="$BUILD" python3 tests/reports/test_report_truth.py
         run_suite "demo (main job, reports)" env BUILD="$BUILD" bash tests/replay/run_demo.sh
+        run_suite "promises (every documented promise has a test)" env BUILD="$BUILD" python3 tests/promises/check_promises.py
         run_suite "report tool (memshim-report)" env BUILD="$BUILD" python3 tests/report_tool/test_report_tool.py
         run_suite "report tool (advice rules, charts)" env BUILD="$BUILD" python3 tests/report_tool/test_advice.py
         run_suite "python GC step (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_pygc.py
@@ -70,6 +71,10 @@ quick|all)
         run_suite "reliability" env BUILD="$BUILD" bash tests/reliability/run_reliability.sh
         run_suite "pytorch (allocator API; GPU parts)" env BUILD="$BUILD" python3 tests/gpu/test_torch.py
         run_suite "pytorch on CPU (hook, tensor mode, epochs)" env BUILD="$BUILD" python3 tests/torch/test_torch_cpu.py
+        run_suite "differential (PyTorch's own rules)" env BUILD="$BUILD" python3 tests/differential/test_differential.py
+        run_suite "differential (fallbacks as PyTorch decides)" env BUILD="$BUILD" python3 tests/differential/test_fallbacks.py
+        run_suite "differential (snapshot fields as PyTorch's)" env BUILD="$BUILD" python3 tests/differential/test_snapshot_fields.py
+        run_suite "differential (reports past the rings, hosts)" env BUILD="$BUILD" python3 tests/differential/test_report_rings.py
         run_suite "scenarios (real jobs: signals, chdir, loops, torchrun)" env BUILD="$BUILD" python3 tests/scenarios/run_scenarios.py
         run_suite "pip package (venv, memshim command)" env BUILD="$BUILD" python3 tests/package/test_package.py
         run_suite "GPU check --dry-run (every step, double)" bash -c \

@@ -234,6 +234,16 @@ def check_venv(tmp, hdr_env, info):
     except (ValueError, KeyError, IndexError, TypeError):
         ok, src = False, so[-400:]
     case("memshim doctor --json: each setting with where it came from, the writer, the devices", ok, src)
+    # MEMSHIM_REPORT_DIR set: doctor says whether the directory can be made and written (the first
+    # existing directory above it decides); %p and %h are expanded as memshim does
+    blocker = os.path.join(away, "a-file")
+    open(blocker, "w").close()
+    said = []
+    for rd in (os.path.join(away, "doctor-rep", "%h-%p"), os.path.join(blocker, "rep")):
+        rc, so, se = sh([memshim, "doctor"], dict(dbl, MEMSHIM_REPORT_DIR=rd), cwd=away)
+        said.append([ln for ln in so.splitlines() if ln.startswith("reports:")] or [f"exit {rc}: {se[-300:]}"])
+    case("memshim doctor with MEMSHIM_REPORT_DIR: writable below a directory, NOT writable below a file",
+         "(writable)" in said[0][0] and "(NOT writable)" in said[1][0], said)
 
     # memshim run -- python train.py, from another directory, reports written
     shutil.copy(os.path.join(ROOT, "tests", "torch", "train_cpu.py"), os.path.join(away, "train.py"))
@@ -245,6 +255,11 @@ def check_venv(tmp, hdr_env, info):
     case("memshim run -- python train.py: exit 0, output unchanged, 3 epoch reports and a summary in --report-dir",
          rc == 0 and rc0 == 0 and so == plain and len([r for r in reps if "-epoch" in r]) == 3
          and len([r for r in reps if r.endswith("-summary.json")]) == 1, (rc, reps, se[-600:]))
+    summ = [r for r in reps if r.endswith("-summary.json")]
+    if summ and tensor_ok:
+        mode = json.load(open(os.path.join(away, "rep", summ[0]))).get("mode")
+        case("memshim run -- python train.py: the job ran in tensor mode (its summary says so), no hook error",
+             mode == "tensor" and "could not start" not in se, (mode, se[-600:]))
     if reps:
         cfg = json.load(open(os.path.join(away, "rep", reps[-1]))).get("config", {})
         case("the flags reached the job as settings (MEMSHIM_LIMIT from --limit)",
@@ -264,6 +279,18 @@ def check_venv(tmp, hdr_env, info):
     if tensor_ok:
         case("memshim run: LD_PRELOAD has the library first, the one already set after it; tensor mode at the first "
              "CUDA use", line == [f"PROBE {lib}:libm.so.6 True"], (so, se[-800:]))
+    # A python from another environment (here the one running this test, which has PyTorch but not
+    # memshim): no memshim.pth runs there, so memshim/_startup's sitecustomize loads the package by
+    # its location.
+    other = ("import sys, torch\ntry:\n    torch.empty(1, device='cuda')\nexcept Exception:\n    pass\n"
+             "m = sys.modules.get('memshim')\nfrom memshim import _torch as mt\n"
+             "print('OTHER', m is not None and m.__file__.startswith(sys.argv[1]), mt.state.tensor)")
+    rc, so, se = sh([memshim, "run", "--", sys.executable, "-c", other, venv], dbl, cwd=away)
+    line = [ln for ln in so.splitlines() if ln.startswith("OTHER")]
+    if tensor_ok:
+        case("memshim run with a python of another environment: the hook loads the package from memshim/_startup's "
+             "parent, tensor mode at the first CUDA use", line == ["OTHER True True"] and "could not start" not in se,
+             (so, se[-800:]))
     rc, so, se = sh([memshim, "run", "--", py, "-I", "-c", "import sys; print('ISO', 'memshim' in sys.modules)"], dbl,
                     cwd=away)
     case("python -I under memshim run: memshim.pth boots the hook", "ISO True" in so, (so, se[-400:]))

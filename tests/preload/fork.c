@@ -2,10 +2,15 @@
  * fork.c: a process that forks while another thread is allocating through memshim. The child must
  * not deadlock on a lock the allocating thread held at fork time: it allocates and frees (memshim
  * passes through in a child; whatever the driver answers is fine) and exits 0. The parent goes
- * on allocating and its data stays intact.
+ * on allocating and its data stays intact. A child does not keep the parent's trace file open (it
+ * writes no trace; an open descriptor would pin the file and leak into whatever the child runs).
  */
 #include <cuda_runtime_api.h>
+#include <dirent.h>
+#include <limits.h>
 #include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -76,6 +81,42 @@ TEST(fork_while_allocating)
     CHECK(cudaMalloc(&p, 12345) == cudaSuccess);
     CHECK(cudaFree(p) == cudaSuccess);
     CHECK(cudaFree(keep) == cudaSuccess);
+}
+
+/* Whether this process has a descriptor open on the file at `path`. */
+static int has_open(const char *path)
+{
+    char want[PATH_MAX], link[PATH_MAX], got[PATH_MAX];
+    if (!realpath(path, want)) return -1;
+    DIR *d = opendir("/proc/self/fd");
+    if (!d) return -1;
+    int found = 0;
+    for (struct dirent *e; (e = readdir(d)) != NULL;) {
+        snprintf(link, sizeof link, "/proc/self/fd/%s", e->d_name);
+        ssize_t n = readlink(link, got, sizeof got - 1);
+        if (n <= 0) continue;
+        got[n] = '\0';
+        if (strcmp(got, want) == 0) found = 1;
+    }
+    closedir(d);
+    return found;
+}
+
+TEST(a_forked_child_does_not_keep_the_trace_open)
+{
+    const char *trace = getenv("TRACE"); /* run_preload.sh: MEMSHIM_TRACE_FILE's path */
+    REQUIRE(trace && *trace);
+    void *p = NULL;
+    REQUIRE(cudaMalloc(&p, 4096) == cudaSuccess);
+    CHECKF(has_open(trace) == 1, "the parent holds no descriptor on %s: nothing to tell apart", trace);
+    pid_t pid = fork();
+    if (pid == 0) _exit(has_open(trace) == 0 ? 0 : 3);
+    REQUIRE(pid > 0);
+    int status = 0;
+    REQUIRE(waitpid(pid, &status, 0) == pid);
+    CHECKF(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the child %s the trace file open (status 0x%x)",
+           WIFEXITED(status) && WEXITSTATUS(status) == 3 ? "keeps" : "could not look whether it keeps", status);
+    CHECK(cudaFree(p) == cudaSuccess);
 }
 
 TEST_MAIN()

@@ -10,6 +10,7 @@
  */
 #include <cuda_runtime_api.h>
 #include <dirent.h>
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -52,6 +53,13 @@ static int child(const char *mode, int ready_fd)
         int st;
         waitpid(w, &st, 0);
         return WIFSIGNALED(st) && WTERMSIG(st) == SIGTERM ? 0 : 12;
+    }
+    if (!strcmp(mode, "api")) {
+        /* What the Python hook does for an uncaught KeyboardInterrupt: the run is reported as
+         * interrupted, then the process exits normally (memshim's exit handler runs after it). */
+        int (*interrupted)(int) = (int (*)(int))dlsym(RTLD_DEFAULT, "memshim_run_interrupted");
+        if (!interrupted || interrupted(SIGTERM) != 0) return 13;
+        return 0;
     }
     for (long i = 0;; i++) {
         void *p = NULL;
@@ -185,6 +193,19 @@ TEST(a_handler_the_program_installed_runs_and_decides)
     int ep, su, in;
     look(&r, &ep, &su, &in, "SIGTERM");
     CHECKF(su == 1 && in == ep + su, "%d epoch, %d summary, %d interrupted", ep, su, in);
+}
+
+TEST(an_interrupted_run_is_not_reported_again_at_exit)
+{
+    /* memshim_run_interrupted wrote the summary; the exit handler that follows must leave it (a
+     * second writer would replace it with reason exit and no interrupted_by) */
+    struct run r;
+    REQUIRE(start(&r, "api", NULL) == 0);
+    int st = finish(&r);
+    CHECKF(WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    int ep, su, in;
+    look(&r, &ep, &su, &in, "SIGTERM");
+    CHECKF(ep == 1 && su == 1 && in == 2, "%d epoch, %d summary, %d saying interrupted by SIGTERM", ep, su, in);
 }
 
 TEST(an_ignored_signal_stays_ignored)

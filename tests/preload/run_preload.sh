@@ -38,16 +38,19 @@ show_tail() { # FILE: the last lines of a program's output, indented
 
 # run_prog CASE PROGRAM [ARGS...] -- runs under preload with extra environment from $ENV_EXTRA
 # (an array). Adds the harness' own counts; a crash, timeout or missing summary is a failure.
+# PROGRAM NAME.py is tests/preload/NAME.py run by python3 (a CPython process under preload).
 run_prog() {
     local name=$1 prog=$2
     shift 2
     local exe=$BIN/$prog out=$TMP/$name.out err=$TMP/$name.err
-    if [ ! -x "$exe" ]; then
+    local -a cmd=("$exe")
+    case "$prog" in *.py) exe=$(dirname "$0")/$prog; cmd=(python3 "$exe") ;; esac
+    if [ ! -x "$exe" ] && [ "${cmd[0]}" = "$exe" ]; then
         fail "$name" "$exe not built (make tests)"
         return
     fi
     timeout "$TIMEOUT" env LD_PRELOAD="$PRELOAD" LD_LIBRARY_PATH="$DBL" "${ENV_EXTRA[@]}" \
-        "$exe" "$@" >"$out" 2>"$err"
+        "${cmd[@]}" "$@" >"$out" 2>"$err"
     local rc=$?
     local summary
     summary=$(grep -E '[0-9]+ passed, [0-9]+ failed' "$out" | tail -n 1)
@@ -57,7 +60,7 @@ run_prog() {
         return
     fi
     local p f s
-    p=$(sed -E 's/.* ([0-9]+) passed.*/\1/' <<<"$summary")
+    p=$(sed -E 's/^(.* )?([0-9]+) passed.*/\2/' <<<"$summary")
     f=$(sed -E 's/.* ([0-9]+) failed.*/\1/' <<<"$summary")
     s=$(sed -nE 's/.* ([0-9]+) skipped.*/\1/p' <<<"$summary")
     passed=$((passed + p))
@@ -175,9 +178,14 @@ ENV_EXTRA=(MEMSHIM_EPOCH=seconds MEMSHIM_EPOCH_SECONDS=0.5 MEMSHIM_REPORT_DIR="$
            REPORTS="$TMP/epoch-reports")
 run_prog epoch_seconds_race epoch_seconds_race
 
-# ---- (4) fork while allocating ----------------------------------------------------------------
-ENV_EXTRA=()
+# ---- (4) fork while allocating (with a trace: the child must not keep it open) ---------------
+ENV_EXTRA=(MEMSHIM_TRACE_FILE="$TMP/fork-trace.txt" TRACE="$TMP/fork-trace.txt")
 run_prog fork fork
+ENV_EXTRA=()
+run_prog trace_fd0 trace_fd0
+mkdir -p "$TMP/fork-logs"
+ENV_EXTRA=(MEMSHIM_LOG=info MEMSHIM_LOG_FILE="$TMP/fork-logs/log-%p.txt" LOGDIR="$TMP/fork-logs")
+run_prog log_fork log_fork.py
 
 # ---- (4b) a run a signal ends keeps its reports (issue 16): SIGTERM, SIGINT, SIGHUP, chaining --
 ENV_EXTRA=()

@@ -196,6 +196,69 @@ lib.memshim_epoch()
         case(f"GIL {gil}: the same library frames from alternating user lines: each line keeps its own bytes",
              p.returncode == 0 and got == want, (got, (p.stdout + p.stderr)[-300:]))
 
+    # Names are read from CPython's own string objects when the GIL is released (a PyTorch op): a
+    # script and functions named outside ASCII (1-, 2- and 4-byte string kinds; 2-, 3- and 4-byte
+    # UTF-8) get their sites under their own names, and code compiled with an empty file name on
+    # the stack does not turn the frame reader off for the run (every later site unattributed).
+    UNICODE = PRELUDE + """
+def größe(n):
+    return lib.memshim_malloc(n, 0, None)  # SITE-2B
+def 数据(n):
+    return lib.memshim_malloc(n, 0, None)  # SITE-3B
+def 𠀀x(n):
+    return lib.memshim_malloc(n, 0, None)  # SITE-4B
+keep = [größe(3 * MiB), 数据(5 * MiB), 𠀀x(7 * MiB)]
+lib.memshim_epoch()
+"""
+    p = run(UNICODE, tmp, "zähler-🚀", "released")
+    all_reports += p.reports
+    e = p.epochs[0]["sites"] if p.epochs else []
+    got = {(s["function"], s["line"], s["bytes"]) for s in e if s["file"] == p.path}
+    want = {("größe", line_of(UNICODE, "SITE-2B"), 3 * MiB), ("数据", line_of(UNICODE, "SITE-3B"), 5 * MiB),
+            ("𠀀x", line_of(UNICODE, "SITE-4B"), 7 * MiB)}
+    case("GIL released: a script named zähler-🚀.py and functions größe, 数据, 𠀀x get their sites by those names",
+         p.returncode == 0 and got == want, (e, (p.stdout + p.stderr)[-300:]))
+    NONAME = PRELUDE + """
+exec(compile("def from_exec(n):\\n    return lib.memshim_malloc(n, 0, None)\\n", "", "exec"))
+def caller():
+    return from_exec(6 * MiB)  # SITE-CALLER
+keep = [caller()]
+def later():
+    return lib.memshim_malloc(4 * MiB, 0, None)  # SITE-LATER
+keep.append(later())
+lib.memshim_epoch()
+"""
+    for gil, how, extra in (("released", "frames read raw", {}), ("held", "MEMSHIM_SITES=acquire, read through the API",
+                                                                   {"MEMSHIM_SITES": "acquire"})):
+        p = run(NONAME, tmp, "noname-" + gil, gil, extra)
+        all_reports += p.reports
+        e = p.epochs[0]["sites"] if p.epochs else []
+        got = {(s["file"], s["function"], s["line"], s["bytes"]) for s in e}
+        case(f"GIL {gil}, {how}: code compiled with an empty file name is a site ('?' line 2), later sites still count",
+             p.returncode == 0 and got == {("?", "from_exec", 2, 6 * MiB),
+                                           (p.path, "later", line_of(NONAME, "SITE-LATER"), 4 * MiB)},
+             (e, (p.stdout + p.stderr)[-300:]))
+
+    # Interned names are told apart by length too: "forward_avz" and "forward" share a slot of the
+    # string table (FNV-1a, 17 bits: shim/sites.c, str_hash), and the longer begins with the
+    # shorter; each function keeps its own name.
+    PREFIX = PRELUDE + """
+def forward_avz(n):
+    return lib.memshim_malloc(n, 0, None)  # SITE-LONG
+def forward(n):
+    return lib.memshim_malloc(n, 0, None)  # SITE-SHORT
+keep = [forward_avz(5 * MiB), forward(3 * MiB)]
+lib.memshim_epoch()
+"""
+    p = run(PREFIX, tmp, "prefix")
+    all_reports += p.reports
+    e = p.epochs[0]["sites"] if p.epochs else []
+    got = {(s["function"], s["line"], s["bytes"]) for s in e}
+    case("two function names in one slot of the string table, one the other's prefix: each site keeps its own",
+         p.returncode == 0 and got == {("forward_avz", line_of(PREFIX, "SITE-LONG"), 5 * MiB),
+                                       ("forward", line_of(PREFIX, "SITE-SHORT"), 3 * MiB)},
+         (e, (p.stdout + p.stderr)[-300:]))
+
     # a thread without Python state (autograd's backward workers): the pseudo site <backward>
     helper = os.path.join(tmp, "bwthread.so")
     csrc = os.path.join(tmp, "bwthread.c")

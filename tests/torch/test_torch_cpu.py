@@ -161,6 +161,51 @@ with tempfile.TemporaryDirectory(prefix="memshim-t9-") as tmp:
     rc, out, err = py(PROBE, {"MEMSHIM_MODE": "off"})
     case("MEMSHIM_MODE=off: no hook", rc == 0 and lines(out, "HOOK") == ["False None False"], out + err)
 
+    # A program without PyTorch (CuPy, JAX, a CUDA extension) closes its epochs with memshim.epoch().
+    rdir = os.path.join(tmp, "no-torch-reports")
+    rc, out, err = py("import ctypes, sys, memshim\nctypes.CDLL('libcudart.so')\nrt = ctypes.CDLL(None)\n"
+                      "p = ctypes.c_void_p()\nassert rt.cudaMalloc(ctypes.byref(p), 1 << 20) == 0\nmemshim.epoch()\n"
+                      "print('EPOCH', 'torch' in sys.modules)", {"MEMSHIM_REPORT_DIR": rdir})
+    reps = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(rdir, "*-epoch*.json")))]
+    case("without PyTorch, memshim.epoch() closes an epoch: one report, reason manual, the 1 MiB in it",
+         rc == 0 and lines(out, "EPOCH") == ["False"] and len(reps) == 1 and reps[0].get("reason") == "manual"
+         and reps[0]["memory"]["allocated_peak_bytes"] == 1 << 20,
+         (out + err[-600:], [(r.get("reason"), r.get("epoch")) for r in reps]))
+    # A script that calls memshim stays runnable under MEMSHIM_MODE=off (no hook: `import memshim`
+    # from the script's own path, and the package does not arm, so only _boot of it is loaded).
+    rc, out, err = py(f"import sys\nsys.path.insert(0, {PYDIR!r})\nimport memshim\nmemshim.epoch()\n"
+                      "memshim.step()\nprint('OFF', memshim.stats()['mode'])",
+                      {"MEMSHIM_MODE": "off", "MEMSHIM_REPORT_DIR": rdir + "-off"})
+    case("MEMSHIM_MODE=off: memshim.epoch(), step() and stats() return (mode off), no report",
+         rc == 0 and lines(out, "OFF") == ["off"] and not os.path.exists(rdir + "-off"), out + err[-600:])
+    # The figures the Lightning and HF callbacks log at each epoch end (memshim/..., docs/pytorch.md),
+    # as the callbacks get them (memshim._frameworks.epoch_metrics), here without either installed.
+    rdir_m = os.path.join(tmp, "metrics-reports")
+    rc, out, err = py("import ctypes, json, memshim\nctypes.CDLL('libcudart.so')\nrt = ctypes.CDLL(None)\n"
+                      "p = ctypes.c_void_p()\nassert rt.cudaMalloc(ctypes.byref(p), 3 << 20) == 0\nmemshim.epoch()\n"
+                      "from memshim import _frameworks\nprint('METRICS', json.dumps(_frameworks.epoch_metrics()))\n"
+                      "print('AGAIN', json.dumps(_frameworks.epoch_metrics()))", {"MEMSHIM_REPORT_DIR": rdir_m})
+    m = json.loads(lines(out, "METRICS")[0]) if lines(out, "METRICS") else {}
+    rep = [json.load(open(f)) for f in glob.glob(os.path.join(rdir_m, "*-epoch*.json"))]
+    mem = rep[0]["memory"] if len(rep) == 1 else {}
+    case("the trainers' memshim/ figures of an epoch: the seven of docs/pytorch.md, equal to its report, logged once",
+         sorted(m) == sorted("memshim/" + k for k in (
+             "allocated_peak_bytes", "reserved_peak_bytes", "fragmentation", "peak_allocated_over_peak_reserved",
+             "ooms", "oom_rescues", "growth_bytes_per_epoch"))
+         and m["memshim/allocated_peak_bytes"] == mem.get("allocated_peak_bytes")
+         and m["memshim/reserved_peak_bytes"] == mem.get("reserved_peak_bytes") and m["memshim/ooms"] == 0
+         and lines(out, "AGAIN") == ["{}"], (m, mem, err[-400:]))
+    # Ctrl-C in a job without PyTorch: CPython ends by SIGINT, past libmemshim.so's C exit handler,
+    # so the hook's atexit writes the open epoch and the summary (reason interrupted).
+    rdir_i = os.path.join(tmp, "interrupted-reports")
+    rc, out, err = py("import ctypes\nctypes.CDLL('libcudart.so')\nrt = ctypes.CDLL(None)\np = ctypes.c_void_p()\n"
+                      "assert rt.cudaMalloc(ctypes.byref(p), 1 << 20) == 0\nraise KeyboardInterrupt",
+                      {"MEMSHIM_REPORT_DIR": rdir_i})
+    got = sorted((json.load(open(f)).get("kind"), json.load(open(f)).get("reason"))
+                 for f in glob.glob(os.path.join(rdir_i, "*.json")))
+    case("an uncaught KeyboardInterrupt: the process ends by SIGINT with its epoch and summary written (interrupted)",
+         rc == -2 and got == [("epoch", "interrupted"), ("summary", "interrupted")], (rc, got, err[-400:]))
+
 # ---- PyTorch ---------------------------------------------------------------------------------------
 probe = py("import torch; print('TORCH', torch.__version__)", preload=False)
 if probe[0] != 0 or not lines(probe[1], "TORCH"):
@@ -406,6 +451,25 @@ with tempfile.TemporaryDirectory(prefix="memshim-t9-") as rdir:
     case("torchrun-style RANK goes into the report names", all("-rank0-" in f for f in os.listdir(rdir)),
          os.listdir(rdir))
     schema_case("epochs", rdir)
+
+# A nanoGPT-style loop (get_batch, no DataLoader) of 25 optimizer steps with MEMSHIM_EPOCH_INTERVAL=10:
+# interval reports are memshim's own epoch detection, so only MEMSHIM_EPOCH=auto writes them; epochs
+# the user chose (steps every 100 here) get none, and no warning about them.
+GETBATCH = ("import ctypes, torch\nlib = ctypes.CDLL(None)\nlib.memshim_malloc.restype = ctypes.c_void_p\n"
+            "lib.memshim_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]\n"
+            "hold = lib.memshim_malloc(1 << 20, 0, None)\nmodel = torch.nn.Linear(4, 1)\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.01)\nfor i in range(25):\n"
+            "    opt.zero_grad()\n    model(torch.randn(8, 4)).sum().backward()\n    opt.step()\n")
+for label, extra, want in (("MEMSHIM_EPOCH=auto", {}, [("interval", 10), ("interval", 10)]),
+                           ("MEMSHIM_EPOCH=steps", {"MEMSHIM_EPOCH": "steps", "MEMSHIM_EPOCH_STEPS": "100"}, [])):
+    with tempfile.TemporaryDirectory(prefix="memshim-t9-") as rdir:
+        rc, out, err = py(GETBATCH, dict(extra, MEMSHIM_REPORT_DIR=rdir, MEMSHIM_EPOCH_INTERVAL="10"))
+        got = [(json.load(open(f))["reason"], json.load(open(f))["steps"])
+               for f in sorted(glob.glob(os.path.join(rdir, "*-epoch*.json")))]
+        warned = [l for l in err.splitlines() if "optimizer steps and no epoch has ended" in l]
+        case(f"{label}, a get_batch loop of 25 steps, MEMSHIM_EPOCH_INTERVAL=10: "
+             + ("an interval report every 10 steps, said once" if want else "no interval reports, no warning"),
+             rc == 0 and got == want and len(warned) == (1 if want else 0), (got, err[-800:]))
 
 # ---- 5. HF Trainer and Lightning --------------------------------------------------------------------
 for fw, reason, title in (("hf", "hf_trainer", "HF Trainer"), ("lightning", "lightning", "Lightning")):

@@ -538,6 +538,25 @@ TEST(alignment_and_sizes_1_byte_to_1_GiB)
     msh_dev_sim_fini(&d);
 }
 
+/* memshim-replay's device (--capacity): as full as the driver would say, never more free than there
+ * is; a full device has 0 bytes free, and refuses the next page. */
+TEST(simulated_device_reports_what_is_free_up_to_full)
+{
+    struct msh_device d;
+    REQUIRE(msh_dev_sim_init(&d, 4 * GRAN, GRAN) == 0);
+    size_t fr = 1, tot = 0;
+    uint64_t h[5];
+    CHECK(d.ops->mem_info(&d, &fr, &tot) == 0 && fr == 4 * GRAN && tot == 4 * GRAN);
+    for (int i = 0; i < 4; i++) REQUIRE(d.ops->create(&d, GRAN, &h[i]) == 0);
+    CHECK(d.ops->mem_info(&d, &fr, &tot) == 0);
+    CHECKF(fr == 0 && tot == 4 * GRAN, "full device: %zu free of %zu", fr, tot);
+    CHECK(d.ops->create(&d, GRAN, &h[4]) != 0);
+    REQUIRE(d.ops->release(&d, h[0], GRAN) == 0);
+    CHECK(d.ops->mem_info(&d, &fr, &tot) == 0 && fr == GRAN);
+    for (int i = 1; i < 4; i++) d.ops->release(&d, h[i], GRAN);
+    msh_dev_sim_fini(&d);
+}
+
 TEST(size_zero_gives_distinct_blocks)
 {
     struct msh_device d;

@@ -14,7 +14,9 @@
 #include <inttypes.h>
 #include <limits.h>
 #include <stdint.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -1279,6 +1281,55 @@ TEST(addrmap_grows)
     }
     CHECK(bad == 0 && msh_addrmap_get(&m, 7, 0) == NULL);
     msh_addrmap_free(&m);
+}
+
+/* A file that is none of the formats is named as such, whatever its first byte: an xz-compressed
+ * snapshot (first byte 0xfd) is not taken for a pickle (whose first byte is PROTO, 0x80). */
+TEST(load_names_an_unknown_binary_format)
+{
+    char path[] = "/tmp/msh-xz-XXXXXX";
+    int fd = mkstemp(path);
+    REQUIRE(fd >= 0);
+    static const unsigned char xz[] = {0xfd, '7', 'z', 'X', 'Z', 0, 0, 4, 0xe6, 0xd6, 0xb4, 0x46};
+    REQUIRE(write(fd, xz, sizeof xz) == (ssize_t)sizeof xz);
+    close(fd);
+    struct msh_trace_set *s = NULL;
+    char err[512] = "";
+    CHECK(msh_trace_load(path, &s, err, sizeof err) == EINVAL && !s);
+    CHECKF(strstr(err, "unrecognised trace format") && !strstr(err, "pickle opcode"), "%s", err);
+    unlink(path);
+}
+
+/* A trace too large for the machine: the address map refuses the entry (NULL), the map intact, and
+ * no SIGSEGV (the loader returns ENOMEM for a NULL entry). In a child whose address space
+ * is capped 64 MiB above what it uses now. */
+TEST(addrmap_out_of_memory_is_null_not_a_crash)
+{
+#if defined(__SANITIZE_ADDRESS__)
+    SKIP("AddressSanitizer reserves terabytes of address space: RLIMIT_AS cannot be used");
+#else
+    fflush(NULL);
+    pid_t pid = fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+        long pages = 0;
+        FILE *f = fopen("/proc/self/statm", "r");
+        if (!f || fscanf(f, "%ld", &pages) != 1) _exit(3);
+        fclose(f);
+        rlim_t lim = (rlim_t)pages * (rlim_t)sysconf(_SC_PAGESIZE) + ((rlim_t)64 << 20);
+        struct rlimit rl = {lim, lim};
+        if (setrlimit(RLIMIT_AS, &rl)) _exit(4);
+        struct msh_addrmap m;
+        if (msh_addrmap_init(&m, 1)) _exit(5);
+        for (uint64_t i = 0; i < ((uint64_t)1 << 26); i++)
+            if (!msh_addrmap_get(&m, i * 512, 1)) _exit(m.n > 1000 ? 0 : 6); /* refused, the map intact */
+        _exit(7); /* 64 Mi entries in 64 MiB: the cap did not hold */
+    }
+    int st = 0;
+    REQUIRE(waitpid(pid, &st, 0) == pid);
+    CHECKF(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child: %s %d", WIFEXITED(st) ? "exit" : "signal",
+           WIFEXITED(st) ? WEXITSTATUS(st) : WTERMSIG(st));
+#endif
 }
 
 /* ---- real snapshots (../shared/traces) -------------------------------------------------------- */

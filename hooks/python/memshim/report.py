@@ -362,10 +362,14 @@ def build_stream(recs):
     # the highest of the per-epoch peaks and the run peaks (epoch files may be missing)
     alloc_peak = max(v for r in recs for v in (r["alloc_peak"], r["alloc_run_peak"]) if v is not None)
     resv_peak = max(v for r in recs for v in (r["resv_peak"], r["resv_run_peak"]) if v is not None)
-    if newest["trend_series"] is not None:
+    # The reports' trend keeps the last 64 epoch ends (MSH_TREND_MAX): a longer run whose every
+    # epoch report is here gets its first epoch and its growth from those reports instead.
+    whole = [r["alloc_end"] for r in epochs]
+    every = [r["epoch"] for r in epochs] == list(range(len(epochs))) and None not in whole
+    if newest["trend_series"] is not None and not (every and len(whole) > len(newest["trend_series"])):
         series, source = newest["trend_series"], "trend.epoch_end_allocated_bytes of the newest report"
     else:
-        series, source = [r["alloc_end"] for r in epochs], "allocated_bytes of the epoch reports"
+        series, source = whole, "allocated_bytes of the epoch reports"
     verdict = newest["trend_verdict"] or computed_verdict(series)
     growth = (series[-1] - series[0]) / (len(series) - 1) if len(series) >= 2 else None
     with_sites = [r for r in recs if r["sites"] is not None and r["kind"] != "summary"] or \
