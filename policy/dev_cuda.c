@@ -317,6 +317,16 @@ static const struct msh_device_ops cuda_ops = {
     .copy = cu_copy,
 };
 
+void msh_dev_cuda_fini(struct msh_device *d)
+{
+    struct cuda_dev *c = d && d->ops == &cuda_ops ? d->impl : NULL;
+    if (!c) return;
+    if (msh_cu.cuDevicePrimaryCtxRelease) msh_cu.cuDevicePrimaryCtxRelease(c->dev);
+    free(c);
+    d->impl = NULL;
+    d->ops = NULL;
+}
+
 int msh_dev_cuda_init(struct msh_device *d, int ordinal)
 {
     if (msh_cuda_load()) return ENODEV;

@@ -85,5 +85,8 @@ size_t msh_dev_sim_host_used(struct msh_device *d);
 /* The real driver (or the double), resolved through msh_cuda (shim/real.c). Requires a current
  * context for `ordinal` when called. */
 int msh_dev_cuda_init(struct msh_device *d, int ordinal);
+/* Give back what msh_dev_cuda_init took (its primary-context reference, its state); every pool on
+ * the device must be destroyed first. */
+void msh_dev_cuda_fini(struct msh_device *d);
 
 #endif

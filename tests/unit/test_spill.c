@@ -284,6 +284,7 @@ TEST(past_spill_max_a_clear_oom_off_is_todays_oom)
     for (int s = 0; s < 5; s++)
         if (v[s].addr) msh_pool_free(pool, v[s].addr, MSH_STREAM_COMPLETED);
     msh_pool_destroy(pool);
+    msh_dev_cuda_fini(&dev2);
     cudbl_set_host(CUDBL_HOST_VMM_NUMA | CUDBL_HOST_VMM_HOST, 0);
 }
 
