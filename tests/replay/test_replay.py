@@ -176,7 +176,8 @@ with tempfile.TemporaryDirectory() as tmp:
 
     # ---- driver calls and modelled driver seconds (issue 10; docs/replay.md) ----
     KINDS = ["create", "release", "map", "unmap", "set_access", "event_record", "stream_wait", "synchronize",
-             "malloc", "free", "reserve", "unreserve"]
+             "malloc", "free", "reserve", "unreserve",
+             "host_create", "copy_to_host", "copy_to_device"]  # spill to host (issue 20)
     rc, out, err = run("--show-driver-costs")
     table = {}
     for line in out.splitlines():
