@@ -754,6 +754,13 @@ def advise(run):
         if n_oom:
             last = lo[-1]["last_oom"] if lo else None  # recs are in time order
             fig = {"oom_events": n_oom, "last_oom": last}
+            if last and last["cause"] == "capacity" and (last["limit_bytes"] or last["device_total_bytes"]):
+                # the shortfall the MEMSHIM_SPILL=host suggestion quotes is a figure too (every number
+                # in an advice text is one of its figures)
+                cap0 = last["limit_bytes"] or last["device_total_bytes"]
+                short0 = last["live_bytes"] + last["requested_bytes"] - cap0
+                if short0 > 0:
+                    fig["short_bytes"], fig["short_share"] = short0, short0 / cap0
             mode = s["newest"]["mode"]
             defrag = s["newest"]["config"].get("MEMSHIM_DEFRAG")
             spill = s["newest"]["config"].get("MEMSHIM_SPILL")
