@@ -6,6 +6,7 @@ report directory cost a warning, never the job. Ends with "N passed, N failed, N
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -14,6 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pyharness import BUILD, case, finish  # noqa: E402
 from schema_check import report_problems  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 
@@ -60,6 +63,18 @@ with tempfile.TemporaryDirectory() as tmp:
         case("no Python in the demo: sites [] with a note saying why; versions name the driver and the device",
              r["sites"] == [] and "no Python" in (r["sites_note"] or "") and r["versions"]["cuda_driver"]
              and r["versions"]["device_name"] and r["versions"]["cuda_runtime"], (r["sites_note"], r["versions"]))
+        # the versions as CUDA writes them (major.minor from 1000 * major + 10 * minor), against the
+        # numbers the doubles answer (tests/cudadouble: DRIVER_VERSION, RUNTIME_VERSION)
+        want = {}
+        for key, src, name in (("cuda_driver", "cuda_double.c", "DRIVER_VERSION"),
+                               ("cuda_runtime", "cudart_double.c", "RUNTIME_VERSION")):
+            text = open(os.path.join(ROOT, "tests", "cudadouble", src)).read()
+            m = re.search(r"^#define %s (\d+)" % name, text, re.M)
+            v = int(m.group(1)) if m else -1
+            want[key] = f"{v // 1000}.{v % 1000 // 10}"
+        case("versions: the driver's and the runtime's as the doubles give them (%s, %s)"
+             % (want["cuda_driver"], want["cuda_runtime"]),
+             all(r["versions"][k] == v for k, v in want.items()), (r["versions"], want))
     ep = [r for r in reps if r["kind"] == "epoch"]
     if len(ep) == 3:
         m = [r["memory"] for r in ep]

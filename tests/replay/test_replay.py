@@ -309,10 +309,22 @@ with tempfile.TemporaryDirectory() as tmp:
              p.returncode == 0 and tm["create"]["calls"] >= dd["driver_calls"]["create"] > 0
              and 0 < tm["map"]["median_s"] <= tm["map"]["p90_s"]
              and tm["set_access"]["calls"] >= dd["driver_calls"]["set_access"] > 0, tm)
+        # a trace's timings start from nothing: a kind the pool never called has no entry (the
+        # timings also see the teardown's unmap, release, unreserve and synchronize, which the
+        # replay's counts leave out)
+        teardown = ("unmap", "release", "unreserve", "synchronize")
+        unused = sorted(k for k, v in dd["driver_calls"].items() if v == 0 and k not in teardown)
+        case("--device times only the kinds the pool called (%s never called: absent)" % ", ".join(unused),
+             unused and not [k for k in unused if k in tm], (unused, sorted(tm)))
         cal = dd["driver_calibration"]
         case("--device fits a cost table on one- and ten-page handles",
              cal and cal["sizes"] == [2 * 2**20, 20 * 2**20] and sorted(cal["fitted"]) == sorted(KINDS)
              and all(v["per_call_s"] >= 0 and v["per_mib_s"] >= 0 for v in cal["fitted"].values()), cal)
+        # every call the calibration makes takes some time, and far less than a second on the double
+        timed = ("reserve", "create", "map", "set_access", "unmap", "release", "unreserve",
+                 "synchronize", "event_record", "stream_wait")
+        case("--device calibration: each VMM, event and synchronize call was timed (0 < median < 0.1 s)",
+             all(0 < m < 0.1 for k in timed for m in cal["median_s"][k]), {k: cal["median_s"][k] for k in timed})
     except (ValueError, IndexError, KeyError, TypeError) as e:
         case("--device timing output parses", False, f"{e}: {p.stdout[:300]!r} {p.stderr[-300:]!r}")
 
