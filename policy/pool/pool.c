@@ -438,7 +438,7 @@ static void free_tags(struct msh_pool *pool, struct blk *b, uint64_t stream, con
     uint64_t rec[MAX_STREAMS + 1];
     int n = 0;
     for (int i = 0; i < nused; i++) {
-        bool dup = used[i] == stream || used[i] == MSH_STREAM_COMPLETED;
+        bool dup = false; /* `used` holds neither the free's stream nor MSH_STREAM_COMPLETED (callers) */
         for (int k = 0; k < n && !dup; k++) dup = rec[k] == used[i];
         if (!dup && n < MAX_STREAMS) rec[n++] = used[i];
         else if (!dup) overflow = true;
