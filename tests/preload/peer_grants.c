@@ -116,9 +116,14 @@ TEST(record_stream_with_a_stream_of_another_device)
     REQUIRE(cudbl_launch((CUstream)s1, (CUdeviceptr)(uintptr_t)x, MiB, 0, reader, x) == CUDA_SUCCESS);
     memshim_record_stream(x, s1);
     REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    long sync0 = cudbl_call_count("cuStreamSynchronize") + cudbl_call_count("cuCtxSynchronize");
     memshim_free(x, 8 * MiB, 0, s0);
     void *y = memshim_malloc(8 * MiB, 0, s0); /* at the limit: x's memory */
     CHECK(y == x);
+    /* the event came from device 1's context, so recording it worked: the pool had no reason to
+     * fall back to synchronizing device 1's stream from the host */
+    long syncs = cudbl_call_count("cuStreamSynchronize") + cudbl_call_count("cuCtxSynchronize") - sync0;
+    CHECKF(syncs == 0, "%ld host synchronizes between the free and the reuse", syncs);
     if (y) REQUIRE(cudbl_launch((CUstream)s0, (CUdeviceptr)(uintptr_t)y, MiB, 1, writer, y) == CUDA_SUCCESS);
     cudaStreamSynchronize(s0); /* runs device 1's read first, if s0 was made to wait for it */
     cudaSetDevice(1);
