@@ -1389,6 +1389,48 @@ TEST(stream_free_is_consistent_while_a_stream_context_is_asked_for)
     free(f);
 }
 
+/* A stream of another context (stream_home answers its context): the event a free records for it
+ * is made in that context (event_create_on), since the driver refuses an event of one context on
+ * a stream of another. Streams of the device's own context (home 0) get a plain event. */
+static uint64_t home_calls, home_last;
+static int fk_stream_home_other(struct msh_device *d __attribute__((unused)), uint64_t stream, uint64_t *home)
+{
+    *home = stream == 12 ? 0xC0 : 0;
+    return 0;
+}
+static int fk_event_create_on(struct msh_device *d, uint64_t home, uint64_t *ev)
+{
+    home_calls++;
+    home_last = home;
+    return fk_event_create(d, ev);
+}
+
+TEST(an_event_for_a_stream_of_another_context_is_made_in_that_context)
+{
+    struct fake *f = fake_new(0, 0);
+    static struct msh_device_ops ops;
+    ops = fake_ops;
+    ops.stream_home = fk_stream_home_other;
+    ops.event_create_on = fk_event_create_on;
+    f->dev.ops = &ops;
+    struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0);
+    REQUIRE(pool);
+    home_calls = home_last = 0;
+    uint64_t a, b;
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 11, &a) == 0);
+    CHECK(msh_pool_record_stream(pool, a, 12) == 0); /* stream 12: context 0xC0 */
+    CHECK(msh_pool_free(pool, a, 11) == 0);
+    CHECKF(home_calls == 1 && home_last == 0xC0, "event_create_on called %llu times, last home %#llx",
+           (unsigned long long)home_calls, (unsigned long long)home_last);
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 13, &b) == 0);
+    CHECK(msh_pool_record_stream(pool, b, 14) == 0); /* stream 14: the device's own context */
+    CHECK(msh_pool_free(pool, b, 13) == 0);
+    CHECK(home_calls == 1);
+    msh_pool_destroy(pool);
+    CHECK(f->live_events == 0 && f->misuse == 0);
+    free(f);
+}
+
 TEST(stream_record_stream_on_host_allocated_block_is_kept)
 {
     /* A block allocated for host-synchronous use (MSH_STREAM_COMPLETED), then used on stream 33
