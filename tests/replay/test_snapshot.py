@@ -344,6 +344,10 @@ print("SECOND", b)
             {"MEMSHIM_SNAPSHOT": os.path.join(tmp, "r%r-x.pickle"), "LOCAL_RANK": "5"})
     case("%r in MEMSHIM_SNAPSHOT is the rank (no -rankR added)", os.path.exists(os.path.join(tmp, "r5-x.pickle")),
          sorted(os.listdir(tmp)))
+    p = run(OOM.replace("40 * MiB, 0, None)\nprint", "4 * MiB, 0, None)\nprint"), tmp, "rank0",
+            {"MEMSHIM_SNAPSHOT": os.path.join(tmp, "q%r-x.pickle")})
+    case("%r in MEMSHIM_SNAPSHOT without a rank is 0",
+         os.path.exists(os.path.join(tmp, "q0-x.pickle")), sorted(f for f in os.listdir(tmp) if f.startswith("q")))
     ro = os.path.join(tmp, "notadir")
     open(ro, "w").close()
     p = run(OOM.replace("40 * MiB, 0, None)\nprint", "4 * MiB, 0, None)\nprint"), tmp, "unwritable",
