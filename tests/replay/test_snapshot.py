@@ -257,6 +257,13 @@ with tempfile.TemporaryDirectory(prefix="memshim-snapshot-") as tmp:
          SETTINGS_KEYS <= set(snap["allocator_settings"]) and
          snap["allocator_settings"]["memshim"]["MEMSHIM_SNAPSHOT"].endswith("snap-%p.pickle"),
          sorted(snap["allocator_settings"]))
+    st = snap["allocator_settings"]
+    want = {"max_split_size": -1, "garbage_collection_threshold": 0.0, "expandable_segments": False,
+            "pinned_num_register_threads": 1, "release_lock_on_cudamalloc": False,
+            "pinned_use_cuda_host_register": False, "graph_capture_record_stream_reuse": False}
+    case("allocator_settings: PyTorch's defaults for what memshim does not change (False as a bool)",
+         all(type(st.get(k)) is type(v) and st.get(k) == v for k, v in want.items()),
+         {k: st.get(k) for k in want})
     acts = {e["action"] for e in ev}
     case("device_traces has alloc, free_requested, free_completed, segment_map and snapshot entries",
          {"alloc", "free_requested", "free_completed", "segment_map", "snapshot"} <= acts, acts)
