@@ -31,6 +31,24 @@ struct cand {
     uint64_t age; /* the youngest block touching it (born): smaller is colder */
 };
 
+/* Append to a raw_alloc'd array of candidates (doubling); false when memory ran out. */
+static bool cand_push(struct cand **c, size_t *n, size_t *cap, struct cand x)
+{
+    if (*n == *cap) {
+        size_t ncap = *cap ? *cap * 2 : 64;
+        struct cand *g = raw_alloc(ncap * sizeof *g);
+        if (!g) return false;
+        if (*c) {
+            memcpy(g, *c, *n * sizeof **c);
+            raw_free(*c, *cap * sizeof **c);
+        }
+        *c = g;
+        *cap = ncap;
+    }
+    (*c)[(*n)++] = x;
+    return true;
+}
+
 static int cand_cmp(const void *a, const void *b)
 {
     const struct cand *x = a, *y = b;
@@ -241,20 +259,7 @@ static struct cand *pick_cold(struct msh_pool *pool, size_t *nc, size_t *capp)
                     if (hot[q]) ok = false;
                     if (young[q] > age) age = young[q];
                 }
-                if (ok) {
-                    if (n == cap) {
-                        size_t ncap = cap ? cap * 2 : 256;
-                        struct cand *g = raw_alloc(ncap * sizeof *g);
-                        if (!g) break;
-                        if (c) {
-                            memcpy(g, c, n * sizeof *c);
-                            raw_free(c, cap * sizeof *c);
-                        }
-                        c = g;
-                        cap = ncap;
-                    }
-                    c[n++] = (struct cand){.r = r, .h = p, .n = np, .age = age};
-                }
+                if (ok && !cand_push(&c, &n, &cap, (struct cand){.r = r, .h = p, .n = np, .age = age})) break;
                 p += np;
             }
             raw_free(young, bytes);
@@ -318,21 +323,10 @@ static size_t unspill_locked(struct msh_pool *pool, bool all)
             for (uint32_t p = 0; p < r->hi_page;) {
                 struct page *hp = &r->pages[p];
                 uint32_t np = pg_head(hp) == p && hp->npages ? hp->npages : 1;
-                if (pg_head(hp) == p && hp->host && hp->state == PG_MAPPED) {
-                    if (n == ccap) {
-                        size_t ncap = ccap ? ccap * 2 : 64;
-                        struct cand *g = raw_alloc(ncap * sizeof *g);
-                        if (!g) goto done_scan;
-                        if (c) {
-                            memcpy(g, c, n * sizeof *c);
-                            raw_free(c, ccap * sizeof *c);
-                        }
-                        c = g;
-                        ccap = ncap;
-                    }
-                    /* age: idle ones first (0), then the most recently allocated last */
-                    c[n++] = (struct cand){.r = r, .h = p, .n = np, .age = hp->nlive ? 1 : 0};
-                }
+                /* age: idle ones first (0), then those in use */
+                if (pg_head(hp) == p && hp->host && hp->state == PG_MAPPED &&
+                    !cand_push(&c, &n, &ccap, (struct cand){.r = r, .h = p, .n = np, .age = hp->nlive ? 1 : 0}))
+                    goto done_scan;
                 p += np;
             }
 done_scan:

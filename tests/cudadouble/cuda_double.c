@@ -914,17 +914,22 @@ static CUresult capture_unsafe_locked(void)
  * calling thread's capture mode decides, as for cuMemFree), and memory that captured work touches
  * cannot be unmapped under a capture in any mode: the graph would replay into nothing. Both
  * invalidate the captures concerned (docs/test-double.md). */
+static int item_touches(const struct item *it, CUdeviceptr va, size_t size)
+{
+    int touches = 0;
+    if (it->kind == IT_KERNEL || ((it->kind == IT_SET || it->kind == IT_COPY) && it->chk_dst))
+        touches = it->dst < va + size && va < it->dst + it->n;
+    if (it->kind == IT_COPY && it->chk_src) touches |= it->src < va + size && va < it->src + it->n;
+    return touches;
+}
+
 static CUresult capture_unmap_conflict_locked(CUdeviceptr va, size_t size)
 {
     CUresult rc = capture_unsafe_locked();
     for (struct capture *c = g_captures; c; c = c->next) {
         if (!c->active) continue;
         for (struct item *it = c->head; it; it = it->next) {
-            int touches = 0;
-            if (it->kind == IT_KERNEL || ((it->kind == IT_SET || it->kind == IT_COPY) && it->chk_dst))
-                touches = it->dst < va + size && va < it->dst + it->n;
-            if (it->kind == IT_COPY && it->chk_src) touches |= it->src < va + size && va < it->src + it->n;
-            if (touches) {
+            if (item_touches(it, va, size)) {
                 c->invalidated = 1;
                 rc = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
                 break;
@@ -2457,11 +2462,7 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)
      * next). The double takes it as misuse: synchronize (or wait on the work) first. */
     for (struct stream *s = g_streams; rc == CUDA_SUCCESS && s; s = s->next)
         for (struct item *it = s->head; it; it = it->next) {
-            int touches = 0;
-            if (it->kind == IT_KERNEL || ((it->kind == IT_SET || it->kind == IT_COPY) && it->chk_dst))
-                touches = it->dst < ptr + size && ptr < it->dst + it->n;
-            if (it->kind == IT_COPY && it->chk_src) touches |= it->src < ptr + size && ptr < it->src + it->n;
-            if (touches) {
+            if (item_touches(it, ptr, size)) {
                 rc = misuse(CUDA_ERROR_INVALID_VALUE, "unmapping [%#llx, +%zu) while work queued on stream %llu still "
                             "touches it (unmap is not stream-ordered: synchronize first)",
                             (unsigned long long)ptr, size, (unsigned long long)s->id);
