@@ -128,8 +128,9 @@ struct msh_pool_stats {
     uint64_t capture_deferrals, parked_frees;
     size_t handles;                              /* physical handles held now (a handle spans >= 1 page) */
     /* The learned step (docs/pool.md): steps learned, allocations placed where the plan said,
-     * and plans dropped because the stream of requests left them. */
-    uint64_t plans_built, plan_placed, plan_dropped;
+     * plans dropped because the stream of requests left them, and steps found that no packing
+     * fitted into the budget (each a packing tried and given up). */
+    uint64_t plans_built, plan_placed, plan_dropped, plan_failed;
     uint64_t plan_pack_ns;                       /* time spent packing steps (on the planner thread) */
     uint64_t lock_waits;                         /* allocations that waited for another thread's mapping */
     /* Spill (docs/pool.md "Spill"): bytes of host memory behind the pool's addresses now (in use

@@ -75,11 +75,17 @@ void step_destroy(struct msh_pool *pool)
     pool->step = NULL;
 }
 
-/* A step of about this length (within 1/64) already failed to pack into this budget lately. */
-static bool step_failed_before(const struct step *s, uint64_t len, size_t budget)
+/* A step of about this length (within 1/64) failed to pack into this budget the last time. */
+static bool step_same_failure(const struct step *s, uint64_t len, size_t budget)
 {
     uint64_t d = len > s->fail_len ? len - s->fail_len : s->fail_len - len;
-    return s->fails && d <= s->fail_len / 64 && budget == s->fail_budget && s->n < s->fail_until;
+    return s->fails && d <= s->fail_len / 64 && budget == s->fail_budget;
+}
+
+/* ... and its back-off has not run out: not worth a packing yet. */
+static bool step_failed_before(const struct step *s, uint64_t len, size_t budget)
+{
+    return step_same_failure(s, len, budget) && s->n < s->fail_until;
 }
 
 /* why: what the request did that the plan did not foresee (the debug log says it); keep: the plan
@@ -228,7 +234,10 @@ static void planner_run(struct msh_pool *pool)
         pin_free(in);
     }
     if (failed) { /* the same step at the same budget will not pack next time either */
-        if (!step_failed_before(s, t1 - t0, capn + 1) || s->fail_budget != capn) s->fails = 0;
+        pool->st.plan_failed++;
+        /* the same step failing again at the same budget doubles the wait (its back-off ran out:
+         * that is why it was tried); another step or another budget starts from 64 lengths */
+        if (!step_same_failure(s, t1 - t0, capn)) s->fails = 0;
         s->fail_len = t1 - t0;
         s->fail_budget = capn;
         s->fail_until = t1 + ((t1 - t0) << (6 + (s->fails < 4 ? s->fails : 4)));

@@ -2236,6 +2236,116 @@ TEST(the_second_step_maps_nothing_when_the_step_boundary_left_one_area_unmapped)
     free(f);
 }
 
+/* A step no fixed placement fits into four large pages although at most four are live at once,
+ * padded with 20 small blocks that live through it (the small area's page). Z0 (2 pages), F1 and
+ * F2; Z0 freed, A and B take its pages; F1 and F2 freed, Z1 (2) takes theirs; Z1 freed, C and D
+ * take its pages; A and C freed, X (2) needs their pages side by side; B and D freed, Y (2) needs
+ * theirs side by side. So A and B hold one half, C and D the other, A and C the middle two pages,
+ * and B and D are at the two ends: no plan packs it into 4 pages, 5 are needed. Online the pool
+ * remaps (X and Y each take pages that were apart). Returns the allocations that failed. */
+static int unpackable_step(struct msh_pool *pool)
+{
+    int fails = 0;
+    uint64_t z0, f1, f2, a, b, z1, c, d, x, y, sm[20];
+    for (int i = 0; i < 20; i++) fails += msh_pool_alloc(pool, 64 * 1024, 1, &sm[i]) != 0;
+    fails += msh_pool_alloc(pool, 4 * MiB, 1, &z0) != 0;
+    fails += msh_pool_alloc(pool, 2 * MiB, 1, &f1) != 0;
+    fails += msh_pool_alloc(pool, 2 * MiB, 1, &f2) != 0;
+    msh_pool_free(pool, z0, 1);
+    fails += msh_pool_alloc(pool, 2 * MiB, 1, &a) != 0;
+    fails += msh_pool_alloc(pool, 2 * MiB, 1, &b) != 0;
+    msh_pool_free(pool, f1, 1);
+    msh_pool_free(pool, f2, 1);
+    fails += msh_pool_alloc(pool, 4 * MiB, 1, &z1) != 0;
+    msh_pool_free(pool, z1, 1);
+    fails += msh_pool_alloc(pool, 2 * MiB, 1, &c) != 0;
+    fails += msh_pool_alloc(pool, 2 * MiB, 1, &d) != 0;
+    msh_pool_free(pool, a, 1);
+    msh_pool_free(pool, c, 1);
+    fails += msh_pool_alloc(pool, 4 * MiB, 1, &x) != 0;
+    msh_pool_free(pool, b, 1);
+    msh_pool_free(pool, d, 1);
+    fails += msh_pool_alloc(pool, 4 * MiB, 1, &y) != 0;
+    msh_pool_free(pool, x, 1);
+    msh_pool_free(pool, y, 1);
+    for (int i = 0; i < 20; i++) msh_pool_free(pool, sm[i], 1);
+    return fails;
+}
+
+/* A step that did not pack into the limit is not tried again at that limit for a while (the
+ * back-off), but a limit raised (set_per_process_memory_fraction, a capture pool's memory given
+ * back) is a new budget: the step repeats, is learned at once and maps nothing from then on. */
+TEST(a_step_that_did_not_pack_is_learned_at_once_when_the_limit_rises)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool_share sh = {.limit_bytes = 10 * MiB}; /* 4 large pages + 1 small */
+    struct msh_pool *pool = mk_pool_shared(&f->dev, &sh);
+    REQUIRE(pool);
+    int fails = 0;
+    long u0 = f->calls[OP_UNMAP];
+    for (int step = 0; step < 6; step++) fails += unpackable_step(pool);
+    struct msh_pool_stats s = stats(pool);
+    CHECKF(fails == 0, "%d allocations failed under the 10 MiB limit", fails);
+    CHECKF(f->calls[OP_UNMAP] - u0 >= 6, "the steps did not remap (%ld unmaps): the test proves nothing", f->calls[OP_UNMAP] - u0);
+    CHECKF(s.plans_built == 0, "%llu plans built: the step packed into 4 large pages", (unsigned long long)s.plans_built);
+    CHECKF(s.plan_failed == 1, "%llu packings failed under 10 MiB (1: tried once, then the back-off)", (unsigned long long)s.plan_failed);
+    __atomic_store_n(&sh.limit_bytes, 12 * MiB, __ATOMIC_RELAXED);
+    long maps[4], unmaps[4];
+    for (int step = 0; step < 4; step++) {
+        long m1 = f->calls[OP_MAP], u1 = f->calls[OP_UNMAP];
+        fails += unpackable_step(pool);
+        maps[step] = f->calls[OP_MAP] - m1;
+        unmaps[step] = f->calls[OP_UNMAP] - u1;
+    }
+    s = stats(pool);
+    printf("    under 12 MiB, map/unmap per step: %ld/%ld %ld/%ld %ld/%ld %ld/%ld; plans %llu\n", maps[0], unmaps[0],
+           maps[1], unmaps[1], maps[2], unmaps[2], maps[3], unmaps[3], (unsigned long long)s.plans_built);
+    CHECK(fails == 0);
+    CHECKF(s.plans_built == 1 && s.plan_failed == 1, "%llu plans built after the limit rose (%llu failed)",
+           (unsigned long long)s.plans_built, (unsigned long long)s.plan_failed);
+    for (int i = 2; i < 4; i++) CHECKF(maps[i] == 0 && unmaps[i] == 0, "step %d under 12 MiB: %ld maps, %ld unmaps", i + 1, maps[i], unmaps[i]);
+    char why[256];
+    CHECKF(msh_pool_check(pool, why, sizeof why) == 0, "%s", why);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
+/* The back-off after a step that did not pack grows: the same step at the same budget waits 64,
+ * 128, 256, 512 step lengths, then 1024 each time (docs/pool.md), so a job whose step never fits
+ * pays a packing about once per thousand steps, not once per 64. It used to stay at 64: the count
+ * of failures was reset at every failure. */
+TEST(the_back_off_after_a_step_that_does_not_pack_grows)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool_share sh = {.limit_bytes = 10 * MiB};
+    struct msh_pool *pool = mk_pool_shared(&f->dev, &sh);
+    REQUIRE(pool);
+    int fails = 0;
+    uint64_t tried_at[16];
+    int ntried = 0;
+    uint64_t last = 0;
+    for (int step = 0; step < 1100; step++) {
+        fails += unpackable_step(pool);
+        struct msh_pool_stats s = stats(pool);
+        if (s.plan_failed != last && ntried < 16) tried_at[ntried++] = (uint64_t)step;
+        last = s.plan_failed;
+    }
+    struct msh_pool_stats s = stats(pool);
+    printf("    1100 steps: %llu packings tried, at steps", (unsigned long long)s.plan_failed);
+    for (int i = 0; i < ntried; i++) printf(" %llu", (unsigned long long)tried_at[i]);
+    printf("\n");
+    CHECK(fails == 0 && s.plans_built == 0);
+    /* tried at the first repeat, then after 64, 128, 256 and 512 step lengths (~960 in all) */
+    CHECKF(s.plan_failed == 5, "%llu packings tried in 1100 steps (5 with the back-off doubling)", (unsigned long long)s.plan_failed);
+    for (int i = 2; i < ntried; i++)
+        CHECKF(tried_at[i] - tried_at[i - 1] > tried_at[i - 1] - tried_at[i - 2], "try %d came %llu steps after the one before, try %d %llu",
+               i, (unsigned long long)(tried_at[i] - tried_at[i - 1]), i - 1, (unsigned long long)(tried_at[i - 1] - tried_at[i - 2]));
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
 /* Found by review: with a small granularity a huge request overflowed the 32-bit page count and
  * "succeeded" with almost nothing mapped. It must be refused instead. */
 TEST(huge_request_with_small_pages_is_refused_not_truncated)
