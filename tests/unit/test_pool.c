@@ -1527,6 +1527,44 @@ TEST(stream_tags_stay_on_their_bytes_through_coalescing)
     free(f);
 }
 
+/* One free extent, two tags: on q's bytes an event that completed after the extents merged, on
+ * p's bytes a free with no event (it would need a synchronize). A request that fits beside p's tag
+ * is served there at once, over the completed tag: only p's tag is in the way, so neither a wait
+ * nor a synchronize (the generated mutant policy/pool/streams.c#001e06ed counted the completed tag
+ * in the way too, and synchronized). */
+TEST(stream_request_beside_a_pending_tag_is_served_over_a_completed_one)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 10 * MiB, true, 0); /* 4 large pages + 1 small: no fresh memory */
+    REQUIRE(pool);
+    uint64_t p, q, g, r, sm;
+    REQUIRE(msh_pool_alloc(pool, 2 * MiB, 22, &p) == 0);
+    REQUIRE(msh_pool_alloc(pool, 4 * MiB, 11, &q) == 0);
+    REQUIRE(msh_pool_alloc(pool, 2 * MiB, MSH_STREAM_COMPLETED, &g) == 0); /* bounds the extent */
+    REQUIRE(q == p + 2 * MiB && g == q + 4 * MiB);
+    f->ev_busy = true; /* the GPU is behind */
+    CHECK(msh_pool_record_stream(pool, q, 33) == 0);
+    CHECK(msh_pool_free(pool, q, 11) == 0); /* an event on 33, pending */
+    CHECK(msh_pool_free(pool, p, 22) == 0); /* p and q one extent; 22's tag on p's bytes has no event */
+    f->ev_busy = false;                     /* 33's work is done */
+    for (int i = 0; i < 32; i++) {          /* allocations poll the event: complete */
+        REQUIRE(msh_pool_alloc(pool, 64 * 1024, 11, &sm) == 0);
+        CHECK(msh_pool_free(pool, sm, 11) == 0);
+    }
+    struct msh_pool_stats s0 = stats(pool);
+    fake_log_clear(f);
+    REQUIRE(msh_pool_alloc(pool, 4 * MiB, 11, &r) == 0);
+    struct msh_pool_stats s1 = stats(pool);
+    CHECKF(r == q, "served at +%lld MiB of the extent, not at q's bytes beside p's", (long long)(r - p) / (long long)MiB);
+    CHECKF(fake_log_count(f, 'W') == 0 && fake_log_count(f, 'S') == 0 && s1.cross_stream_waits == s0.cross_stream_waits,
+           "%d waits, %d synchronizes", fake_log_count(f, 'W'), fake_log_count(f, 'S'));
+    CHECK(msh_pool_free(pool, r, 11) == 0);
+    CHECK(msh_pool_free(pool, g, 11) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_events == 0 && f->misuse == 0);
+    free(f);
+}
+
 /* ---- fault injection --------------------------------------------------------------------------- */
 
 struct wl_result { long calls[OP_N]; int ok, fail, einval, other_err; int bad_rc; int unmapped_live; int overlap; int acct; };
