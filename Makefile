@@ -50,7 +50,9 @@ endif
 
 SANFLAGS := $(if $(SAN),-fsanitize=$(SAN) -fno-omit-frame-pointer -fno-sanitize-recover=undefined,)
 CFLAGS  ?= $(OPT) -g
-CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -fPIC -pthread \
+# A function that falls off its end without a value, or calls one never declared, is never
+# meant: refused at build time (on every compiler these flags exist on), not left to run.
+CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror=return-type -Werror=implicit-function-declaration -fPIC -pthread \
            -fvisibility=hidden -Ishim -Ishim/record -Ipolicy -Ipolicy/base -Ireport -Ireport/trace -Ireport/replay/models $(CUDA_CPPFLAGS) $(JANSSON_CFLAGS) $(SANFLAGS)
 # TLS descriptors (x86-64 GCC; arm64 has them by default): a thread-local in the preloaded
 # library then costs a load, not a call to __tls_get_addr; the allocation path reads several.

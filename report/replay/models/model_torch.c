@@ -762,7 +762,6 @@ static int tm_alloc(struct msh_policy *pp, uint64_t orig, uint64_t stream, uint6
     b->allocated = 1;
     b->req = orig;
     if (live_put(m, b)) return ENOMEM;
-    m->st.allocs++;
     m->st.live_bytes += orig;
     if (m->st.live_bytes > m->st.peak_live_bytes) m->st.peak_live_bytes = m->st.live_bytes;
     *addr = b->addr;
@@ -776,7 +775,6 @@ static int tm_free(struct msh_policy *pp, uint64_t addr, uint64_t stream)
     struct tm_block *b = live_get(m, addr, true);
     if (!b) return EINVAL;
     b->allocated = 0;
-    m->st.frees++;
     m->st.live_bytes -= b->req;
     struct tm_pool *p = tm_pool_of(m, b);
     tm_try_merge(m, b, b->prev, p); /* free_block() */

@@ -60,7 +60,7 @@ struct msh_policy_stats {
     uint64_t segs_created, segs_freed;      /* cudaMalloc / cudaFree (torch); create/release (memshim) */
     uint64_t bytes_created, bytes_freed;
     uint64_t map_ops, unmap_ops;            /* memshim: page maps; expandable: segment_map/unmap */
-    uint64_t allocs, frees, ooms;
+    uint64_t ooms;                          /* requests the policy could not serve */
     uint64_t seeded_bytes;                  /* torch: segments that existed before the stream */
     /* Driver calls by kind (drvcost.h) and the bytes they covered: memshim's pool counts its own;
      * the torch models count what PyTorch's allocator would call (docs/models.md). */

@@ -42,7 +42,7 @@ static void ms_stats(struct msh_policy *p, struct msh_policy_stats *out)
     *out = (struct msh_policy_stats){
         .reserved = s.mapped_bytes, .peak_reserved = s.peak_mapped_bytes, .live_bytes = s.live_bytes,
         .peak_live_bytes = s.peak_live_bytes, .segs_created = s.create_ops, .segs_freed = s.release_ops,
-        .map_ops = s.map_ops, .unmap_ops = s.unmap_ops, .allocs = s.allocs, .frees = s.frees, .ooms = m->ooms};
+        .map_ops = s.map_ops, .unmap_ops = s.unmap_ops, .ooms = m->ooms};
     memcpy(out->drv_calls, s.drv_calls, sizeof out->drv_calls);
     memcpy(out->drv_bytes, s.drv_bytes, sizeof out->drv_bytes);
 }
