@@ -352,6 +352,7 @@ static inline void held_sub(struct msh_pool *pool, size_t pages)
  * and placement goes back to best fit (the step changed). Pages the plan uses are reclaimed
  * last. The packing runs without the lock, on a copy of the log. */
 
+#define STEP_FAILS 4        /* failed step lengths remembered (the back-off of each) */
 #define STEP_LOG (1u << 18)     /* events kept: steps up to this many events can be learned */
 #define STEP_MAX_MOVABLE 40000  /* the packing is quadratic in the blocks it moves */
 
@@ -397,11 +398,16 @@ struct step {
     struct fprun *fp;      /* the plan's footprint, to clear its page flags */
     size_t nfp, capfp;
     uint64_t quiet_until;  /* no packing before this serial: one try per step length */
-    /* A step of about this length did not pack into this budget: steps of about the same length
-     * wait 64, 128... step lengths (up to 1024) before the next try, unless the budget changes
-     * (the packing of a step hardly depends on where its blocks were). Other steps are tried. */
-    uint32_t fails;
-    uint64_t fail_len, fail_budget, fail_until;
+    /* Steps that did not pack into a budget, the last STEP_FAILS lengths: a step of about one of
+     * these lengths waits 64, 128... step lengths (up to 1024) before its next try, unless the
+     * budget changes (the packing of a step hardly depends on where its blocks were). Other steps
+     * are tried; several lengths are kept so that two steps that both fail (a whole pass and the
+     * pass less its warm-up) do not take turns at being tried. A plan installed for another step
+     * leaves them: it does not make them fit. */
+    struct step_fail {
+        uint64_t len, budget, until;
+        uint32_t n; /* failures in a row (0: the entry is free) */
+    } fail[STEP_FAILS];
     /* The planner: a thread of the pool's own, started when the first step is worth packing,
      * packs a snapshot taken under the lock while allocations go on; the plan is switched to at
      * the next step boundary (plan_install). Every field below is read and written under the

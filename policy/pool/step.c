@@ -75,17 +75,35 @@ void step_destroy(struct msh_pool *pool)
     pool->step = NULL;
 }
 
-/* A step of about this length (within 1/64) failed to pack into this budget the last time. */
-static bool step_same_failure(const struct step *s, uint64_t len, size_t budget)
+/* Sizes that vary from step to step (a sequence length per batch): a step is the same step when
+ * each allocation is within 1/8 of the size it had, and a plan places a block in its planned range
+ * when it is no larger than the planned size (a block smaller than planned leaves the rest of its
+ * range free; a larger one leaves the plan, and the step may be learned again with its sizes). */
+static inline bool size_near(uint64_t a, uint64_t b)
 {
-    uint64_t d = len > s->fail_len ? len - s->fail_len : s->fail_len - len;
-    return s->fails && d <= s->fail_len / 64 && budget == s->fail_budget;
+    return a <= b + b / 8 && b <= a + a / 8;
+}
+static inline bool size_fits(uint64_t planned, uint64_t rsize)
+{
+    return rsize <= planned && size_near(planned, rsize);
+}
+
+/* The failure of a step of about this length (within 1/64) at this budget, if one is kept. */
+static struct step_fail *step_failure(struct step *s, uint64_t len, size_t budget)
+{
+    for (int i = 0; i < STEP_FAILS; i++) {
+        struct step_fail *f = &s->fail[i];
+        uint64_t d = len > f->len ? len - f->len : f->len - len;
+        if (f->n && d <= f->len / 64 && budget == f->budget) return f;
+    }
+    return NULL;
 }
 
 /* ... and its back-off has not run out: not worth a packing yet. */
-static bool step_failed_before(const struct step *s, uint64_t len, size_t budget)
+static bool step_failed_before(struct step *s, uint64_t len, size_t budget)
 {
-    return step_same_failure(s, len, budget) && s->n < s->fail_until;
+    const struct step_fail *f = step_failure(s, len, budget);
+    return f && s->n < f->until;
 }
 
 /* why: what the request did that the plan did not foresee (the debug log says it); keep: the plan
@@ -235,13 +253,22 @@ static void planner_run(struct msh_pool *pool)
     }
     if (failed) { /* the same step at the same budget will not pack next time either */
         pool->st.plan_failed++;
+        /* the quiet period kept other steps from being tried meanwhile: the back-off below now
+         * keeps this one from being tried again, so the others may be */
+        if (s->quiet_until == t1 + (t1 - t0)) s->quiet_until = 0;
         /* the same step failing again at the same budget doubles the wait (its back-off ran out:
-         * that is why it was tried); another step or another budget starts from 64 lengths */
-        if (!step_same_failure(s, t1 - t0, capn)) s->fails = 0;
-        s->fail_len = t1 - t0;
-        s->fail_budget = capn;
-        s->fail_until = t1 + ((t1 - t0) << (6 + (s->fails < 4 ? s->fails : 4)));
-        s->fails++;
+         * that is why it was tried); another step or another budget starts from 64 lengths, in a
+         * free entry or in place of the one whose wait ends first */
+        struct step_fail *f = step_failure(s, t1 - t0, capn);
+        if (!f) {
+            f = &s->fail[0];
+            for (int i = 0; i < STEP_FAILS && f->n; i++)
+                if (!s->fail[i].n || s->fail[i].until < f->until) f = &s->fail[i];
+            *f = (struct step_fail){.budget = capn};
+        }
+        f->len = t1 - t0;
+        f->until = t1 + ((t1 - t0) << (6 + (f->n < 4 ? f->n : 4)));
+        f->n++;
     }
 }
 
@@ -288,7 +315,7 @@ static bool planner_start(struct msh_pool *pool)
 static void plan_install(struct msh_pool *pool, uint64_t rsize)
 {
     struct step *s = pool->step;
-    if (s->active || s->job != PJ_DONE || s->hstate != s->res_h0 || s->res_first != rsize) return;
+    if (s->active || s->job != PJ_DONE || s->hstate != s->res_h0 || !size_near(s->res_first, rsize)) return;
     struct pinput *in = s->res;
     s->res = NULL;
     s->job = PJ_IDLE;
@@ -313,7 +340,6 @@ static void plan_install(struct msh_pool *pool, uint64_t rsize)
             s->plan[in->it[i].order] = (struct pent){.addr = in->it[i].addr, .size = in->it[i].size,
                                                      .area = in->reg[in->it[i].reg].r->area};
     s->nplan = in->nalloc;
-    s->fails = 0;
     s->plan_h = s->res_h0;
     s->cursor = 0;
     s->active = true;
@@ -334,14 +360,14 @@ void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
     struct step *s = pool->step;
     s->want = false;
     /* the plan's start: the live set it starts from, and its first size */
-    bool at_start = s->nplan && s->hstate == s->plan_h && s->plan[0].size == rsize;
+    bool at_start = s->nplan && s->hstate == s->plan_h && size_near(s->plan[0].size, rsize);
     if (s->active && s->cursor == s->nplan) { /* the step is over: does the next one begin? */
         if (at_start) {
             s->cursor = 0;
             spill_note_step(pool); /* the steps before left what they hold: cold from now */
         }
         else step_drop(pool, s->hstate != s->plan_h ? "the step ended and the live set is not its start" : "the step ended and another size comes", rsize, true);
-    } else if (s->active && s->cursor && at_start && s->plan[s->cursor].size != rsize) {
+    } else if (s->active && s->cursor && at_start && !size_fits(s->plan[s->cursor].size, rsize)) {
         /* the step began again before its end (a step cut short: an evaluation that runs the
          * forward part of the step, a shorter last batch): from its start again */
         msh_debug("pool: learned step begins again at event %llu (after %zu of its %zu allocations)",
@@ -375,7 +401,7 @@ void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
      * 52 map+unmap in pass 2 at C+0.5%). A plan given up in mid-step has no such grace: it may be
      * a wrong period. */
     bool grace = s->resumable && s->dropped_at && s->n - s->dropped_at < s->plan_events;
-    bool candidate = !s->active && s->job == PJ_IDLE && an->h == s->hstate && an->size == rsize &&
+    bool candidate = !s->active && s->job == PJ_IDLE && an->h == s->hstate && size_near(an->size, rsize) &&
                      an->serial + 2 * STEP_MIN_ALLOCS <= s->n && s->n - an->serial <= STEP_LOG &&
                      pool->pressure_reclaims > an->reclaims &&
                      s->n >= s->quiet_until && !step_failed_before(s, s->n - an->serial, cap_pages(pool));
@@ -407,8 +433,12 @@ void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
         }
     }
     if (s->active) {
-        if (s->plan[s->cursor].size != rsize) {
-            step_drop(pool, "another size", rsize, true);
+        uint64_t ps = s->plan[s->cursor].size;
+        if (!size_fits(ps, rsize)) {
+            /* larger than planned but the same step: not resumed, so that this step, with its
+             * sizes, is learned at its end */
+            bool larger = rsize > ps && size_near(ps, rsize);
+            step_drop(pool, larger ? "a larger size than planned" : "another size", rsize, !larger);
         } else {
             s->want = true;
             s->want_addr = s->plan[s->cursor].addr;

@@ -2215,6 +2215,63 @@ TEST(a_repeated_step_that_remaps_is_learned_and_then_maps_nothing)
     free(f);
 }
 
+/* churn_step with every size scaled by f (a sequence length that varies per batch: the same step,
+ * other sizes), rounded to 512 bytes as the pool rounds. */
+static int churn_step_scaled(struct msh_pool *pool, double f)
+{
+#define SCALED(x) ((size_t)((double)(x) * f) / 512 * 512)
+    int fails = 0;
+    uint64_t a, b, c, sm[20];
+    fails += msh_pool_alloc(pool, SCALED(4 * MiB), 1, &a) != 0;
+    fails += msh_pool_alloc(pool, SCALED(2 * MiB), 1, &b) != 0;
+    for (int i = 0; i < 20; i++) fails += msh_pool_alloc(pool, SCALED(64 * 1024), 1, &sm[i]) != 0;
+    for (int i = 0; i < 20; i++) msh_pool_free(pool, sm[i], 1);
+    msh_pool_free(pool, a, 1);
+    fails += msh_pool_alloc(pool, SCALED(6 * MiB), 1, &c) != 0;
+    msh_pool_free(pool, b, 1);
+    msh_pool_free(pool, c, 1);
+    return fails;
+#undef SCALED
+}
+
+/* Issue 15 item 5: a step that repeats only up to its sizes (each step's sizes scaled by its own
+ * factor in [0.9, 1]) is learned: the plan of a step places the blocks of any step whose sizes are
+ * within 1/8 and no larger, and a step with larger sizes leaves it and is learned in its place, so
+ * the plans grow to the largest step seen. From then on nothing is mapped or unmapped. Before, no
+ * two steps were the same step (sizes compared exactly), nothing was learned, and every step
+ * remapped. */
+TEST(a_step_whose_sizes_vary_per_step_is_learned_and_then_maps_nothing)
+{
+    static const double factor[16] = {0.93, 0.97, 0.91, 0.95, 1.0, 0.92, 0.96, 0.9,
+                                      0.98, 0.94, 0.99, 0.915, 0.975, 0.935, 0.955, 0.905};
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 10 * MiB, true, 0);
+    REQUIRE(pool);
+    long maps[16], unmaps[16];
+    int fails = 0;
+    for (int step = 0; step < 16; step++) {
+        long m0 = f->calls[OP_MAP], u0 = f->calls[OP_UNMAP];
+        fails += churn_step_scaled(pool, factor[step]);
+        maps[step] = f->calls[OP_MAP] - m0;
+        unmaps[step] = f->calls[OP_UNMAP] - u0;
+    }
+    struct msh_pool_stats s = stats(pool);
+    printf("    map/unmap per step:");
+    for (int i = 0; i < 16; i++) printf(" %ld/%ld", maps[i], unmaps[i]);
+    printf("; plans %llu, placed %llu, dropped %llu\n", (unsigned long long)s.plans_built,
+           (unsigned long long)s.plan_placed, (unsigned long long)s.plan_dropped);
+    CHECK(fails == 0);
+    CHECK(unmaps[0] > 0); /* online, the step remaps */
+    /* the step of factor 1.0 (step 4) is the largest: every step after the one after it maps nothing */
+    for (int i = 6; i < 16; i++) CHECKF(maps[i] == 0 && unmaps[i] == 0, "step %d (sizes x%.2f): %ld maps, %ld unmaps", i, factor[i], maps[i], unmaps[i]);
+    CHECKF(s.plan_placed >= 10 * 23, "%llu allocations placed by a plan", (unsigned long long)s.plan_placed);
+    char why[256];
+    CHECKF(msh_pool_check(pool, why, sizeof why) == 0, "%s", why);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
 /* The first `nsmall` allocations of churn_step's step (an evaluation running the step's forward
  * part), then `odd` bytes when nonzero (a step that leaves the plan), all freed at its end. */
 static int partial_step(struct msh_pool *pool, int nsmall, size_t odd)
