@@ -258,7 +258,8 @@ class Compiler:
         try:
             with open(full, "w", encoding="utf-8") as f:
                 f.write(src_text)
-            r = subprocess.run(argv + ["-o", obj, "-w"], cwd=self.repo, env=self.env, capture_output=True)
+            # no -w: warnings the build makes errors (-Werror=return-type...) refuse the mutant here too
+            r = subprocess.run(argv + ["-o", obj], cwd=self.repo, env=self.env, capture_output=True)
             if r.returncode:
                 return None
             return open(obj, "rb").read()

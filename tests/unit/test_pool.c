@@ -2272,6 +2272,34 @@ TEST(a_step_whose_sizes_vary_per_step_is_learned_and_then_maps_nothing)
     free(f);
 }
 
+/* Sizes are the same step's within 1/8 only: a step whose first request is a quarter larger than
+ * planned is another step. The plan is given up as one that may come back (resumable), not as a
+ * step that grew, and the next step that starts as planned resumes it at once. */
+TEST(a_request_a_quarter_larger_than_planned_is_another_step_and_the_plan_comes_back)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 10 * MiB, true, 0);
+    REQUIRE(pool);
+    int fails = 0;
+    for (int step = 0; step < 4; step++) fails += churn_step(pool, 6 * MiB);
+    struct msh_pool_stats s0 = stats(pool);
+    CHECK(s0.plans_built == 1);
+    uint64_t x;
+    fails += msh_pool_alloc(pool, 5 * MiB, 1, &x) != 0; /* planned first: 4 MiB */
+    msh_pool_free(pool, x, 1);
+    struct msh_pool_stats s1 = stats(pool);
+    CHECK(s1.plan_dropped == s0.plan_dropped + 1);
+    fails += churn_step(pool, 6 * MiB);
+    struct msh_pool_stats s2 = stats(pool);
+    CHECKF(s2.plans_built == s1.plans_built + 1 && s2.plan_placed - s1.plan_placed == 23,
+           "plans %llu -> %llu, placed %llu: the plan was not resumed", (unsigned long long)s1.plans_built,
+           (unsigned long long)s2.plans_built, (unsigned long long)(s2.plan_placed - s1.plan_placed));
+    CHECK(fails == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    free(f);
+}
+
 /* The first `nsmall` allocations of churn_step's step (an evaluation running the step's forward
  * part), then `odd` bytes when nonzero (a step that leaves the plan), all freed at its end. */
 static int partial_step(struct msh_pool *pool, int nsmall, size_t odd)
