@@ -218,4 +218,45 @@ TEST(snapshot_state_only_mode_keeps_no_events)
     REQUIRE(memshim_history_record(0, 0, 0, 0) == 0);
 }
 
+/* Dozens of mapped ranges (700 blocks, every other one freed, the cache emptied): the history's
+ * table of maps (open addressing, 1024 slots at first) holds every one, slots that collide
+ * included, and the snapshot's segments hold every mapped byte. */
+TEST(snapshot_keeps_every_map_when_table_slots_collide)
+{
+    REQUIRE(memshim_history_record(2, 1000, 1, 0) == 0);
+    struct msh_pool *pool = NULL;
+    enum { N = 700 };
+    static uint64_t a[N];
+    void *first = memshim_malloc(MiB, 0, NULL);
+    REQUIRE(first);
+    pool = msh_core_pool_get(0);
+    REQUIRE(pool);
+    size_t nev0 = 0, nmap0 = 0, nres0 = 0;
+    msh_history_sizes(0, &nev0, &nmap0, &nres0);
+    for (int i = 0; i < N; i++) REQUIRE(msh_pool_alloc(pool, 2 * MiB, 0, &a[i]) == 0);
+    for (int i = 0; i < N; i += 2) CHECK(msh_pool_free(pool, a[i], MSH_STREAM_COMPLETED) == 0);
+    msh_pool_empty_cache(pool);
+    size_t nev = 0, nmap = 0, nres = 0;
+    msh_history_sizes(0, &nev, &nmap, &nres);
+    struct msh_pool_stats st;
+    msh_pool_get_stats(pool, &st);
+    CHECKF(nmap >= 50, "%zu mapped ranges recorded: too few for the table to see collisions", nmap);
+    unsigned char *buf = NULL;
+    size_t len = 0;
+    REQUIRE(memshim_snapshot(&buf, &len) == 0);
+    struct pkw w = {.buf = buf, .len = len};
+    struct msh_pk_doc *doc = parse(&w);
+    REQUIRE(doc);
+    const struct msh_pk *segs = msh_pk_dict_get(msh_pk_root(doc), "segments");
+    uint64_t total = 0;
+    for (size_t i = 0; i < msh_pk_len(segs); i++) total += field(msh_pk_item(segs, i), "total_size");
+    CHECKF(total == st.mapped_bytes, "the snapshot's segments hold %llu bytes, the pool maps %zu",
+           (unsigned long long)total, st.mapped_bytes);
+    msh_pk_free(doc);
+    memshim_snapshot_free(buf);
+    for (int i = 1; i < N; i += 2) CHECK(msh_pool_free(pool, a[i], MSH_STREAM_COMPLETED) == 0);
+    memshim_free(first, MiB, 0, NULL);
+    REQUIRE(memshim_history_record(0, 0, 0, 0) == 0);
+}
+
 TEST_MAIN()
