@@ -105,7 +105,7 @@ SUITES_FOR = [
     ("hooks/driver.c", ["preload", "reports"]),
     ("hooks/entry.c", ["preload", "reports"]),
     ("hooks/runtime.c", ["preload", "reports"]),
-    ("report/report.c", ["demo", "reports", "report tool (memshim", "unit test_torch", "spill to host"]),
+    ("report/report.c", ["unit test_report", "demo", "reports", "report tool (memshim", "unit test_torch", "spill to host"]),
     ("report/replay/models/", ["unit test_models", "replay (torch models", "replay (CLI"]),
     ("report/replay/devtime.c", ["replay (CLI"]),  # memshim-replay --device timing
     ("report/replay/", ["replay (CLI", "replay (torch models", "replay --check"]),
