@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 BUILD="${BUILD:-build}"
 what="${1:-all}"
 P=0; F=0; S=0
+FAILED_SUMMARY=""
 
 add_counts() { # suite-name exit-code output
     local name="$1" rc="$2" out="$3" line p f s
@@ -25,6 +26,8 @@ add_counts() { # suite-name exit-code output
     printf '%-34s %4d passed, %d failed, %d skipped\n' "$name" "$p" "$f" "$s"
     if [ "$f" -ne 0 ]; then
         printf '%s\n' "$out" | grep -vE '^ok ' | tail -40 | sed 's/^/    | /'
+        # again at the end, briefly: a CI log is often read from its tail
+        FAILED_SUMMARY+="$(printf '%s: ' "$name"; printf '%s\n' "$out" | grep -E '^FAIL|failed:|CHECK|Error|error:' | head -3 | cut -c1-300 | tr '\n' ' ')"$'\n'
     fi
 }
 
@@ -103,5 +106,9 @@ quick|all)
     ;;
 *) echo "usage: tests/run.sh [all|quick|stress]" >&2; exit 2 ;;
 esac
+if [ -n "$FAILED_SUMMARY" ]; then
+    echo "== failed (each suite's output is above, after its line):"
+    printf '%s' "$FAILED_SUMMARY" | sed 's/^/  /'
+fi
 echo "$P passed, $F failed, $S skipped"
 [ "$F" -eq 0 ]
