@@ -62,9 +62,18 @@ def run(args, extra=None, cwd=None, timeout=120, preload=True):
     return p.returncode, p.stdout, p.stderr
 
 
+def _default_signals():
+    # A suite started in the background by a non-interactive shell inherits SIGINT ignored (and
+    # CPython keeps it so): the Ctrl-C cases would then wait for a SIGINT nobody gets. Each job
+    # gets the signals a job started from a terminal has.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def start(args, extra=None, cwd=None, new_session=False, argv0=None, preload=True):
     return subprocess.Popen(argv0 or [sys.executable, *args], env=env(extra, preload), cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=new_session)
+                            stderr=subprocess.PIPE, text=True, start_new_session=new_session,
+                            preexec_fn=_default_signals)
 
 
 def wait_for(path, lines=1, timeout=60.0):
