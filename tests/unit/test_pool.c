@@ -1536,6 +1536,17 @@ TEST(stream_tags_stay_on_their_bytes_through_coalescing)
     free(f);
 }
 
+/* 32 small allocation/free pairs on stream 11: the pool polls its outstanding events on the way
+ * (every 16 allocations), as PyTorch's process_events does. */
+static void poll_events(struct msh_pool *pool)
+{
+    uint64_t sm;
+    for (int i = 0; i < 32; i++) {
+        REQUIRE(msh_pool_alloc(pool, 64 * 1024, 11, &sm) == 0);
+        CHECK(msh_pool_free(pool, sm, 11) == 0);
+    }
+}
+
 /* One free extent, two tags: on q's bytes an event that completed after the extents merged, on
  * p's bytes a free with no event (it would need a synchronize). A request that fits beside p's tag
  * is served there at once, over the completed tag: only p's tag is in the way, so neither a wait
@@ -1546,7 +1557,7 @@ TEST(stream_request_beside_a_pending_tag_is_served_over_a_completed_one)
     struct fake *f = fake_new(0, 0);
     struct msh_pool *pool = mk_pool(&f->dev, 10 * MiB, true, 0); /* 4 large pages + 1 small: no fresh memory */
     REQUIRE(pool);
-    uint64_t p, q, g, r, sm;
+    uint64_t p, q, g, r;
     REQUIRE(msh_pool_alloc(pool, 2 * MiB, 22, &p) == 0);
     REQUIRE(msh_pool_alloc(pool, 4 * MiB, 11, &q) == 0);
     REQUIRE(msh_pool_alloc(pool, 2 * MiB, MSH_STREAM_COMPLETED, &g) == 0); /* bounds the extent */
@@ -1556,10 +1567,7 @@ TEST(stream_request_beside_a_pending_tag_is_served_over_a_completed_one)
     CHECK(msh_pool_free(pool, q, 11) == 0); /* an event on 33, pending */
     CHECK(msh_pool_free(pool, p, 22) == 0); /* p and q one extent; 22's tag on p's bytes has no event */
     f->ev_busy = false;                     /* 33's work is done */
-    for (int i = 0; i < 32; i++) {          /* allocations poll the event: complete */
-        REQUIRE(msh_pool_alloc(pool, 64 * 1024, 11, &sm) == 0);
-        CHECK(msh_pool_free(pool, sm, 11) == 0);
-    }
+    poll_events(pool); /* 33's event is seen complete */
     struct msh_pool_stats s0 = stats(pool);
     fake_log_clear(f);
     REQUIRE(msh_pool_alloc(pool, 4 * MiB, 11, &r) == 0);
@@ -1585,7 +1593,7 @@ TEST(stream_a_free_made_while_an_event_is_recorded_is_not_covered_by_it)
     struct fake *f = fake_new(0, 0);
     struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0);
     REQUIRE(pool);
-    uint64_t x, g1, y, g2, r, sm;
+    uint64_t x, g1, y, g2, r;
     REQUIRE(msh_pool_alloc(pool, 4 * MiB, 11, &x) == 0);
     REQUIRE(msh_pool_alloc(pool, 2 * MiB, MSH_STREAM_COMPLETED, &g1) == 0);
     REQUIRE(msh_pool_alloc(pool, 2 * MiB, 33, &y) == 0);
@@ -1596,10 +1604,7 @@ TEST(stream_a_free_made_while_an_event_is_recorded_is_not_covered_by_it)
     f->rec_free_stream = 33;
     CHECK(msh_pool_free(pool, x, 11) == 0);
     CHECK(f->rec_free_pool == NULL && fk_events_on(f, 33) == 1);
-    for (int i = 0; i < 32; i++) { /* allocations poll the event: complete */
-        REQUIRE(msh_pool_alloc(pool, 64 * 1024, 11, &sm) == 0);
-        CHECK(msh_pool_free(pool, sm, 11) == 0);
-    }
+    poll_events(pool); /* the event is seen complete */
     CHECK(fake_log_count(f, 'q') >= 1);
     fake_log_clear(f);
     REQUIRE(msh_pool_alloc(pool, 2 * MiB, 22, &r) == 0);
