@@ -321,6 +321,8 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
     for (int i = 0; i < pool->norphans; i++) orphan_pages += pool->orphans[i].pages;
     if (quiet && pool->held != mapped + orphan_pages)
         CHECK_FAIL("pages of handles held %zu != mapped %zu + orphaned %zu", pool->held, mapped, orphan_pages);
+    if (quiet && pool->releasing)
+        CHECK_FAIL("%zu pages counted as being released with no job in flight", pool->releasing);
     if (quiet && pool->nhandles != heads) CHECK_FAIL("handles %zu, recount %zu", pool->nhandles, heads);
     if (pool->touched != touched) CHECK_FAIL("touched pages %zu, recount %zu", pool->touched, touched);
     if (quiet && (pool->spill_pages != host_pages || pool->nhost != host_heads || pool->spill_idle != host_idle))

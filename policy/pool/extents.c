@@ -429,7 +429,7 @@ static bool fresh_fits(const struct msh_pool *pool, uint64_t rsize)
     size_t need = (size_t)((rsize + pool->gran - 1) / pool->gran) + 1;
     size_t cap = cap_pages(pool);
     if (pool->driver_oom) return false;
-    if (cap != SIZE_MAX) return pool->held + need <= cap;
+    if (cap != SIZE_MAX) return pool->held + pool->releasing + need <= cap;
     return !pool->device_total || (pool->held + need) * pool->gran < pool->device_total / 4 * 3;
 }
 

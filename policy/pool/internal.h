@@ -174,6 +174,10 @@ struct msh_pool {
     size_t hcap, hcount;
     struct blk *spare;
     size_t held;          /* pages of handles held, or being created (the budget against the limit) */
+    /* pages taken off `held` by a job that releases their handles without the lock, until it
+     * publishes: still on the device meanwhile, so no other claim may count them as room (the
+     * device would hold more than the limit for a moment). Under the lock. */
+    size_t releasing;
     /* Bytes the driver actually holds for this pool (created, not yet released; a handle whose
      * release failed stays counted) and their peaks: the reserved peaks of the reports follow the
      * driver, never a reservation whose create then failed. Atomics: the driver calls run
@@ -323,6 +327,7 @@ struct job {
     bool foreign;               /* the extent was last used on another stream */
     struct { uint64_t h; uint32_t pages; int rc; } orph[64]; /* orphans to retry */
     int norph;
+    size_t releasing;           /* of pool->releasing, the pages this job's victims give back */
     struct run runs_inl[JOB_INL];
     struct victim vic_inl[JOB_INL];
 };
@@ -337,6 +342,26 @@ static inline void held_sub(struct msh_pool *pool, size_t pages)
 {
     __atomic_fetch_sub(&pool->held, pages, __ATOMIC_RELAXED);
     if (pool->prm.share) __atomic_fetch_sub(&pool->prm.share->handle_bytes, pages * pool->gran, __ATOMIC_RELAXED);
+}
+/* A victim whose handle this job releases: off the budget of this job's claim at once, but room
+ * for other claims only once the job has published (pool->releasing). */
+static inline void victim_unheld(struct msh_pool *pool, struct job *j, size_t pages)
+{
+    held_sub(pool, pages);
+    pool->releasing += pages;
+    j->releasing += pages;
+}
+static inline void victim_reheld(struct msh_pool *pool, struct job *j, size_t pages)
+{
+    held_add(pool, pages);
+    pool->releasing -= pages;
+    j->releasing -= pages;
+}
+/* The job's releases are done (or given up): their pages are no longer in flight. */
+static inline void job_released(struct msh_pool *pool, struct job *j)
+{
+    pool->releasing -= j->releasing;
+    j->releasing = 0;
 }
 
 /* ---- learning the step (docs/pool.md, "Steady state at tight capacity") ------------------------

@@ -229,6 +229,7 @@ void job_init(struct job *j)
 
 void job_fini(struct msh_pool *pool, struct job *j)
 {
+    job_released(pool, j); /* a job never run gives its victims' pages back as room (none today) */
     for (int i = 0; i < j->nwaits; i++) ev_put(pool, j->waits[i].ev);
     j->nwaits = 0;
     j->waits_done = 0;
@@ -382,7 +383,8 @@ static bool split_drop(struct msh_pool *pool, struct job *j, uint32_t piece0, si
  * mapped anew), so that no handle is ever partly in use and every page no block touches can be
  * reclaimed. Within `cap` pages of handles held; beyond it (defrag) cached handles are taken
  * back, oldest first, and a victim of the right size is mapped again instead of being released.
- * EAGAIN: another thread is mapping or unmapping one of these pages (nothing claimed); ENOMEM:
+ * EAGAIN: another thread is mapping or unmapping one of these pages, or is releasing the handles
+ * whose room this claim needs (nothing claimed: wait for its publish and claim again); ENOMEM:
  * not enough memory even after reclaim (nothing claimed). */
 int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap)
 {
@@ -437,7 +439,7 @@ int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap)
                 goto fail;
             }
             if (!take_victim(pool, j, r, h, V_SPLIT)) goto fail;
-            held_sub(pool, hp->npages);
+            victim_unheld(pool, j, hp->npages);
         }
         p = next;
     }
@@ -485,7 +487,13 @@ int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap)
     }
     need += pieces;
     if (!need) return 0;
-    size_t avail = cap == SIZE_MAX ? SIZE_MAX : (cap > pool->held ? cap - pool->held : 0);
+    /* pages other jobs are releasing without the lock are still on the device: not room yet */
+    size_t others = pool->releasing - j->releasing;
+    size_t avail = cap == SIZE_MAX ? SIZE_MAX : (cap > pool->held + others ? cap - pool->held - others : 0);
+    if (avail < need && others && cap != SIZE_MAX && cap > pool->held && cap - pool->held >= need) {
+        err = EAGAIN; /* room once those releases are published: wait for them, never fail for it */
+        goto fail_touched;
+    }
     if (avail < need) {
         if (!pool->prm.defrag || avail + pool->cached + pieces < need) goto fail_touched;
         if (cap_now) {
@@ -519,7 +527,7 @@ int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap)
             }
             if (v->run < 0) {
                 avail += v->n;
-                held_sub(pool, v->n);
+                victim_unheld(pool, j, v->n);
             }
             pool->pressure_reclaims++;
         }
@@ -559,7 +567,7 @@ fail:
         struct victim *v = &j->vic[--j->nvic];
         struct page *pg = &v->r->pages[v->head];
         pg->state = PG_MAPPED;
-        if (v->run < 0) held_add(pool, v->n);
+        if (v->run < 0) victim_reheld(pool, j, v->n);
         if (pg->nlive) continue;
         int l = (pg->plan & PLAN_LIST) != 0;
         pg->cprev = NO_PAGE;
@@ -587,7 +595,7 @@ static void claim_release(struct msh_pool *pool, struct job *j, size_t max_keep,
                     uint32_t h = r->chead[l];
                     if (quiet_ms && now - r->pages[h].ctime < quiet_ms) break; /* the rest are younger */
                     if (!take_victim(pool, j, r, h, V_RELEASE)) return;
-                    held_sub(pool, r->pages[h].npages);
+                    victim_unheld(pool, j, r->pages[h].npages);
                 }
     for (int i = 0; i < pool->norphans; i++) {
         j->orph[j->norph].h = pool->orphans[i].h;
@@ -711,6 +719,7 @@ static void job_run(struct msh_pool *pool, struct job *j)
 static int job_publish(struct msh_pool *pool, struct job *j)
 {
     int rc = 0;
+    job_released(pool, j);
     for (int i = 0; i < j->norph; i++) {
         if (!j->orph[i].rc) {
             pool->st.release_ops++;

@@ -1040,7 +1040,7 @@ int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream,
         uint32_t next = h + hp->npages;
         if (hp->state == PG_MAPPED && !hp->nlive && !hp->host) { /* idle host memory: at the next step mark */
             if (!take_victim(pool, &j, r, h, V_RELEASE)) break;
-            held_sub(pool, hp->npages);
+            victim_unheld(pool, &j, hp->npages);
         }
         p = next;
     }

@@ -379,10 +379,11 @@ done_scan:
         if (room != SIZE_MAX && pages + c[take].n > room) break;
         pages += c[take++].n;
     }
-    if (pages && cap != SIZE_MAX && pool->held + pages > cap) {
-        size_t over = pool->held + pages - cap; /* cached pages to give back first */
+    /* pages other threads are releasing are still on the device until they publish (releasing) */
+    if (pages && cap != SIZE_MAX && pool->held + pool->releasing + pages > cap) {
+        size_t over = pool->held + pool->releasing + pages - cap; /* cached pages to give back first */
         release_cached(pool, pool->cached > over ? (pool->cached - over) * pool->gran : 0, 0);
-        while (take > k && pool->held + pages > cap) pages -= c[--take].n; /* what could not be freed */
+        while (take > k && pool->held + pool->releasing + pages > cap) pages -= c[--take].n; /* what could not be freed */
     }
     if (take > k) back = move_all(pool, c + k, take - k, false);
     raw_free(c, ccap * sizeof *c);

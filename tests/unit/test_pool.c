@@ -85,6 +85,8 @@ struct fake {
      * while the pool has its lock dropped for the record) */
     struct msh_pool *rec_free_pool;
     uint64_t rec_free_addr, rec_free_stream;
+    size_t peak_bytes;                /* the most live_bytes has been */
+    void (*on_release)(struct fake *); /* called once, first thing in the next release */
     int probe_bad;
     char probe_why[256];
 };
@@ -188,12 +190,18 @@ static int fk_create(struct msh_device *d, size_t size, uint64_t *h)
     f->handles[f->nhandles++].size = size;
     f->live_handles++;
     f->live_bytes += size;
+    if (f->live_bytes > f->peak_bytes) f->peak_bytes = f->live_bytes;
     return 0;
 }
 
 static int fk_release(struct msh_device *d, uint64_t h, size_t size)
 {
     struct fake *f = FK(d);
+    if (f->on_release) {
+        void (*fn)(struct fake *) = f->on_release;
+        f->on_release = NULL;
+        fn(f);
+    }
     int rc = fk_enter(f, OP_RELEASE);
     fk_log(f, OP_RELEASE, h, size);
     f->bytes[OP_RELEASE] += size;
@@ -1615,6 +1623,74 @@ TEST(stream_a_free_made_while_an_event_is_recorded_is_not_covered_by_it)
     CHECK(msh_pool_free(pool, g2, 22) == 0);
     msh_pool_destroy(pool);
     CHECK(f->live_events == 0 && f->misuse == 0);
+    free(f);
+}
+
+/* While a job releases a cached handle without the pool's lock, that handle is still on the device:
+ * another thread's request that needs its room waits for the release to be published, instead of
+ * creating a handle at once (the device would hold a page over the limit for a moment). The fake
+ * device starts the other thread's request from inside the release and gives it 300 ms; found by
+ * test_spill's threads at 1 run in 30 (a page over the limit during a return's release_cached). */
+static struct { struct msh_pool *pool; pthread_mutex_t m; pthread_cond_t cv; int done, rc; size_t size; uint64_t addr; pthread_t th; } rel;
+
+static void *rel_alloc_main(void *arg)
+{
+    (void)arg;
+    int rc = msh_pool_alloc(rel.pool, rel.size, 1, &rel.addr);
+    pthread_mutex_lock(&rel.m);
+    rel.rc = rc;
+    rel.done = 1;
+    pthread_cond_signal(&rel.cv);
+    pthread_mutex_unlock(&rel.m);
+    return NULL;
+}
+
+static void rel_start_alloc(struct fake *f)
+{
+    (void)f;
+    REQUIRE(pthread_create(&rel.th, NULL, rel_alloc_main, NULL) == 0);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_nsec += 300 * 1000 * 1000;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&rel.m);
+    while (!rel.done && pthread_cond_timedwait(&rel.cv, &rel.m, &until) == 0) {
+    }
+    pthread_mutex_unlock(&rel.m);
+}
+
+TEST(a_request_waits_for_the_room_a_release_in_flight_gives_and_the_device_stays_at_the_limit)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 10 * MiB, true, 0); /* 5 pages */
+    REQUIRE(pool);
+    uint64_t a[4];
+    for (int i = 0; i < 4; i++) REQUIRE(msh_pool_alloc(pool, 2 * MiB, 1, &a[i]) == 0);
+    CHECK(msh_pool_free(pool, a[1], 1) == 0); /* a 2 MiB hole, its page cached: 4 pages held */
+    CHECK(f->live_bytes == 8 * MiB);
+    rel.pool = pool;
+    rel.done = 0;
+    rel.size = 4 * MiB; /* no hole fits it: 2 new pages at the end of the line, 1 page of room now */
+    pthread_mutex_init(&rel.m, NULL);
+    pthread_cond_init(&rel.cv, NULL);
+    f->on_release = rel_start_alloc;
+    msh_pool_empty_cache(pool); /* releases a[1]'s page; another thread asks for 2 pages meanwhile */
+    REQUIRE(f->on_release == NULL);
+    pthread_join(rel.th, NULL);
+    CHECKF(rel.rc == 0, "the request failed (%d): it should have waited for the room", rel.rc);
+    CHECKF(f->peak_bytes <= 10 * MiB, "the device held %zu MiB at a limit of 10 MiB", f->peak_bytes / MiB);
+    char why[256];
+    CHECKF(msh_pool_check(pool, why, sizeof why) == 0, "%s", why);
+    if (!rel.rc) CHECK(msh_pool_free(pool, rel.addr, 1) == 0);
+    for (int i = 0; i < 4; i++)
+        if (i != 1) CHECK(msh_pool_free(pool, a[i], 1) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_handles == 0 && f->live_maps == 0 && f->misuse == 0);
+    pthread_cond_destroy(&rel.cv);
+    pthread_mutex_destroy(&rel.m);
     free(f);
 }
 
