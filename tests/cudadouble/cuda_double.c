@@ -347,6 +347,7 @@ static struct config g_cfg = {1, DEFAULT_CAPACITY, DEFAULT_GRANULARITY, HOST_VMM
                                DEFAULT_HOST_CAPACITY};
 static size_t g_dev_used[MAX_DEVICES];
 static size_t g_dev_peak[MAX_DEVICES]; /* the most g_dev_used has been */
+static size_t g_dev_mark_peak[MAX_DEVICES]; /* ...since the last cudbl_device_mark_peak(d, 1) */
 static size_t g_host_used, g_host_peak; /* host-located handles */
 static struct ctx *g_primary[MAX_DEVICES];
 static struct ctx *g_ctxs;
@@ -1190,6 +1191,7 @@ static int charge_locked(int dev, size_t bytes)
     if (bytes > g_cfg.capacity || g_dev_used[dev] > g_cfg.capacity - bytes) return -1;
     g_dev_used[dev] += bytes;
     if (g_dev_used[dev] > g_dev_peak[dev]) g_dev_peak[dev] = g_dev_used[dev];
+    if (g_dev_used[dev] > g_dev_mark_peak[dev]) g_dev_mark_peak[dev] = g_dev_used[dev];
     g_counts.bytes_in_use += bytes;
     return 0;
 }
@@ -3536,6 +3538,17 @@ size_t cudbl_device_peak(int device)
     if (device < 0 || device >= MAX_DEVICES) return 0;
     pthread_mutex_lock(&g_lock);
     size_t v = g_dev_peak[device];
+    pthread_mutex_unlock(&g_lock);
+    return v;
+}
+
+size_t cudbl_device_mark_peak(int device, int new_window, size_t *used_now)
+{
+    if (device < 0 || device >= MAX_DEVICES) return 0;
+    pthread_mutex_lock(&g_lock);
+    size_t v = g_dev_mark_peak[device];
+    if (used_now) *used_now = g_dev_used[device];
+    if (new_window) g_dev_mark_peak[device] = g_dev_used[device];
     pthread_mutex_unlock(&g_lock);
     return v;
 }

@@ -34,6 +34,12 @@ void cudbl_get_counts(struct cudbl_counts *out);
  * (cuMemCreate and cuMemAlloc; host-located handles never count), and the same for the host's. */
 size_t cudbl_device_peak(int device);
 size_t cudbl_host_peak(void);
+/* The same peak over a window: the most device bytes charged to `device` since the last call with
+ * new_window = 1 (or since the start), and in *used_now (may be NULL) the bytes charged now. With
+ * new_window = 1 the figures are read first, then the window restarts at the current charge. A
+ * test brackets a request with two calls: the second's peak minus the first's *used_now is how far
+ * the device's free memory (what another process would get) fell while it was served or refused. */
+size_t cudbl_device_mark_peak(int device, int new_window, size_t *used_now);
 /* Host memory through VMM, as CUDBL_HOST_VMM and CUDBL_HOST_CAPACITY set it: `vmm` is a mask of
  * CUDBL_HOST_VMM_NUMA (CU_MEM_LOCATION_TYPE_HOST_NUMA) and CUDBL_HOST_VMM_HOST
  * (CU_MEM_LOCATION_TYPE_HOST), -1 to keep; `capacity` 0 keeps it. Refused while host handles live. */
