@@ -159,7 +159,23 @@ struct msh_pool_oom {
      * gave no more host memory; "no host memory through VMM": the driver has none) */
     size_t spilled_bytes;
     const char *spill_stop;
+    /* Which case it was (issue 25, docs/pool.md "Pressure and the OOM rescue chain"): the request
+     * alone is larger than the device or than the limit (refused before any driver work: no step
+     * can change that), or it does not fit now (device_free, cached_bytes, live_bytes and
+     * largest_free say why). steps: the rescue steps that ran (each only when the pool's figures
+     * said it could make the request fit). */
+    int kind;                     /* enum msh_oom_case */
+    size_t cached_bytes;          /* mapped pages no live block touches */
+    unsigned steps;               /* MSH_OOM_STEP_* */
 };
+enum msh_oom_case { MSH_OOM_NOW = 0, MSH_OOM_DEVICE, MSH_OOM_LIMIT };
+#define MSH_OOM_STEP_GC 1u          /* the GC callback (gc.collect() in a Python job) */
+#define MSH_OOM_STEP_EMPTY_CACHE 2u /* cached handles given back to the driver */
+#define MSH_OOM_STEP_SPILL 4u       /* cold pages moved to host memory (MEMSHIM_SPILL=host) */
+/* "larger_than_device", "larger_than_limit", "does_not_fit_now" (the reports' last_oom.case), and
+ * the same in words for messages. */
+const char *msh_oom_case_name(int kind);
+const char *msh_oom_case_text(int kind);
 
 /* GC callback: may free blocks (through msh_pool_free from the same thread); returns bytes it
  * believes it released. Called without the pool lock held. */

@@ -143,6 +143,9 @@ run_prog multidev_free multidev_free
 run_prog free_ordering free_ordering
 ENV_EXTRA=()
 run_prog driver_oom driver_oom
+ENV_EXTRA=(CUDBL_CAPACITY=8G MEMSHIM_LOG=error)
+run_prog oom_fast oom_fast
+ENV_EXTRA=()
 
 # ---- issue 8: peers, streams that go away, address ranges, legacy IPC, cudaFree ---------------
 ENV_EXTRA=(CUDBL_DEVICES=2)
