@@ -497,6 +497,8 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
         set_u(diag, "limit_bytes", o->limit_bytes);
         set_u(diag, "largest_free_extent_bytes", o->largest_free);
         set_s(diag, "cause", o->fragmentation ? "fragmentation" : "capacity");
+        set_s(diag, "case", msh_oom_case_name(o->kind));
+        set_u(diag, "cached_bytes", o->cached_bytes);
         json_t *top = J.array();
         for (int i = 0; i < o->ntop; i++) {
             json_t *b = J.object();

@@ -265,6 +265,10 @@ def parse(path, obj, warnings):
                            for k in ("requested_bytes", "live_bytes", "reserved_bytes", "device_total_bytes",
                                      "device_free_bytes", "limit_bytes", "largest_free_extent_bytes")}
         rec["last_oom"]["cause"] = f.get("last_oom.cause", s, "a string")
+        # issue 25: which case it was (reports from before it lack both keys)
+        rec["last_oom"]["case"] = f.get("last_oom.case", s, "a string") if "case" in oom else None
+        rec["last_oom"]["cached_bytes"] = (f.get("last_oom.cached_bytes", nonneg_int, "an integer")
+                                           if "cached_bytes" in oom else None)
     cfg = obj.get("config")
     rec["config"] = {}
     if isinstance(cfg, dict):
@@ -754,7 +758,8 @@ def advise(run):
         if n_oom:
             last = lo[-1]["last_oom"] if lo else None  # recs are in time order
             fig = {"oom_events": n_oom, "last_oom": last}
-            if last and last["cause"] == "capacity" and (last["limit_bytes"] or last["device_total_bytes"]):
+            alone = last and last.get("case") in ("larger_than_device", "larger_than_limit")
+            if last and not alone and last["cause"] == "capacity" and (last["limit_bytes"] or last["device_total_bytes"]):
                 # the shortfall the MEMSHIM_SPILL=host suggestion quotes is a figure too (every number
                 # in an advice text is one of its figures)
                 cap0 = last["limit_bytes"] or last["device_total_bytes"]
@@ -770,6 +775,12 @@ def advise(run):
                 if not o:
                     return t + ": the reports do not say why (no last_oom)"
                 cap = o["limit_bytes"] or o["device_total_bytes"]
+                if o.get("case") in ("larger_than_device", "larger_than_limit"):
+                    dev = o["case"] == "larger_than_device"
+                    return t + (f": the last asked for {mib(o['requested_bytes'])} MiB, larger than "
+                                f"{'the device' if dev else 'MEMSHIM_LIMIT'} ({mib(o['device_total_bytes'] if dev else o['limit_bytes'])}"
+                                " MiB) alone: no allocator could serve it (memshim refused it before any driver work); "
+                                + ("a smaller batch or shape" if dev else "raise MEMSHIM_LIMIT, or a smaller batch or shape"))
                 t += (f": the last asked for {mib(o['requested_bytes'])} MiB with {mib(o['live_bytes'])} MiB live and "
                       f"{mib(o['reserved_bytes'])} MiB reserved of {mib(cap)} MiB "
                       f"({'MEMSHIM_LIMIT' if o['limit_bytes'] else 'the device'})")
