@@ -203,15 +203,15 @@ static int oom_case_fixed(const struct msh_pool *pool, uint64_t rsize)
 }
 
 /* The device had no room for the creates (asked once per request, job_run) or refused one: now
- * that its room is known, cached handles are reclaimed instead, when they can make it fit. */
+ * that its room is known, the request is placed again within it: pages rather than chunks mapped
+ * ahead, cached handles reclaimed rather than new ones created, when that can make it fit. */
 static int try_alloc_all(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64_t stream, uint64_t *addr,
                          struct room *rm, bool *reclaimed, bool *capture_blocked)
 {
     bool denomem = false;
     size_t cap0 = rm->dev_cap;
     int rc = try_alloc(pool, rsize, req, stream, addr, rm, reclaimed, &denomem, capture_blocked);
-    if (rc == ENOMEM && rm->dev_cap < cap0 && pool->prm.defrag && pool->cached && !capturing(pool) &&
-        pages_at_least(pool, rsize) <= room_pages(pool, rm, false))
+    if (rc == ENOMEM && rm->dev_cap < cap0 && !capturing(pool) && pages_at_least(pool, rsize) <= room_pages(pool, rm, false))
         rc = try_alloc(pool, rsize, req, stream, addr, rm, reclaimed, &denomem, capture_blocked);
     return rc;
 }

@@ -336,6 +336,31 @@ TEST(what_fits_with_the_cache_is_served_and_takes_no_more_than_the_request)
     cuMemFree(other);
 }
 
+/* Far from any limit a block at the open end of the line is mapped with the next 20 MiB chunk
+ * ahead (docs/pool.md "Handles"). When another allocator leaves the device just the request's room,
+ * the request is still served: once the device's room is known, the pool maps pages, not chunks. */
+TEST(what_fits_in_the_devices_free_memory_is_served_without_the_chunk_ahead)
+{
+    if (!device_up()) SKIP("the driver double did not start");
+    CUdeviceptr other = 0;
+    REQUIRE(cuMemAlloc(&other, 7 * GiB) == CUDA_SUCCESS);
+    struct msh_pool *pool = pool_new(0, false);
+    REQUIRE(pool);
+    uint64_t a = 0;
+    size_t req = device_free() - 2 * MiB; /* 1022 MiB: its chunk would end at 1040 MiB */
+    struct drv d;
+    drv_begin(&d);
+    int rc = msh_pool_alloc(pool, req, MSH_STREAM_COMPLETED, &a);
+    drv_end(&d);
+    drv_print("free - 2 MiB beside 7 GiB of another allocator", req, rc, &d);
+    CHECK(rc == 0);
+    CHECKF(d.rise <= req, "the device's charge rose by %zu MiB for a %zu MiB request", d.rise / MiB, req / MiB);
+    CHECK(pool_ok(pool));
+    if (!rc) CHECK(msh_pool_free(pool, a, MSH_STREAM_COMPLETED) == 0);
+    msh_pool_destroy(pool);
+    cuMemFree(other);
+}
+
 /* A create the driver refuses for memory ends the job's creates: what it made is given back and
  * nothing more is asked of the driver. The rescue steps that could not help are off here (no
  * reclaim, no release, no gc), so the one job is all the request does. */
