@@ -306,6 +306,17 @@ class Run:
             d["slowdown"] = d["spill_step_s"] / d["unlimited_step_s"]
         return same and d["off_ooms"], d
 
+    def oom(self, limit):
+        """Issue 25: torch.empty of 2x the device and of free + 4 GiB, a hand-written batch-size finder
+        and accelerate's, natively and in tensor mode, nvidia-smi sampling the card meanwhile
+        (tests/gpu/oom_check.py; dry run: memshim on the double)."""
+        path = os.path.join(self.out, "oom-check.json")
+        argv = self.py(os.path.join(ROOT, "tests", "gpu", "oom_check.py"), "--json", path,
+                       "--budget", str(max(20, limit - 5))) + (["--dry-run"] if self.dry else [])
+        rc, out, err, s, to = sh(argv, limit, self.env, out_path=os.path.join(self.out, "oom.txt"))
+        return rc == 0, {"rc": rc, "timed_out": to, "file": path,
+                         "checks": [ln for ln in out.splitlines() if ln.startswith(("ok ", "FAIL", "skip"))][:12]}
+
     def report(self, limit):
         dirs = sorted(d for d in glob.glob(os.path.join(self.out, "memreport-*")) if os.path.isdir(d))
         if not dirs:
@@ -328,6 +339,7 @@ class Run:
         self.step("demo", self.demo, 90, needs=("vmm",))
         self.step("torch", self.torch, 330, needs=("torch", "vmm"))
         self.step("spill", self.spill, 150, needs=("torch", "vmm", "gpu") if not self.dry else ())
+        self.step("oom", self.oom, 60, needs=("torch", "vmm"))
         self.step("report", self.report, 60)
         total = round(time.time() - self.t0, 1)
         summary = {"dry_run": self.dry, "budget_s": self.budget, "total_s": total, "steps": self.steps,
