@@ -409,9 +409,9 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
     struct room rm = {.dev_cap = SIZE_MAX};
     int ocase = oom_case_fixed(pool, rsize);
     unsigned steps = 0;
-    size_t need = pages_at_least(pool, rsize);
     int rc = ocase == MSH_OOM_NOW ? try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked)
                                   : ENOMEM;
+    size_t need = rc == ENOMEM ? pages_at_least(pool, rsize) : 0;
     if (rc == ENOMEM && ocase == MSH_OOM_NOW && pool->gc_fn && pool->st.live_blocks &&
         need <= room_pages(pool, &rm, true)) {
         msh_pool_gc_fn fn = pool->gc_fn;
