@@ -692,6 +692,9 @@ static CUresult (*exchange_capture_mode)(CUstreamCaptureMode *);
 static void capq_resolve(void)
 {
     if (msh_cuda_load() || !msh_cu.handle) return;
+    MSH_ABI_ASSERT(is_capturing, PFN_cuStreamIsCapturing_v10000, "cuStreamIsCapturing");
+    MSH_ABI_ASSERT(exchange_capture_mode, PFN_cuThreadExchangeStreamCaptureMode_v10010,
+                   "cuThreadExchangeStreamCaptureMode");
     *(void **)&is_capturing = dlsym(msh_cu.handle, "cuStreamIsCapturing");
     *(void **)&exchange_capture_mode = dlsym(msh_cu.handle, "cuThreadExchangeStreamCaptureMode");
 }
