@@ -58,6 +58,8 @@ quick|all)
         # issue 19: the folders are floors (hooks -> shim -> report -> policy), files stay small
         run_suite "layers (includes run one way, sizes)" python3 tests/layers/check_layers.py
         run_suite "layers (the check catches a breach)" python3 tests/layers/test_check_layers.py
+        # issue 25: the doubles' lookups have the real driver's signature at every version
+        run_suite "doubles' ABI (cudaTypedefs.h)" env BUILD="$BUILD" python3 tests/cudadouble/test_abi.py
         [ -f tests/preload/run_preload.sh ] && run_suite "preload (LD_PRELOAD + double)" env BUILD="$BUILD" bash tests/preload/run_preload.sh
         run_suite "replay (CLI, traces, targets)" env BUILD="$BUILD" bash tests/replay/run_replay.sh
         run_suite "replay (torch models vs traces)" env BUILD="$BUILD" python3 tests/replay/test_models_traces.py
