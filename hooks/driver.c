@@ -195,15 +195,20 @@ static void resolve_ptsz(void)
  * this many bytes never needs more new pages than counted. O(1): counters only. */
 void msh_hooks_adjust_meminfo(int device, size_t *free_b, size_t *total_b)
 {
-    uint64_t limit = msh_cfg.limit_bytes;
-    if (!limit && msh_cfg.limit_fraction > 0)
-        limit = (uint64_t)(msh_cfg.limit_fraction * (double)*total_b);
-    if (!limit || device < 0) return;
+    if (device < 0) return;
     /* the limit is only enforced where a pool serves (msh_core_pool_get never creates one) */
     struct msh_pool *pool = msh_core_pool_get(device);
     if (!pool) return;
     struct msh_pool_counters c;
     msh_pool_counters(pool, &c);
+    /* MEMSHIM_LIMIT, or the smaller limit the pool enforces: set_per_process_memory_fraction, or
+     * per_process_memory_fraction in PyTorch's allocator settings (shim/torch.c). A job that sizes
+     * its buffers from free memory must see the cap it runs under, not the card. */
+    uint64_t limit = msh_cfg.limit_bytes;
+    if (!limit && msh_cfg.limit_fraction > 0)
+        limit = (uint64_t)(msh_cfg.limit_fraction * (double)*total_b);
+    if (c.limit && (!limit || c.limit < limit)) limit = c.limit;
+    if (!limit) return;
     size_t total = limit < *total_b ? (size_t)limit : *total_b;
     size_t cap_pages = (c.limit ? c.limit : total) / c.gran;
     size_t creatable = cap_pages > c.handles ? cap_pages - c.handles : 0;
