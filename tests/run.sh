@@ -76,6 +76,7 @@ quick|all)
         run_suite "reliability" env BUILD="$BUILD" bash tests/reliability/run_reliability.sh
         run_suite "pytorch (allocator API; GPU parts)" env BUILD="$BUILD" python3 tests/gpu/test_torch.py
         run_suite "pytorch on CPU (hook, tensor mode, epochs)" env BUILD="$BUILD" python3 tests/torch/test_torch_cpu.py
+        run_suite "pytorch allocator settings (PYTORCH_ALLOC_CONF)" env BUILD="$BUILD" python3 tests/torch/test_alloc_conf.py
         run_suite "differential (PyTorch's own rules)" env BUILD="$BUILD" python3 tests/differential/test_differential.py
         run_suite "differential (fallbacks as PyTorch decides)" env BUILD="$BUILD" python3 tests/differential/test_fallbacks.py
         run_suite "differential (snapshot fields as PyTorch's)" env BUILD="$BUILD" python3 tests/differential/test_snapshot_fields.py
