@@ -22,7 +22,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from pyharness import BUILD, case, finish, skip, step  # noqa: E402
+from pyharness import BUILD, case, finish, need_torch_and_glue, step  # noqa: E402
 
 LIB = os.path.join(BUILD, "libmemshim.so")
 GLUE = os.path.join(BUILD, "libmemshim_torch.so")
@@ -81,11 +81,7 @@ def warnings(err):
     return [l for l in err.splitlines() if "warning" in l]
 
 
-step("PyTorch present", timeout=120)
-probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True)
-if probe.returncode != 0 or not os.path.exists(GLUE):
-    skip("PyTorch's allocator settings", "needs PyTorch and the glue (bash scripts/setup.sh --with-torch; make)")
-    finish()
+need_torch_and_glue("PyTorch's allocator settings", GLUE)
 
 step("per_process_memory_fraction under either name", timeout=250)
 for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
