@@ -63,6 +63,7 @@ quick|all)
         run_suite "replay (torch models vs traces)" env BUILD="$BUILD" python3 tests/replay/test_models_traces.py
         run_suite "replay --check (pool invariants)" env BUILD="$BUILD" python3 tests/replay/check_traces.py
         run_suite "reports (figures vs ground truth)" env BUILD="$BUILD" python3 tests/reports/test_report_truth.py
+        run_suite "reports (step figures by hand)" env BUILD="$BUILD" python3 tests/reports/test_step_figures.py
         run_suite "demo (main job, reports)" env BUILD="$BUILD" bash tests/replay/run_demo.sh
         run_suite "promises (every documented promise has a test)" env BUILD="$BUILD" python3 tests/promises/check_promises.py
         run_suite "report tool (memshim-report)" env BUILD="$BUILD" python3 tests/report_tool/test_report_tool.py
