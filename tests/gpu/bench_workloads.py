@@ -301,7 +301,7 @@ class Worker:
         self.torch, self.dry = torch, dry
         if dry:
             torch.set_num_threads(1)  # several workers share the CPU machine's cores
-        self.name = self.s = self.w = None
+        self.name = self.s = self.w = self.seen = None
         self.cap = None
         self.rdir = os.environ.get("MEMSHIM_REPORT_DIR")
         self.memshim = None
@@ -341,12 +341,24 @@ class Worker:
             return "memshim-segment" if os.environ.get("MEMSHIM_MODE") == "segment" else "pytorch (memshim not in tensor mode)"
         if self.dry:
             return "cpu (dry run)"
+        if self.seen:
+            return self.seen
         try:
             be = self.torch.cuda.get_allocator_backend()
         except Exception:  # noqa: BLE001
             be = "native"
+        if be != "native":
+            return be
+        try:  # PyTorch's segments say whether they are expandable (once it holds any)
+            segs = self.torch.cuda.memory_snapshot()
+        except Exception:  # noqa: BLE001
+            segs = []
+        if segs:
+            self.seen = "expandable" if all(x.get("is_expandable") for x in segs) else \
+                "native" if not any(x.get("is_expandable") for x in segs) else "native and expandable segments"
+            return self.seen
         conf = os.environ.get("PYTORCH_ALLOC_CONF", "") + os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-        return "expandable" if be == "native" and "expandable_segments:True" in conf else be
+        return "expandable" if "expandable_segments:True" in conf else "native"
 
     def reset_peaks(self):
         if not self.dry:
@@ -408,6 +420,27 @@ class Worker:
         r = self.timed(c["batch"], c["warm"], c["steps"], c.get("seed", 1), reports=c.get("reports", False))
         r.update(self.peaks())
         return r
+
+    def op_stepfig(self, c):
+        """STAlloc's figure through PyTorch's own API, the same for every allocator: `steps` steps
+        (untimed) with the peaks read and reset after each; each step's peak allocated over its
+        peak reserved, {min, median, max, steps}. None in a dry run (no CUDA memory figures)."""
+        if self.dry:
+            self.w.train(c["batch"], c["steps"], 5, lambda k: None)
+            return {"step_allocated_over_reserved": None}
+        torch, ratios = self.torch, []
+
+        def mark(k):
+            if k:
+                a, r = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+                if r:
+                    ratios.append(a / r)
+            torch.cuda.reset_peak_memory_stats()
+        self.w.train(c["batch"], c["steps"], 5, mark)
+        if not ratios:
+            return {"step_allocated_over_reserved": None}
+        return {"step_allocated_over_reserved": {"min": min(ratios), "median": statistics.median(ratios),
+                                                 "max": max(ratios), "steps": len(ratios)}}
 
     def op_cap(self, c):
         self.w.drop()
@@ -797,6 +830,9 @@ def bench(out, budget, dry, only=None):
                      "peaks are the windows' highest", "frontier: one cap per workload "
                      "(set_per_process_memory_fraction, the same for all four; cudaMallocAsync counts allocated "
                      "bytes against it, not reserved); tokens/s there excludes each trial's first step",
+                     "step_allocated_over_reserved: STAlloc's figure through PyTorch's memory API for every "
+                     "allocator, one untimed window after the throughput rounds, peaks read and reset after each "
+                     "step; peak_allocated_over_peak_reserved: the throughput windows' peaks",
                      "one worker process per allocator loads each workload in turn (the last one, its cache "
                      "and its cap freed first); a worker that died is started again for the next workload"]}
     rows = {}
@@ -859,6 +895,15 @@ def bench_workload(B, procs, name, wrows):
     if not live:
         return
     B.throughput(live, s, wrows)
+    for a, p in live.items():  # one untimed window each: STAlloc's per-step figure
+        if B.left() < 10:
+            break
+        r = p.ask({"op": "stepfig", "batch": s["batch"], "steps": s["warm"] + s["steps"]}, 120)
+        if r.get("error"):
+            wrows[a]["error"] = r["error"]
+        wrows[a]["step_allocated_over_reserved"] = r.get("step_allocated_over_reserved")
+        pa, pr = wrows[a].get("peak_allocated"), wrows[a].get("peak_reserved")
+        wrows[a]["peak_allocated_over_peak_reserved"] = pa / pr if pa is not None and pr else None
     for a in live:
         if B.left() < 10:
             wrows[a]["frontier"]["skipped"] = f"the budget ({B.budget:.0f} s) ran out"
@@ -879,8 +924,9 @@ def bench_markdown(res):
             f"{res['date_utc']} UTC, {res.get('gpu') or 'no GPU'}, driver {res.get('driver') or 'n/a'}, "
             f"PyTorch {next((r['worker'].get('torch') for r in res['rows'] if (r.get('worker') or {}).get('torch')), 'n/a')}, "
             f"commit {res.get('commit') or 'n/a'}; {res['seconds']} s of a {res['budget_s']:.0f} s budget.\n\n")
-    lines = ["| workload | allocator | tokens/s | ms/step | peak reserved GiB | peak allocated GiB | cap GiB | "
-             "largest batch | tokens/s there | notes |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| workload | allocator | tokens/s | ms/step | peak reserved GiB | peak allocated GiB | step alloc/resv "
+             "min/median/max | cap GiB | largest batch | tokens/s there | notes |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in res["rows"]:
         f = r.get("frontier") or {}
         lg = f.get("largest")
@@ -889,7 +935,7 @@ def bench_markdown(res):
         note = r.get("skipped") or r.get("error") or f.get("skipped") or f.get("note") or ""
         lines.append(f"| {r['workload']} | {r['allocator']} | {num(r['tokens_per_s'])} | "
                      f"{num(r['ms_per_step'], '{:.1f}')} | {gib(r['peak_reserved'])} | {gib(r['peak_allocated'])} | "
-                     f"{gib(f.get('cap_bytes'))} | {lgs} | {num(f.get('tokens_per_s'))} | "
+                     f"{stepfig_text(r.get('step_allocated_over_reserved'))} | {gib(f.get('cap_bytes'))} | {lgs} | {num(f.get('tokens_per_s'))} | "
                      f"{str(note).replace('|', '/')[:160]} |")
     return head + "\n".join(lines) + "\n"
 
@@ -899,6 +945,10 @@ def budget_limited(r):
     f = r.get("frontier") or {}
     return any("budget" in str(x or "") for x in (r.get("skipped"), " ".join(r.get("notes") or []),
                                                    f.get("skipped"), f.get("incomplete")))
+
+
+def stepfig_text(sr):
+    return "n/a" if not sr else "/".join(f"{sr[q]:.3f}" for q in ("min", "median", "max"))
 
 
 def check_bench(res, dry):
