@@ -22,32 +22,43 @@
 
 static char dir[PATH_MAX];
 
+/* An epoch report of one device with a pool (the caller fills its figures). */
+static void one_device(struct msh_report *r)
+{
+    memset(r, 0, sizeof *r);
+    r->kind = "epoch";
+    r->reason = "manual";
+    r->mode = "tensor";
+    r->ndev = 1;
+    r->dev[0].device = 0;
+    r->dev[0].has_pool = true;
+}
+
+/* Write it, read the file back (removed), NULL on failure. */
+static json_t *write_and_read(const struct msh_report *r)
+{
+    char path[PATH_MAX];
+    if (msh_report_write(r) || msh_report_path(r, 0, path, sizeof path)) return NULL;
+    json_error_t err;
+    json_t *root = json_load_file(path, 0, &err);
+    if (!root) fprintf(stderr, "    %s: %s\n", path, err.text);
+    unlink(path);
+    return root;
+}
+
 static json_int_t other_bytes(uint64_t total, uint64_t free_bytes, size_t mapped)
 {
     struct msh_report r;
-    memset(&r, 0, sizeof r);
-    r.kind = "epoch";
-    r.reason = "manual";
-    r.mode = "tensor";
-    r.ndev = 1;
-    r.dev[0].device = 0;
-    r.dev[0].has_pool = true;
+    one_device(&r);
     r.dev[0].st.mapped_bytes = mapped;
     r.dev[0].device_total = total;
     r.dev[0].device_free = free_bytes;
-    char path[PATH_MAX];
-    if (msh_report_write(&r) || msh_report_path(&r, 0, path, sizeof path)) return -1;
-    json_error_t err;
-    json_t *root = json_load_file(path, 0, &err);
-    if (!root) {
-        fprintf(stderr, "    %s: %s\n", path, err.text);
-        return -1;
-    }
+    json_t *root = write_and_read(&r);
+    if (!root) return -1;
     json_t *v = json_object_get(json_object_get(json_object_get(root, "memory"), "not_served_by_memshim"),
                                 "other_bytes_on_device");
     json_int_t n = json_is_integer(v) ? json_integer_value(v) : -1;
     json_decref(root);
-    unlink(path);
     return n;
 }
 
@@ -70,21 +81,13 @@ TEST(memory_others_hold_on_the_device_is_used_less_memshims_and_never_negative)
 static json_t *fragmentation_of(const struct msh_stepfig_summary *sr, size_t at_mapped, size_t at_live)
 {
     struct msh_report r;
-    memset(&r, 0, sizeof r);
-    r.kind = "epoch";
-    r.reason = "manual";
-    r.mode = "tensor";
-    r.ndev = 1;
-    r.dev[0].has_pool = true;
+    one_device(&r);
     r.dev[0].st.peak_live_bytes = 6 * MiB;
     r.dev[0].st.peak_mapped_bytes = 8 * MiB;
     r.dev[0].st.at_peak_mapped_bytes = at_mapped;
     r.dev[0].st.at_peak_live_bytes = at_live;
     r.dev[0].step_ratio = *sr;
-    char path[PATH_MAX];
-    if (msh_report_write(&r) || msh_report_path(&r, 0, path, sizeof path)) return NULL;
-    json_t *root = json_load_file(path, 0, NULL);
-    unlink(path);
+    json_t *root = write_and_read(&r);
     json_t *frag = root ? json_incref(json_object_get(root, "fragmentation")) : NULL;
     json_decref(root);
     return frag;
