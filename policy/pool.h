@@ -142,6 +142,10 @@ struct msh_pool_stats {
     uint64_t spill_out_pages, spill_in_pages, spill_out_bytes, spill_in_bytes;
     uint64_t spill_ns;
     uint64_t rescue_spill, spill_refused;
+    /* The reserved (handles the driver holds) and live bytes at the first allocation that saw the
+     * epoch's highest reserved figure, since the last reset_peaks: reserved minus allocated at the
+     * reserved peak (fragmentation.reserved_minus_allocated_at_peak_bytes). */
+    size_t at_peak_mapped_bytes, at_peak_live_bytes;
 };
 
 /* Why the last request failed (filled on every failure, read by the report). */
@@ -223,6 +227,10 @@ size_t msh_pool_mapped_bytes(struct msh_pool *pool);
 void msh_pool_get_stats(struct msh_pool *pool, struct msh_pool_stats *out);
 /* Reset the peak counters to the current values (called at each epoch boundary). */
 void msh_pool_reset_peaks(struct msh_pool *pool);
+/* The peak live and peak reserved bytes since the last call (or reset_peaks), then both restart
+ * at the current values: one optimizer step's peaks when called at each step mark (the reports'
+ * fragmentation.step_allocated_over_reserved). */
+void msh_pool_take_step_peaks(struct msh_pool *pool, size_t *live, size_t *reserved);
 void msh_pool_last_oom(struct msh_pool *pool, struct msh_pool_oom *out);
 /* Walk live blocks (for reports and tests), without the lock released between calls. */
 void msh_pool_for_each_live(struct msh_pool *pool,

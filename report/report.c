@@ -401,6 +401,19 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_d(frag, "free_extent_fragmentation", f_extent);
     set_d(frag, "peak_allocated_over_peak_reserved",
           st->peak_mapped_bytes ? (double)st->peak_live_bytes / (double)st->peak_mapped_bytes : 1.0);
+    if (d->step_ratio.steps) { /* STAlloc's figure (docs/reports.md) */
+        json_t *sr = J.object();
+        set_d(sr, "min", d->step_ratio.min);
+        set_d(sr, "median", d->step_ratio.median);
+        set_d(sr, "max", d->step_ratio.max);
+        set_u(sr, "steps", d->step_ratio.steps);
+        J.object_set_new(frag, "step_allocated_over_reserved", sr);
+    } else {
+        J.object_set_new(frag, "step_allocated_over_reserved", J.null());
+    }
+    /* negative only with spill: live blocks whose pages are on the host */
+    set_i(frag, "reserved_minus_allocated_at_peak_bytes",
+          (int64_t)st->at_peak_mapped_bytes - (int64_t)st->at_peak_live_bytes);
     J.object_set_new(root, "fragmentation", frag);
 
     json_t *ops = J.object();

@@ -187,6 +187,12 @@ struct msh_pool {
      * driver, never a reservation whose create then failed. Atomics: the driver calls run
      * without the lock. */
     size_t drv_held, drv_peak_epoch, drv_peak_run;
+    /* The reports' step and peak figures (msh_pool_take_step_peaks, note_alloc): the peaks since
+     * the last step mark (drv_peak_step atomic, beside drv_peak_epoch; step_peak_live under the
+     * lock), and the reserved and live bytes at the first allocation that saw the epoch's highest
+     * reserved figure (under the lock). */
+    size_t drv_peak_step, step_peak_live;
+    size_t at_peak_held, at_peak_live;
     size_t nhandles, touched, cached;
     int jobs;             /* requests doing driver work right now (without the lock) */
     int waiters;

@@ -45,6 +45,7 @@ static int dev_create(struct msh_pool *pool, size_t size, uint64_t *h)
         size_t now = __atomic_add_fetch(&pool->drv_held, size, __ATOMIC_RELAXED);
         peak_raise(&pool->drv_peak_epoch, now);
         peak_raise(&pool->drv_peak_run, now);
+        peak_raise(&pool->drv_peak_step, now);
     }
     return rc;
 }

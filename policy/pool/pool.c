@@ -340,6 +340,14 @@ static void note_alloc(struct msh_pool *pool, uint64_t req, bool reclaimed)
     st->live_blocks++;
     if (st->live_bytes > st->peak_live_bytes) st->peak_live_bytes = st->live_bytes;
     if (st->live_bytes > st->run_peak_live_bytes) st->run_peak_live_bytes = st->live_bytes;
+    if (st->live_bytes > pool->step_peak_live) pool->step_peak_live = st->live_bytes;
+    /* reserved minus allocated at the reserved peak: measured once the allocation that needed the
+     * new peak holds its block (the reserve grows inside it, before its bytes count as live) */
+    size_t held = __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED);
+    if (held > pool->at_peak_held) {
+        pool->at_peak_held = held;
+        pool->at_peak_live = st->live_bytes;
+    }
     size_t touched = pool->touched * pool->gran;
     if (touched > st->peak_touched_bytes) st->peak_touched_bytes = touched;
     if (reclaimed) st->rescue_reclaim++;
@@ -885,6 +893,8 @@ void msh_pool_get_stats(struct msh_pool *pool, struct msh_pool_stats *out)
     *out = pool->st;
     out->peak_mapped_bytes = __atomic_load_n(&pool->drv_peak_epoch, __ATOMIC_RELAXED);
     out->run_peak_mapped_bytes = __atomic_load_n(&pool->drv_peak_run, __ATOMIC_RELAXED);
+    out->at_peak_mapped_bytes = pool->at_peak_held;
+    out->at_peak_live_bytes = pool->at_peak_live;
     for (int k = 0; k < MSH_DRV_NKINDS; k++) {
         out->drv_calls[k] = __atomic_load_n(&pool->st.drv_calls[k], __ATOMIC_RELAXED);
         out->drv_bytes[k] = __atomic_load_n(&pool->st.drv_bytes[k], __ATOMIC_RELAXED);
@@ -899,6 +909,20 @@ void msh_pool_reset_peaks(struct msh_pool *pool)
     __atomic_store_n(&pool->drv_peak_epoch, __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
     pool->st.peak_touched_bytes = pool->touched * pool->gran;
     pool->st.peak_spilled_bytes = pool->spill_pages * pool->gran;
+    pool->at_peak_held = __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED);
+    pool->at_peak_live = pool->st.live_bytes;
+    pool->step_peak_live = pool->st.live_bytes;
+    __atomic_store_n(&pool->drv_peak_step, pool->at_peak_held, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&pool->lock);
+}
+
+void msh_pool_take_step_peaks(struct msh_pool *pool, size_t *live, size_t *reserved)
+{
+    pthread_mutex_lock(&pool->lock);
+    size_t held = __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED);
+    *live = pool->step_peak_live;
+    *reserved = __atomic_exchange_n(&pool->drv_peak_step, held, __ATOMIC_RELAXED);
+    pool->step_peak_live = pool->st.live_bytes;
     pthread_mutex_unlock(&pool->lock);
 }
 

@@ -714,6 +714,20 @@ FIELDS = {
     "fragmentation.peak_allocated_over_peak_reserved": (R, lambda c, v, i: close(
         v, mem(c, "allocated_peak_bytes") / mem(c, "reserved_peak_bytes") if mem(c, "reserved_peak_bytes") else 1.0,
         "peak allocated / peak reserved") or need(v <= 1.0, f"{v} > 1: reserved peak below allocated peak")),
+    # issue 26: each step's peaks over its own (a step of the demo always holds its weights, so every
+    # step is measured); the reserve at its peak: at most the reserved peak, at least what the
+    # allocated peak leaves of it (the first allocation that saw the peak was at most that live)
+    "fragmentation.step_allocated_over_reserved.steps": (T, lambda c, v, i: eq(v, c.r["steps"], "the epoch's steps")),
+    "fragmentation.step_allocated_over_reserved.min": (R, lambda c, v, i: need(
+        0 < v <= c.r["fragmentation"]["step_allocated_over_reserved"]["median"], f"{v}: not in (0, median]")),
+    "fragmentation.step_allocated_over_reserved.median": (R, lambda c, v, i: need(
+        v <= c.r["fragmentation"]["step_allocated_over_reserved"]["max"], f"{v} above the max")),
+    "fragmentation.step_allocated_over_reserved.max": (R, lambda c, v, i: need(v <= 1.0, f"{v} > 1: a step's "
+                                                                                    "allocated peak above its reserved")),
+    "fragmentation.reserved_minus_allocated_at_peak_bytes": (R, lambda c, v, i: need(
+        max(0, mem(c, "reserved_peak_bytes") - mem(c, "allocated_peak_bytes")) <= v <= mem(c, "reserved_peak_bytes"),
+        f"not in [reserved peak - allocated peak, reserved peak] = [{mem(c, 'reserved_peak_bytes')} - "
+        f"{mem(c, 'allocated_peak_bytes')}, {mem(c, 'reserved_peak_bytes')}]")),
     # operations (cumulative): counts from the trace, driver work from the driver's call counters
     "operations.allocs": (T, lambda c, v, i: eq(v, c.g["allocs"], "allocations in the trace")),
     "operations.frees": (T, lambda c, v, i: eq(v, c.g["frees"], "frees in the trace")
