@@ -29,32 +29,18 @@
 #include <string.h>
 #include <time.h>
 
+#include "on_double.h"
+
 #define MiB MSH_MiB
 #define GiB MSH_GiB
 #define PAGE (2 * MiB)
 #define CAPACITY (8 * GiB) /* the double's device, as in the reproduction */
-
-static struct msh_device g_dev;
-static CUcontext g_ctx;
-static int g_ready;
 
 __attribute__((constructor)) static void oom_env(void)
 {
     setenv("CUDBL_CAPACITY", "8G", 1);
     setenv("CUDBL_GRANULARITY", "2M", 1);
     msh_log_level = MSH_LOG_ERROR; /* each refusal warns; the tests read the diagnosis instead */
-}
-
-static int device_up(void)
-{
-    if (g_ready) return g_ready > 0;
-    g_ready = -1;
-    if (msh_dev_cuda_init(&g_dev, 0)) return 0;
-    CUdevice d;
-    if (cuDeviceGet(&d, 0) != CUDA_SUCCESS || cuDevicePrimaryCtxRetain(&g_ctx, d) != CUDA_SUCCESS) return 0;
-    cuCtxSetCurrent(g_ctx);
-    g_ready = 1;
-    return 1;
 }
 
 static size_t gc_calls;
@@ -149,6 +135,31 @@ static void warm(struct msh_pool *pool, size_t live, size_t cached, uint64_t *ke
     }
 }
 
+/* A request the pool must refuse: ENOMEM, no driver work, the device's charge unmoved, the cache
+ * kept (never released for a request that would still not fit), gc run `want_gc` times. */
+static void check_refused(struct msh_pool *pool, size_t req, const char *what, size_t want_gc)
+{
+    uint64_t a = 0;
+    struct msh_pool_stats s0, s1;
+    msh_pool_get_stats(pool, &s0);
+    gc_calls = 0;
+    struct drv d;
+    drv_begin(&d);
+    int rc = msh_pool_alloc(pool, req, MSH_STREAM_COMPLETED, &a);
+    drv_end(&d);
+    drv_print(what, req, rc, &d);
+    msh_pool_get_stats(pool, &s1);
+    CHECK(rc == ENOMEM);
+    CHECKF(d.creates == 0 && d.maps == 0 && d.unmaps == 0 && d.releases == 0,
+           "driver work for a request that cannot fit: create %ld map %ld unmap %ld release %ld", d.creates, d.maps,
+           d.unmaps, d.releases);
+    CHECKF(d.rise == 0, "the device's charge rose by %zu MiB while refusing", d.rise / MiB);
+    CHECKF(s1.released_pages == s0.released_pages && s1.mapped_bytes == s0.mapped_bytes,
+           "the job's cache was released for a request that still would not fit (%zu -> %zu bytes held)",
+           s0.mapped_bytes, s1.mapped_bytes);
+    CHECKF(gc_calls == want_gc, "gc ran %zu times", gc_calls);
+}
+
 TEST(a_request_larger_than_the_device_is_refused_before_any_driver_work)
 {
     if (!device_up()) SKIP("the driver double did not start (cuInit or VMM unavailable)");
@@ -156,21 +167,7 @@ TEST(a_request_larger_than_the_device_is_refused_before_any_driver_work)
     REQUIRE(pool);
     uint64_t keep = 0, a = 0;
     warm(pool, 64 * MiB, 256 * MiB, &keep);
-    struct msh_pool_stats s0, s1;
-    msh_pool_get_stats(pool, &s0);
-    gc_calls = 0;
-    struct drv d;
-    drv_begin(&d);
-    int rc = msh_pool_alloc(pool, 2 * CAPACITY, MSH_STREAM_COMPLETED, &a); /* the 16 GiB */
-    drv_end(&d);
-    drv_print("twice the device", 2 * CAPACITY, rc, &d);
-    msh_pool_get_stats(pool, &s1);
-    CHECK(rc == ENOMEM);
-    CHECKF(d.creates == 0 && d.maps == 0 && d.unmaps == 0 && d.releases == 0, "driver work for an impossible request");
-    CHECKF(d.rise == 0, "the device's charge rose by %zu bytes while refusing", d.rise);
-    CHECKF(s1.released_pages == s0.released_pages && s1.mapped_bytes == s0.mapped_bytes,
-           "the cache went: %zu -> %zu bytes held", s0.mapped_bytes, s1.mapped_bytes);
-    CHECKF(gc_calls == 0, "gc ran %zu times for a request no collection can make fit", gc_calls);
+    check_refused(pool, 2 * CAPACITY, "twice the device", 0); /* the 16 GiB */
     struct msh_pool_oom o;
     msh_pool_last_oom(pool, &o);
     CHECKF(o.kind == MSH_OOM_DEVICE && o.steps == 0 && o.requested == 2 * CAPACITY && o.device_total == CAPACITY,
@@ -192,17 +189,9 @@ TEST(a_request_larger_than_the_limit_is_refused_before_any_driver_work_spill_or_
         uint64_t keep = 0, a = 0;
         warm(pool, 64 * MiB, 128 * MiB, &keep);
         msh_pool_mark_step(pool); /* the 64 MiB are cold: spill could move them */
-        gc_calls = 0;
-        struct drv d;
-        drv_begin(&d);
         /* A new block lands on device pages only (spill moves cold blocks, never the new one), so
          * no request above the limit can be served, spill or not. */
-        int rc = msh_pool_alloc(pool, GiB + PAGE, MSH_STREAM_COMPLETED, &a);
-        drv_end(&d);
-        drv_print(spill ? "limit + 1 page, spill on" : "limit + 1 page", GiB + PAGE, rc, &d);
-        CHECK(rc == ENOMEM);
-        CHECKF(d.creates == 0 && d.maps == 0 && d.unmaps == 0 && d.releases == 0, "driver work for an impossible request");
-        CHECK(d.rise == 0 && gc_calls == 0);
+        check_refused(pool, GiB + PAGE, spill ? "limit + 1 page, spill on" : "limit + 1 page", 0);
         struct msh_pool_stats st;
         msh_pool_get_stats(pool, &st);
         CHECK(st.spill_out_pages == 0);
@@ -229,25 +218,9 @@ TEST(free_plus_4g_is_refused_without_taking_the_device_or_the_cache)
     REQUIRE(cuMemAlloc(&other, 2 * GiB) == CUDA_SUCCESS); /* another process's memory */
     struct msh_pool *pool = pool_new(0, false);
     REQUIRE(pool);
-    uint64_t keep = 0, a = 0;
+    uint64_t keep = 0;
     warm(pool, GiB, 512 * MiB, &keep);
-    struct msh_pool_stats s0, s1;
-    msh_pool_get_stats(pool, &s0);
-    size_t req = device_free() + 4 * GiB;
-    gc_calls = 0;
-    struct drv d;
-    drv_begin(&d);
-    int rc = msh_pool_alloc(pool, req, MSH_STREAM_COMPLETED, &a);
-    drv_end(&d);
-    drv_print("free + 4 GiB", req, rc, &d);
-    msh_pool_get_stats(pool, &s1);
-    CHECK(rc == ENOMEM);
-    CHECKF(d.creates == 0 && d.maps == 0 && d.unmaps == 0 && d.releases == 0, "driver work for a request that cannot fit");
-    CHECKF(d.rise == 0, "the device's charge rose by %zu MiB while refusing", d.rise / MiB);
-    CHECKF(s1.released_pages == s0.released_pages && s1.mapped_bytes == s0.mapped_bytes,
-           "the job's cache was released for a request that still would not fit (%zu -> %zu bytes held)",
-           s0.mapped_bytes, s1.mapped_bytes);
-    CHECKF(gc_calls == 0, "gc ran %zu times", gc_calls);
+    check_refused(pool, device_free() + 4 * GiB, "free + 4 GiB", 0);
     struct msh_pool_oom o;
     msh_pool_last_oom(pool, &o);
     CHECKF(o.kind == MSH_OOM_DEVICE && o.steps == 0, "case %s, steps %#x", msh_oom_case_name(o.kind), o.steps);
@@ -269,30 +242,13 @@ TEST(a_request_that_does_not_fit_now_is_refused_without_taking_the_device_or_the
     for (int gc_helps = 0; gc_helps < 2; gc_helps++) {
         struct msh_pool *pool = pool_new(0, false);
         REQUIRE(pool);
-        uint64_t keep = 0, a = 0;
+        uint64_t keep = 0;
         warm(pool, GiB, 512 * MiB, &keep);
-        struct msh_pool_stats s0, s1;
-        msh_pool_get_stats(pool, &s0);
         size_t fr = device_free(), held = msh_pool_mapped_bytes(pool);
         /* beyond free + held (gc cannot help), or between free + cached and free + held */
         size_t req = gc_helps ? fr + held - 128 * MiB : fr + held + 256 * MiB;
         REQUIRE(req < CAPACITY);
-        gc_calls = 0;
-        struct drv d;
-        drv_begin(&d);
-        int rc = msh_pool_alloc(pool, req, MSH_STREAM_COMPLETED, &a);
-        drv_end(&d);
-        drv_print(gc_helps ? "under free + held, over free + cached" : "over free + held", req, rc, &d);
-        msh_pool_get_stats(pool, &s1);
-        CHECK(rc == ENOMEM);
-        CHECKF(d.creates == 0 && d.maps == 0 && d.unmaps == 0 && d.releases == 0,
-               "driver work for a request that cannot fit: create %ld map %ld unmap %ld release %ld", d.creates, d.maps,
-               d.unmaps, d.releases);
-        CHECKF(d.rise == 0, "the device's charge rose by %zu MiB while refusing", d.rise / MiB);
-        CHECKF(s1.released_pages == s0.released_pages && s1.mapped_bytes == s0.mapped_bytes,
-               "the job's cache was released for a request that still would not fit (%zu -> %zu bytes held)",
-               s0.mapped_bytes, s1.mapped_bytes);
-        CHECKF(gc_calls == (size_t)gc_helps, "gc ran %zu times", gc_calls);
+        check_refused(pool, req, gc_helps ? "under free + held, over free + cached" : "over free + held", (size_t)gc_helps);
         struct msh_pool_oom o;
         msh_pool_last_oom(pool, &o);
         CHECKF(o.kind == MSH_OOM_NOW, "case %s", msh_oom_case_name(o.kind));
@@ -310,55 +266,48 @@ TEST(a_request_that_does_not_fit_now_is_refused_without_taking_the_device_or_the
     cuMemFree(other);
 }
 
+/* Another allocator holds `other` bytes; the pool holds `live` live and `cached` cached; a request
+ * of the device's free memory + `over` (negative: less) is served, and the device's charge rises
+ * by no more than the request. */
+static void served_beside_another(size_t other_bytes, size_t live, size_t cached, long long over, const char *what)
+{
+    CUdeviceptr other = 0;
+    REQUIRE(cuMemAlloc(&other, other_bytes) == CUDA_SUCCESS);
+    struct msh_pool *pool = pool_new(0, false);
+    REQUIRE(pool);
+    uint64_t keep = 0, a = 0;
+    if (live) warm(pool, live, cached, &keep);
+    size_t req = (size_t)((long long)device_free() + over);
+    struct drv d;
+    drv_begin(&d);
+    int rc = msh_pool_alloc(pool, req, MSH_STREAM_COMPLETED, &a);
+    drv_end(&d);
+    drv_print(what, req, rc, &d);
+    CHECK(rc == 0);
+    CHECKF(d.rise <= req, "the device's charge rose by %zu MiB for a %zu MiB request", d.rise / MiB, req / MiB);
+    CHECK(pool_ok(pool));
+    if (!rc) CHECK(msh_pool_free(pool, a, MSH_STREAM_COMPLETED) == 0);
+    if (keep) CHECK(msh_pool_free(pool, keep, MSH_STREAM_COMPLETED) == 0);
+    msh_pool_destroy(pool);
+    cuMemFree(other);
+}
+
 /* What fits in free memory plus the cache is served, and the device's free memory falls by no more
  * than the request (the cache is reused, not added to). */
 TEST(what_fits_with_the_cache_is_served_and_takes_no_more_than_the_request)
 {
     if (!device_up()) SKIP("the driver double did not start");
-    CUdeviceptr other = 0;
-    REQUIRE(cuMemAlloc(&other, 2 * GiB) == CUDA_SUCCESS);
-    struct msh_pool *pool = pool_new(0, false);
-    REQUIRE(pool);
-    uint64_t keep = 0, a = 0;
-    warm(pool, GiB, 2 * GiB, &keep);
-    size_t req = device_free() + GiB; /* needs half of the cached 2 GiB */
-    struct drv d;
-    drv_begin(&d);
-    int rc = msh_pool_alloc(pool, req, MSH_STREAM_COMPLETED, &a);
-    drv_end(&d);
-    drv_print("free + 1 GiB of a 2 GiB cache", req, rc, &d);
-    CHECK(rc == 0);
-    CHECKF(d.rise <= req, "the device's charge rose by %zu MiB for a %zu MiB request", d.rise / MiB, req / MiB);
-    CHECK(pool_ok(pool));
-    if (!rc) CHECK(msh_pool_free(pool, a, MSH_STREAM_COMPLETED) == 0);
-    CHECK(msh_pool_free(pool, keep, MSH_STREAM_COMPLETED) == 0);
-    msh_pool_destroy(pool);
-    cuMemFree(other);
+    served_beside_another(2 * GiB, GiB, 2 * GiB, (long long)GiB, "free + 1 GiB of a 2 GiB cache");
 }
 
 /* Far from any limit a block at the open end of the line is mapped with the next 20 MiB chunk
  * ahead (docs/pool.md "Handles"). When another allocator leaves the device just the request's room,
- * the request is still served: once the device's room is known, the pool maps pages, not chunks. */
+ * the request is still served: once the device's room is known, the pool maps pages, not chunks.
+ * Free - 2 MiB is 1022 MiB here: its chunk would end at 1040 MiB. */
 TEST(what_fits_in_the_devices_free_memory_is_served_without_the_chunk_ahead)
 {
     if (!device_up()) SKIP("the driver double did not start");
-    CUdeviceptr other = 0;
-    REQUIRE(cuMemAlloc(&other, 7 * GiB) == CUDA_SUCCESS);
-    struct msh_pool *pool = pool_new(0, false);
-    REQUIRE(pool);
-    uint64_t a = 0;
-    size_t req = device_free() - 2 * MiB; /* 1022 MiB: its chunk would end at 1040 MiB */
-    struct drv d;
-    drv_begin(&d);
-    int rc = msh_pool_alloc(pool, req, MSH_STREAM_COMPLETED, &a);
-    drv_end(&d);
-    drv_print("free - 2 MiB beside 7 GiB of another allocator", req, rc, &d);
-    CHECK(rc == 0);
-    CHECKF(d.rise <= req, "the device's charge rose by %zu MiB for a %zu MiB request", d.rise / MiB, req / MiB);
-    CHECK(pool_ok(pool));
-    if (!rc) CHECK(msh_pool_free(pool, a, MSH_STREAM_COMPLETED) == 0);
-    msh_pool_destroy(pool);
-    cuMemFree(other);
+    served_beside_another(7 * GiB, 0, 0, -(long long)(2 * MiB), "free - 2 MiB beside 7 GiB of another allocator");
 }
 
 /* A create the driver refuses for memory ends the job's creates: what it made is given back and
