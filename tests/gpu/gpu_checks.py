@@ -114,7 +114,7 @@ def prepare():
 
 # ---- the run -------------------------------------------------------------------------------------
 
-STEPS = ("machine", "vmm-costs", "glue", "doctor", "demo", "torch", "spill", "gpt", "bench", "report")
+STEPS = ("machine", "vmm-costs", "glue", "doctor", "demo", "torch", "spill", "oom", "gpt", "bench", "report")
 # the step whose result a fact is: a fact of a step not selected (--steps) is not checked
 PROVIDES = {"torch": "machine", "gpu": "machine", "vmm": "vmm-costs", "glue": "glue"}
 

@@ -8,7 +8,7 @@ under memshim in tensor mode with LD_PRELOAD alone, as tests/gpu/test_torch.py r
     torch.OutOfMemoryError and the card's used memory meanwhile (before issue 25, under memshim:
     20 s and the whole card for the first, 10.8 s for the second; natively 28 ms);
   - a hand-written batch-size finder on a small MLP (forward and backward in bf16): doubles the
-    batch until torch.OutOfMemoryError, then bisects to within 1/16; each OOM is followed by
+    batch until torch.OutOfMemoryError, then bisects to within 1/32; each OOM is followed by
     gc.collect() and torch.cuda.empty_cache(), as finders do;
   - accelerate's find_executable_batch_size over the same step, if accelerate imports.
 `nvidia-smi --query-gpu=memory.used -lms 50` samples the card's used memory in a thread all along;
@@ -195,7 +195,7 @@ def worker(mode, dry):
         lo, hi, b = 0, None, start
         while hi is None:
             lo, hi, b = (b, None, b * 2) if fits(b) else (lo, b, b)
-        while hi - lo > max(1, lo // 16):
+        while hi - lo > max(1, lo // 32):
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return {"answer": lo, "probes": probes[:]}
@@ -272,9 +272,10 @@ def main():
         if not r:
             continue
         rise = r.get("exact_rise_bytes", r.get("rise_bytes"))
-        case(f"memshim: {name} refused in {r['seconds'] * 1e3:.1f} ms (native "
-             f"{(nat.get(name) or {}).get('seconds', float('nan')) * 1e3:.1f} ms; before issue 25: {before}), the card "
-             f"rising {0 if rise is None else rise / MiB:.0f} MiB meanwhile",
+        native = (nat.get(name) or {}).get("seconds")
+        case(f"memshim: {name} refused in {r['seconds'] * 1e3:.1f} ms ("
+             + (f"native {native * 1e3:.1f} ms; " if native is not None else "") + f"before issue 25: {before}), the "
+             f"card rising {0 if rise is None else rise / MiB:.0f} MiB meanwhile",
              r["oom"] and r["seconds"] < 1.0 and (rise is None or rise <= GiB) and r.get("creates", 0) == 0, r)
     h = ms.get("hand_finder")
     if h:
