@@ -164,6 +164,7 @@ MSH_EXPORT long memshim_torch_setting(const char *name)
     if (!strcmp(name, "log")) return msh_log_level;
     if (!strcmp(name, "epoch_interval")) return (long)msh_cfg.epoch_interval;
     if (!strcmp(name, "trainer_metrics")) return msh_cfg.trainer_metrics;
+    if (!strcmp(name, "spill")) return msh_cfg.spill;
     return -1;
 }
 
@@ -338,6 +339,26 @@ MSH_EXPORT void memshim_torch_set_memory_fraction(double fraction, int device)
     pthread_mutex_unlock(&tlock);
     msh_info("device %d: PyTorch set the memory fraction to %g: limit %zu bytes%s", device, fraction, lim,
              t->params_done ? "" : " (once the pool starts)");
+}
+
+/* per_process_memory_fraction in PyTorch's allocator settings (PYTORCH_ALLOC_CONF or the older
+ * PYTORCH_CUDA_ALLOC_CONF, read by the Python hook as PyTorch reads them). PyTorch applies it in
+ * its own caching allocator, so in tensor mode memshim does: every device's limit becomes fraction
+ * x its memory, as set_per_process_memory_fraction(fraction, device) would make it; a device whose
+ * fraction the program already set keeps it, and a later call overrides this one. 0, or EINVAL
+ * (nothing changed) outside (0, 1]. */
+MSH_EXPORT int memshim_torch_conf_memory_fraction(double fraction)
+{
+    if (!(fraction > 0.0 && fraction <= 1.0)) return EINVAL;
+    pthread_mutex_lock(&tlock);
+    for (int d = 0; d < MSH_MAX_DEVICES; d++) {
+        struct tdev *t = &tdevs[d];
+        if (t->fraction > 0) continue;
+        t->fraction = fraction;
+        if (t->params_done) __atomic_store_n(&shares[d].limit_bytes, limit_for(t), __ATOMIC_RELAXED);
+    }
+    pthread_mutex_unlock(&tlock);
+    return 0;
 }
 
 MSH_EXPORT double memshim_torch_get_memory_fraction(int device)
@@ -692,6 +713,9 @@ static CUresult (*exchange_capture_mode)(CUstreamCaptureMode *);
 static void capq_resolve(void)
 {
     if (msh_cuda_load() || !msh_cu.handle) return;
+    MSH_ABI_ASSERT(is_capturing, PFN_cuStreamIsCapturing_v10000, "cuStreamIsCapturing");
+    MSH_ABI_ASSERT(exchange_capture_mode, PFN_cuThreadExchangeStreamCaptureMode_v10010,
+                   "cuThreadExchangeStreamCaptureMode");
     *(void **)&is_capturing = dlsym(msh_cu.handle, "cuStreamIsCapturing");
     *(void **)&exchange_capture_mode = dlsym(msh_cu.handle, "cuThreadExchangeStreamCaptureMode");
 }

@@ -134,6 +134,9 @@ ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=0.5 EXPECT_TOTAL_MIB=1024)
 run_prog meminfo_limit_fraction meminfo_limit
 ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=100G EXPECT_TOTAL_MIB=2048)
 run_prog meminfo_limit_above_device meminfo_limit
+# issue 25: with no MEMSHIM_LIMIT, a memory fraction alone caps what cudaMemGetInfo reports
+ENV_EXTRA=(CUDBL_CAPACITY=2G)
+run_prog meminfo_fraction_only meminfo_limit
 
 # ---- found by review: the GC step's own frees, and cuMemFree of another device's block ----------
 ENV_EXTRA=(MEMSHIM_LIMIT=8M MEMSHIM_LOG=error)
