@@ -816,9 +816,13 @@ def num(v, fmt="{:.0f}"):
 
 # The order in which rows are worth the budget: the GPT loop's native vs memshim throughput, then
 # the varlen LM (throughput, cheap, then its frontier), then everything else.
-PLAN = ("gpt-small", "varlen-lm", "gpt2-small", "vit", "hf-gpt2")
-# What a workload needs on an H200 at least (start, throughput, frontiers), to be started at all.
-NEEDS_S = {"gpt-small": 25, "varlen-lm": 45, "gpt2-small": 45, "vit": 40, "hf-gpt2": 60}
+PLAN = ("gpt-small", "varlen-lm", "gpt2-small", "vit", "hf-gpt2")  # the rows' order
+# The order the work is done in, and what each part needs on an H200 at least (load, windows,
+# frontiers) to be begun at all: the GPT loop's throughput (native vs memshim first in each
+# round), the varlen LM's throughput and frontier, the GPT loop's frontier, then the rest.
+PHASES = (("gpt-small", ("throughput",), 20), ("varlen-lm", ("throughput", "frontier"), 45),
+          ("gpt-small", ("frontier",), 15), ("gpt2-small", ("throughput", "frontier"), 45),
+          ("vit", ("throughput", "frontier"), 40), ("hf-gpt2", ("throughput", "frontier"), 60))
 
 
 def bench(out, budget, dry, only=None):
@@ -844,24 +848,27 @@ def bench(out, budget, dry, only=None):
     res["rows"] = list(rows.values())
     procs = {}
     try:
-        for name in PLAN:
+        for name, parts, need in PHASES:
             wrows = {a: rows[name, a] for a in ALLOCATORS}
             if only and name not in only:
                 for r in wrows.values():
                     r["skipped"] = "not selected (--only)"
                 continue
-            if B.left() < NEEDS_S[name] * (0 if dry else 1) or B.left() < 10:
+            if B.left() < need * (0 if dry else 1) or B.left() < 10:
+                why = (f"the budget ({budget:.0f} s) ran out: {max(0, B.left()):.0f} s left, "
+                       f"{' and '.join(parts)} needs ~{need} s")
                 for r in wrows.values():
-                    r["skipped"] = (f"the budget ({budget:.0f} s) ran out: {max(0, B.left()):.0f} s left, this "
-                                    f"workload needs ~{NEEDS_S[name]} s")
+                    if "throughput" in parts:
+                        r.setdefault("skipped", why)
+                    r["frontier"].setdefault("skipped", why)
                 continue
             t0 = time.time()
             try:
-                bench_workload(B, procs, name, wrows)
+                bench_workload(B, procs, name, wrows, parts)
             except Exception as e:  # noqa: BLE001 - the file is written whatever happens; the row says why
                 for r in wrows.values():
                     r.setdefault("error", f"bench: {type(e).__name__}: {e}")
-            print(f"bench: {name}: {time.time() - t0:.1f} s; " + "; ".join(
+            print(f"bench: {name} ({', '.join(parts)}): {time.time() - t0:.1f} s; " + "; ".join(
                 f"{a} {num(wrows[a]['tokens_per_s'])} tok/s, largest {wrows[a]['frontier'].get('largest')}"
                 for a in ALLOCATORS), flush=True)
     finally:
@@ -874,9 +881,10 @@ def bench(out, budget, dry, only=None):
     return res
 
 
-def bench_workload(B, procs, name, wrows):
-    """One workload under every allocator: (re)start the workers that are not alive, load it,
-    throughput rounds, then each allocator's frontier (native and memshim first)."""
+def bench_workload(B, procs, name, wrows, parts=("throughput", "frontier")):
+    """One workload under every allocator: (re)start the workers that are not alive, load it, then
+    its parts: throughput rounds and STAlloc's figure; each allocator's frontier (native and
+    memshim first)."""
     s = spec_of(name, B.dry)
     dead = [a for a in ALLOCATORS if a not in procs or procs[a].dead]
     for a in dead:
@@ -892,10 +900,33 @@ def bench_workload(B, procs, name, wrows):
         elif r.get("error") or p.dead:
             wrows[a]["error"] = r.get("error") or p.dead
     live = {a: procs[a] for a in ALLOCATORS if not wrows[a].get("skipped") and not wrows[a].get("error")}
+    for a in ALLOCATORS:
+        if a not in live and "frontier" in parts:
+            wrows[a]["frontier"].setdefault("skipped", wrows[a].get("skipped") or wrows[a].get("error"))
     if not live:
         return
+    if "throughput" in parts:
+        throughput_part(B, live, s, wrows)
+    if "frontier" in parts:
+        for a in live:
+            if B.left() < 10:
+                wrows[a]["frontier"]["skipped"] = f"the budget ({B.budget:.0f} s) ran out"
+                continue
+            B.frontier(procs[a], s, wrows[a])
+            if wrows[a]["frontier"].get("error"):
+                wrows[a]["error"] = wrows[a]["frontier"]["error"]
+    for a in live:
+        seen = wrows[a].get("allocator_seen")
+        # on the CPU memshim is loaded but PyTorch never asks it for memory (no CUDA)
+        want = seen if B.dry and a == "memshim" else "cpu (dry run)" if B.dry else a
+        if seen is not None and seen != want and not wrows[a].get("error"):
+            wrows[a]["error"] = f"the worker's allocator is {seen!r}, not {want!r}"
+
+
+def throughput_part(B, live, s, wrows):
+    """Throughput rounds, then one untimed window each for STAlloc's per-step figure."""
     B.throughput(live, s, wrows)
-    for a, p in live.items():  # one untimed window each: STAlloc's per-step figure
+    for a, p in live.items():
         if B.left() < 10:
             break
         r = p.ask({"op": "stepfig", "batch": s["batch"], "steps": s["warm"] + s["steps"]}, 120)
@@ -904,19 +935,6 @@ def bench_workload(B, procs, name, wrows):
         wrows[a]["step_allocated_over_reserved"] = r.get("step_allocated_over_reserved")
         pa, pr = wrows[a].get("peak_allocated"), wrows[a].get("peak_reserved")
         wrows[a]["peak_allocated_over_peak_reserved"] = pa / pr if pa is not None and pr else None
-    for a in live:
-        if B.left() < 10:
-            wrows[a]["frontier"]["skipped"] = f"the budget ({B.budget:.0f} s) ran out"
-            continue
-        B.frontier(procs[a], s, wrows[a])
-        if wrows[a]["frontier"].get("error"):
-            wrows[a]["error"] = wrows[a]["frontier"]["error"]
-    for a in live:
-        seen = wrows[a].get("allocator_seen")
-        # on the CPU memshim is loaded but PyTorch never asks it for memory (no CUDA)
-        want = seen if B.dry and a == "memshim" else "cpu (dry run)" if B.dry else a
-        if seen is not None and seen != want and not wrows[a].get("error"):
-            wrows[a]["error"] = f"the worker's allocator is {seen!r}, not {want!r}"
 
 
 def bench_markdown(res):
