@@ -407,12 +407,11 @@ int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap)
     bool edge_lo = b->addr > page_va(pool, r, p0);
     bool edge_hi = b->addr + b->size < page_va(pool, r, p1) + pool->gran;
     int64_t q0 = (int64_t)p0 + edge_lo, q1 = (int64_t)p1 - edge_hi; /* pages b covers whole */
-    /* Far from any limit (none set, no driver refusal, the device's room not binding this request
-     * (issue 25: cap is finite once it is), under 3/4 of the device), handles save
+    /* Far from any limit (none set, no driver refusal, under 3/4 of the device), handles save
      * driver calls: the pages b covers whole share one, and (relaxed) a handle may span several
      * blocks, a chunk mapped ahead at the open end of the line. Otherwise every page must stay
      * reclaimable: handles b would cover in part are split, and new ones are one page each. */
-    bool far = !limit_now(pool) && !pool->driver_oom && cap == SIZE_MAX &&
+    bool far = !limit_now(pool) && !pool->driver_oom &&
                (pool->held + (p1 - p0 + 1) + pool->chunk_pages) * pool->gran < pool->device_total / 4 * 3;
     bool relaxed = far && pool->chunk_pages > 1;
     /* At the limit, one handle per page (issue 15): a handle goes back to the driver whole, so a

@@ -203,8 +203,9 @@ static int oom_case_fixed(const struct msh_pool *pool, uint64_t rsize)
 }
 
 /* The device had no room for the creates (asked once per request, job_run) or refused one: now
- * that its room is known, the request is placed again within it: pages rather than chunks mapped
- * ahead, cached handles reclaimed rather than new ones created, when that can make it fit. */
+ * that its room is known, the request is placed again within it (cached handles reclaimed rather
+ * than new ones created; no chunk mapped ahead past the room: the failed claim raised the line's
+ * open end), when that can make it fit, cached pages or not. */
 static int try_alloc_all(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64_t stream, uint64_t *addr,
                          struct room *rm, bool *reclaimed, bool *capture_blocked)
 {

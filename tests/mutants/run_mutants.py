@@ -47,6 +47,7 @@ DATA_LIMIT = 6 << 30
 # per-test watchdogs fire long before. Mutants of a file try first the suites meant for it.
 UNIT_FIRST = {
     "test_pool": ("policy/pool/", "policy/dev_sim.c"), "test_stress": ("policy/pool/", "policy/dev_cuda.c"),
+    "test_oom": ("policy/pool/",),
     "test_trace": ("report/trace/",), "test_profiler": ("report/trace/profiler.c", "report/trace/trace.c"),
     "test_models": ("report/replay/models/",), "test_options": ("policy/base/options.c", "policy/base/log.c"),
     "test_double": ("tests/cudadouble/",), "test_drvcost": ("policy/drvcost.c",), "test_torch": ("shim/torch.c",),
