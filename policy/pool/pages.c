@@ -24,10 +24,18 @@ const char *const msh_drv_call_names[MSH_DRV_NKINDS] = {
 #undef MSH_DRV_NAME_
 };
 
-static inline void drv_count(struct msh_pool *pool, enum msh_drv_call k, uint64_t bytes)
+/* maps: the mappings (handles) the call covers; one for every call but an access grant over a
+ * span of several (dev_set_access_span), which the driver pays per mapping (drvcost.h). */
+static inline void drv_count_maps(struct msh_pool *pool, enum msh_drv_call k, uint64_t bytes, uint64_t maps)
 {
     __atomic_fetch_add(&pool->st.drv_calls[k], 1, __ATOMIC_RELAXED);
     if (bytes) __atomic_fetch_add(&pool->st.drv_bytes[k], bytes, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&pool->st.drv_maps[k], maps, __ATOMIC_RELAXED);
+}
+
+static inline void drv_count(struct msh_pool *pool, enum msh_drv_call k, uint64_t bytes)
+{
+    drv_count_maps(pool, k, bytes, 1);
 }
 
 static void peak_raise(size_t *peak, size_t v)
@@ -66,6 +74,13 @@ static int dev_map(struct msh_pool *pool, uint64_t va, size_t size, uint64_t h)
 int dev_set_access(struct msh_pool *pool, uint64_t va, size_t size)
 {
     drv_count(pool, MSH_DRV_SET_ACCESS, size);
+    return pool->dev->ops->set_access(pool->dev, va, size);
+}
+
+/* One grant over a span of `maps` adjacent mappings (CUDA allows it; the cost is per mapping). */
+static int dev_set_access_span(struct msh_pool *pool, uint64_t va, size_t size, uint32_t maps)
+{
+    drv_count_maps(pool, MSH_DRV_SET_ACCESS, size, maps);
     return pool->dev->ops->set_access(pool->dev, va, size);
 }
 
@@ -556,6 +571,17 @@ int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap)
         if (j->runs[i].p0 < j->acc_p0) j->acc_p0 = j->runs[i].p0;
         if (j->runs[i].p0 + j->runs[i].n - 1 > j->acc_p1) j->acc_p1 = j->runs[i].p0 + j->runs[i].n - 1;
     }
+    /* the mappings one grant over the span covers: the runs and the handles mapped between them */
+    j->acc_maps = 0;
+    for (uint32_t p = j->acc_p0; j->nruns && p <= j->acc_p1;) {
+        uint32_t h = pg_head(&r->pages[p]);
+        if (h == NO_PAGE || h + r->pages[h].npages <= p) {
+            p++;
+            continue;
+        }
+        j->acc_maps++;
+        p = h + r->pages[h].npages;
+    }
     return 0;
 fail_touched:
     for (uint32_t p = p0; p <= p1; p++) page_untouch(pool, r, p);
@@ -681,7 +707,8 @@ static void job_run(struct msh_pool *pool, struct job *j)
      * and must be usable when a block takes it later. A run whose access cannot be granted is
      * unmapped and released. */
     if (j->nruns && ok) {
-        int rc = dev_set_access(pool, page_va(pool, j->r, j->acc_p0), (size_t)(j->acc_p1 - j->acc_p0 + 1) * gran);
+        int rc = dev_set_access_span(pool, page_va(pool, j->r, j->acc_p0), (size_t)(j->acc_p1 - j->acc_p0 + 1) * gran,
+                                     j->acc_maps);
         for (uint32_t i = 0; rc && i < j->nruns; i++) run_undo(pool, j, &j->runs[i], rc);
         if (rc) ok = false;
     } else {

@@ -243,8 +243,8 @@ int main(int argc, char **argv)
             qsort(tm.t[k], (size_t)n, sizeof(double), cmp_double);
             double sum = 0;
             for (int i = 0; i < n; i++) sum += tm.t[k][i];
-            double mib = (k == C_SET_ACCESS_8 ? 8 : 1) * size / MiB;
-            double model = tab->per_call_s[table_kind[k]] + tab->per_mib_s[table_kind[k]] * mib;
+            double maps = k == C_SET_ACCESS_8 ? 8 : 1, mib = maps * size / MiB;
+            double model = msh_drvcost_call(tab, (enum msh_drv_call)table_kind[k], mib, maps);
             printf("%s\n  \"%s\": {\"n\": %d, \"p50_us\": %.2f, \"p90_us\": %.2f, \"max_us\": %.2f, \"mean_us\": %.2f, "
                    "\"table_us\": %.2f, \"p50_over_table\": %.3f}",
                    first ? "" : ",", call_names[k], n, 1e6 * tm.t[k][n / 2], 1e6 * tm.t[k][(n * 9) / 10],

@@ -65,6 +65,7 @@ struct msh_policy_stats {
     /* Driver calls by kind (drvcost.h) and the bytes they covered: memshim's pool counts its own;
      * the torch models count what PyTorch's allocator would call (docs/models.md). */
     uint64_t drv_calls[MSH_DRV_NKINDS], drv_bytes[MSH_DRV_NKINDS];
+    uint64_t drv_maps[MSH_DRV_NKINDS];      /* the mappings those calls covered (drvcost.h) */
 };
 
 struct msh_policy;
