@@ -144,7 +144,7 @@ $(DOUBLE_DIR)/libcuda.so.1: tests/cudadouble/cuda_double.c tests/cudadouble/cudb
 	$(CC) $(CFLAGS) -fvisibility=default -shared -Wl,-Bsymbolic -Wl,-soname,libcuda.so.1 -o $@ $< $(LDFLAGS) -lrt $(LIBS)
 	ln -sf libcuda.so.1 $(DOUBLE_DIR)/libcuda.so
 
-$(DOUBLE_DIR)/libcudart.so.13: tests/cudadouble/cudart_double.c
+$(DOUBLE_DIR)/libcudart.so.13: tests/cudadouble/cudart_double.c tests/cudadouble/cudbl.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -fvisibility=default -shared -Wl,-Bsymbolic -Wl,-soname,libcudart.so.13 -o $@ $< $(LDFLAGS) $(LIBS)
 	ln -sf libcudart.so.13 $(DOUBLE_DIR)/libcudart.so

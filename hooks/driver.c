@@ -181,6 +181,8 @@ static void resolve_ptsz(void)
 {
     msh_cuda_load(); /* fills msh_cu.handle even when cuInit fails */
     if (!msh_cu.handle) return;
+    MSH_ABI_ASSERT(real_cuMemAllocAsync_ptsz, PFN_cuMemAllocAsync_v11020_ptsz, "cuMemAllocAsync_ptsz");
+    MSH_ABI_ASSERT(real_cuMemFreeAsync_ptsz, PFN_cuMemFreeAsync_v11020_ptsz, "cuMemFreeAsync_ptsz");
     *(void **)&real_cuMemAllocAsync_ptsz = dlsym(msh_cu.handle, "cuMemAllocAsync_ptsz");
     *(void **)&real_cuMemFreeAsync_ptsz = dlsym(msh_cu.handle, "cuMemFreeAsync_ptsz");
 }
@@ -193,15 +195,20 @@ static void resolve_ptsz(void)
  * this many bytes never needs more new pages than counted. O(1): counters only. */
 void msh_hooks_adjust_meminfo(int device, size_t *free_b, size_t *total_b)
 {
-    uint64_t limit = msh_cfg.limit_bytes;
-    if (!limit && msh_cfg.limit_fraction > 0)
-        limit = (uint64_t)(msh_cfg.limit_fraction * (double)*total_b);
-    if (!limit || device < 0) return;
+    if (device < 0) return;
     /* the limit is only enforced where a pool serves (msh_core_pool_get never creates one) */
     struct msh_pool *pool = msh_core_pool_get(device);
     if (!pool) return;
     struct msh_pool_counters c;
     msh_pool_counters(pool, &c);
+    /* MEMSHIM_LIMIT, or the smaller limit the pool enforces: set_per_process_memory_fraction, or
+     * per_process_memory_fraction in PyTorch's allocator settings (shim/torch.c). A job that sizes
+     * its buffers from free memory must see the cap it runs under, not the card. */
+    uint64_t limit = msh_cfg.limit_bytes;
+    if (!limit && msh_cfg.limit_fraction > 0)
+        limit = (uint64_t)(msh_cfg.limit_fraction * (double)*total_b);
+    if (c.limit && (!limit || c.limit < limit)) limit = c.limit;
+    if (!limit) return;
     size_t total = limit < *total_b ? (size_t)limit : *total_b;
     size_t cap_pages = (c.limit ? c.limit : total) / c.gran;
     size_t creatable = cap_pages > c.handles ? cap_pages - c.handles : 0;
@@ -690,24 +697,29 @@ EXPORT_ALIAS(cuStreamEndCapture_ptsz, CUresult, (CUstream, CUgraph *))
 #undef cuStreamDestroy
 MSH_EXPORT CUresult cuStreamDestroy(CUstream) __attribute__((alias("hk_cuStreamDestroy_v2")));
 
-void *const msh_hk_cuMemAlloc_v2 = (void *)hk_cuMemAlloc_v2;
-void *const msh_hk_cuMemFree_v2 = (void *)hk_cuMemFree_v2;
-void *const msh_hk_cuMemGetInfo_v2 = (void *)hk_cuMemGetInfo_v2;
-void *const msh_hk_cuMemAllocAsync = (void *)hk_cuMemAllocAsync;
-void *const msh_hk_cuMemFreeAsync = (void *)hk_cuMemFreeAsync;
-void *const msh_hk_cuMemAllocAsync_ptsz = (void *)hk_cuMemAllocAsync_ptsz;
-void *const msh_hk_cuMemFreeAsync_ptsz = (void *)hk_cuMemFreeAsync_ptsz;
-void *const msh_hk_cuMemCreate = (void *)hk_cuMemCreate;
-void *const msh_hk_cuMemRelease = (void *)hk_cuMemRelease;
-void *const msh_hk_cuMemMap = (void *)hk_cuMemMap;
-void *const msh_hk_cuMemUnmap = (void *)hk_cuMemUnmap;
-void *const msh_hk_cuStreamDestroy_v2 = (void *)hk_cuStreamDestroy_v2;
-void *const msh_hk_cuMemGetAddressRange_v2 = (void *)hk_cuMemGetAddressRange_v2;
-void *const msh_hk_cuPointerGetAttribute = (void *)hk_cuPointerGetAttribute;
-void *const msh_hk_cuPointerGetAttributes = (void *)hk_cuPointerGetAttributes;
-void *const msh_hk_cuIpcGetMemHandle = (void *)hk_cuIpcGetMemHandle;
-void *const msh_hk_cuCtxEnablePeerAccess = (void *)hk_cuCtxEnablePeerAccess;
-void *const msh_hk_cuStreamBeginCapture_v2 = (void *)hk_cuStreamBeginCapture_v2;
-void *const msh_hk_cuStreamBeginCapture_v2_ptsz = (void *)hk_cuStreamBeginCapture_v2_ptsz;
-void *const msh_hk_cuStreamEndCapture = (void *)hk_cuStreamEndCapture;
-void *const msh_hk_cuStreamEndCapture_ptsz = (void *)hk_cuStreamEndCapture_ptsz;
+/* The hooks' internal addresses for hooks/entry.c, each checked against cudaTypedefs.h's type of the
+ * driver ABI it stands in for (the one its exported name is). */
+#define HOOK_ADDR(name, pfn)                                                                    \
+    MSH_ABI_ASSERT(&hk_##name, pfn, "hk_" #name);                                               \
+    void *const msh_hk_##name = (void *)hk_##name;
+HOOK_ADDR(cuMemAlloc_v2, PFN_cuMemAlloc_v3020)
+HOOK_ADDR(cuMemFree_v2, PFN_cuMemFree_v3020)
+HOOK_ADDR(cuMemGetInfo_v2, PFN_cuMemGetInfo_v3020)
+HOOK_ADDR(cuMemAllocAsync, PFN_cuMemAllocAsync_v11020)
+HOOK_ADDR(cuMemFreeAsync, PFN_cuMemFreeAsync_v11020)
+HOOK_ADDR(cuMemAllocAsync_ptsz, PFN_cuMemAllocAsync_v11020_ptsz)
+HOOK_ADDR(cuMemFreeAsync_ptsz, PFN_cuMemFreeAsync_v11020_ptsz)
+HOOK_ADDR(cuMemCreate, PFN_cuMemCreate_v10020)
+HOOK_ADDR(cuMemRelease, PFN_cuMemRelease_v10020)
+HOOK_ADDR(cuMemMap, PFN_cuMemMap_v10020)
+HOOK_ADDR(cuMemUnmap, PFN_cuMemUnmap_v10020)
+HOOK_ADDR(cuStreamDestroy_v2, PFN_cuStreamDestroy_v4000)
+HOOK_ADDR(cuMemGetAddressRange_v2, PFN_cuMemGetAddressRange_v3020)
+HOOK_ADDR(cuPointerGetAttribute, PFN_cuPointerGetAttribute_v4000)
+HOOK_ADDR(cuPointerGetAttributes, PFN_cuPointerGetAttributes_v7000)
+HOOK_ADDR(cuIpcGetMemHandle, PFN_cuIpcGetMemHandle_v4010)
+HOOK_ADDR(cuCtxEnablePeerAccess, PFN_cuCtxEnablePeerAccess_v4000)
+HOOK_ADDR(cuStreamBeginCapture_v2, PFN_cuStreamBeginCapture_v10010)
+HOOK_ADDR(cuStreamBeginCapture_v2_ptsz, PFN_cuStreamBeginCapture_v10010_ptsz)
+HOOK_ADDR(cuStreamEndCapture, PFN_cuStreamEndCapture_v10000)
+HOOK_ADDR(cuStreamEndCapture_ptsz, PFN_cuStreamEndCapture_v10000_ptsz)

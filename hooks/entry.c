@@ -99,46 +99,48 @@ static void build_subst(void)
     int ver = 0;
     if (!lookup || !msh_cu.cuDriverGetVersion || msh_cu.cuDriverGetVersion(&ver) != CUDA_SUCCESS)
         return;
-    static const struct { const char *name; int min_ver; cuuint64_t flags; int which; } q[] = {
-        {"cuMemAlloc", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 0},
-        {"cuMemFree", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 1},
-        {"cuMemGetInfo", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 2},
-        {"cuMemAllocAsync", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 3},
-        {"cuMemFreeAsync", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 4},
-        {"cuMemAllocAsync", 0, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, 5},
-        {"cuMemFreeAsync", 0, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, 6},
-        {"cuMemCreate", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 7},
-        {"cuMemRelease", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 8},
-        {"cuMemMap", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 9},
-        {"cuMemUnmap", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 10},
-        {"cuGetProcAddress", 12000, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 11},
-        {"cuStreamDestroy", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 12},
-        {"cuMemGetAddressRange", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 13},
-        {"cuPointerGetAttribute", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 14},
-        {"cuPointerGetAttributes", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 15},
-        {"cuIpcGetMemHandle", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 16},
-        {"cuCtxEnablePeerAccess", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 17},
-        {"cuStreamBeginCapture", 10010, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 18},
-        {"cuStreamBeginCapture", 10010, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, 19},
-        {"cuStreamEndCapture", 0, CU_GET_PROC_ADDRESS_LEGACY_STREAM, 20},
-        {"cuStreamEndCapture", 0, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, 21},
-    };
-    void *const hooks[] = {
-        msh_hk_cuMemAlloc_v2, msh_hk_cuMemFree_v2, msh_hk_cuMemGetInfo_v2,
-        msh_hk_cuMemAllocAsync, msh_hk_cuMemFreeAsync, msh_hk_cuMemAllocAsync_ptsz,
-        msh_hk_cuMemFreeAsync_ptsz, msh_hk_cuMemCreate, msh_hk_cuMemRelease, msh_hk_cuMemMap,
-        msh_hk_cuMemUnmap, hk_v2, msh_hk_cuStreamDestroy_v2, msh_hk_cuMemGetAddressRange_v2,
-        msh_hk_cuPointerGetAttribute, msh_hk_cuPointerGetAttributes, msh_hk_cuIpcGetMemHandle,
-        msh_hk_cuCtxEnablePeerAccess, msh_hk_cuStreamBeginCapture_v2, msh_hk_cuStreamBeginCapture_v2_ptsz,
-        msh_hk_cuStreamEndCapture, msh_hk_cuStreamEndCapture_ptsz,
+    /* Each hook with the ABI it stands in for (hooks/driver.c checks each hook's type against
+     * cudaTypedefs.h's for that ABI): the name asked for at that ABI's version returns exactly that
+     * function. Asking at the driver's own version would, once a driver adds a newer ABI under the
+     * same name (as CUDA 13.0 did for cuCtxGetDevice and cuCtxSynchronize), map the new function's
+     * address to a hook with the old signature. A driver older than the version may answer with an
+     * older ABI: skipped. */
+    MSH_ABI_ASSERT(&hk_cuGetProcAddress_v2, PFN_cuGetProcAddress_v12000, "hk_cuGetProcAddress_v2");
+    MSH_ABI_ASSERT(&hk_cuGetProcAddress, PFN_cuGetProcAddress_v11030, "hk_cuGetProcAddress");
+    const cuuint64_t legacy = CU_GET_PROC_ADDRESS_LEGACY_STREAM,
+                     per_thread = CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
+    const struct { const char *name; int version; cuuint64_t flags; void *hook; } q[] = {
+        {"cuMemAlloc", 3020, legacy, msh_hk_cuMemAlloc_v2},
+        {"cuMemFree", 3020, legacy, msh_hk_cuMemFree_v2},
+        {"cuMemGetInfo", 3020, legacy, msh_hk_cuMemGetInfo_v2},
+        {"cuMemAllocAsync", 11020, legacy, msh_hk_cuMemAllocAsync},
+        {"cuMemFreeAsync", 11020, legacy, msh_hk_cuMemFreeAsync},
+        {"cuMemAllocAsync", 11020, per_thread, msh_hk_cuMemAllocAsync_ptsz},
+        {"cuMemFreeAsync", 11020, per_thread, msh_hk_cuMemFreeAsync_ptsz},
+        {"cuMemCreate", 10020, legacy, msh_hk_cuMemCreate},
+        {"cuMemRelease", 10020, legacy, msh_hk_cuMemRelease},
+        {"cuMemMap", 10020, legacy, msh_hk_cuMemMap},
+        {"cuMemUnmap", 10020, legacy, msh_hk_cuMemUnmap},
+        {"cuGetProcAddress", 12000, legacy, hk_v2},
+        {"cuGetProcAddress", 11030, legacy, hk_v1},
+        {"cuStreamDestroy", 4000, legacy, msh_hk_cuStreamDestroy_v2},
+        {"cuMemGetAddressRange", 3020, legacy, msh_hk_cuMemGetAddressRange_v2},
+        {"cuPointerGetAttribute", 4000, legacy, msh_hk_cuPointerGetAttribute},
+        {"cuPointerGetAttributes", 7000, legacy, msh_hk_cuPointerGetAttributes},
+        {"cuIpcGetMemHandle", 4010, legacy, msh_hk_cuIpcGetMemHandle},
+        {"cuCtxEnablePeerAccess", 4000, legacy, msh_hk_cuCtxEnablePeerAccess},
+        {"cuStreamBeginCapture", 10010, legacy, msh_hk_cuStreamBeginCapture_v2},
+        {"cuStreamBeginCapture", 10010, per_thread, msh_hk_cuStreamBeginCapture_v2_ptsz},
+        {"cuStreamEndCapture", 10000, legacy, msh_hk_cuStreamEndCapture},
+        {"cuStreamEndCapture", 10000, per_thread, msh_hk_cuStreamEndCapture_ptsz},
     };
     for (size_t i = 0; i < sizeof q / sizeof q[0]; i++) {
-        if (ver < q[i].min_ver) continue;
+        if (ver < q[i].version) continue;
         void *p = NULL;
         CUdriverProcAddressQueryResult st;
-        if (lookup(q[i].name, &p, ver, q[i].flags, &st) == CUDA_SUCCESS &&
+        if (lookup(q[i].name, &p, q[i].version, q[i].flags, &st) == CUDA_SUCCESS &&
             st == CU_GET_PROC_ADDRESS_SUCCESS)
-            subst_add(p, hooks[q[i].which]);
+            subst_add(p, q[i].hook);
     }
     msh_debug("entry-point substitution: %d driver addresses map to memshim hooks", nsubst);
 }

@@ -42,9 +42,10 @@ MSH_HIDDEN void msh_ext_track(int table, uint64_t key, size_t size, int device, 
 MSH_HIDDEN bool msh_ext_untrack(int table, uint64_t key, size_t *size, int *device, int *kind);
 extern MSH_HIDDEN _Atomic uint64_t msh_ext_dropped;
 
-/* What cudaMemGetInfo/cuMemGetInfo_v2 report under MEMSHIM_LIMIT (docs/interposition.md): when
- * a limit is set and `device` has a pool, total = min(limit, real total) and free = the bytes of
- * whole pages one allocation can still get (O(1), from the pool's counters). */
+/* What cudaMemGetInfo/cuMemGetInfo_v2 report under a limit (docs/interposition.md): when
+ * MEMSHIM_LIMIT or a memory fraction (set_per_process_memory_fraction, per_process_memory_fraction
+ * in PyTorch's allocator settings) limits `device`'s pool, total = min(limit, real total) and free
+ * = the bytes of whole pages one allocation can still get (O(1), from the pool's counters). */
 MSH_HIDDEN void msh_hooks_adjust_meminfo(int device, size_t *free_b, size_t *total_b);
 
 /* ---- pool memory beyond allocation (hooks/driver.c; issue 8) --------------------------------- */

@@ -143,6 +143,10 @@ struct msh_pool_stats {
     uint64_t spill_out_pages, spill_in_pages, spill_out_bytes, spill_in_bytes;
     uint64_t spill_ns;
     uint64_t rescue_spill, spill_refused;
+    /* The reserved (handles the driver holds) and live bytes at the first allocation that saw the
+     * epoch's highest reserved figure, since the last reset_peaks: reserved minus allocated at the
+     * reserved peak (fragmentation.reserved_minus_allocated_at_peak_bytes). */
+    size_t at_peak_mapped_bytes, at_peak_live_bytes;
 };
 
 /* Why the last request failed (filled on every failure, read by the report). */
@@ -160,7 +164,23 @@ struct msh_pool_oom {
      * gave no more host memory; "no host memory through VMM": the driver has none) */
     size_t spilled_bytes;
     const char *spill_stop;
+    /* Which case it was (issue 25, docs/pool.md "Pressure and the OOM rescue chain"): the request
+     * alone is larger than the device or than the limit (refused before any driver work: no step
+     * can change that), or it does not fit now (device_free, cached_bytes, live_bytes and
+     * largest_free say why). steps: the rescue steps that ran (each only when the pool's figures
+     * said it could make the request fit). */
+    int kind;                     /* enum msh_oom_case */
+    size_t cached_bytes;          /* mapped pages no live block touches */
+    unsigned steps;               /* MSH_OOM_STEP_* */
 };
+enum msh_oom_case { MSH_OOM_NOW = 0, MSH_OOM_DEVICE, MSH_OOM_LIMIT };
+#define MSH_OOM_STEP_GC 1u          /* the GC callback (gc.collect() in a Python job) */
+#define MSH_OOM_STEP_EMPTY_CACHE 2u /* cached handles given back to the driver */
+#define MSH_OOM_STEP_SPILL 4u       /* cold pages moved to host memory (MEMSHIM_SPILL=host) */
+/* "larger_than_device", "larger_than_limit", "does_not_fit_now" (the reports' last_oom.case), and
+ * the same in words for messages. */
+const char *msh_oom_case_name(int kind);
+const char *msh_oom_case_text(int kind);
 
 /* GC callback: may free blocks (through msh_pool_free from the same thread); returns bytes it
  * believes it released. Called without the pool lock held. */
@@ -208,6 +228,10 @@ size_t msh_pool_mapped_bytes(struct msh_pool *pool);
 void msh_pool_get_stats(struct msh_pool *pool, struct msh_pool_stats *out);
 /* Reset the peak counters to the current values (called at each epoch boundary). */
 void msh_pool_reset_peaks(struct msh_pool *pool);
+/* The peak live and peak reserved bytes since the last call (or reset_peaks), then both restart
+ * at the current values: one optimizer step's peaks when called at each step mark (the reports'
+ * fragmentation.step_allocated_over_reserved). */
+void msh_pool_take_step_peaks(struct msh_pool *pool, size_t *live, size_t *reserved);
 void msh_pool_last_oom(struct msh_pool *pool, struct msh_pool_oom *out);
 /* Walk live blocks (for reports and tests), without the lock released between calls. */
 void msh_pool_for_each_live(struct msh_pool *pool,

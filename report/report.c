@@ -401,6 +401,19 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_d(frag, "free_extent_fragmentation", f_extent);
     set_d(frag, "peak_allocated_over_peak_reserved",
           st->peak_mapped_bytes ? (double)st->peak_live_bytes / (double)st->peak_mapped_bytes : 1.0);
+    if (d->step_ratio.steps) { /* STAlloc's figure (docs/reports.md) */
+        json_t *sr = J.object();
+        set_d(sr, "min", d->step_ratio.min);
+        set_d(sr, "median", d->step_ratio.median);
+        set_d(sr, "max", d->step_ratio.max);
+        set_u(sr, "steps", d->step_ratio.steps);
+        J.object_set_new(frag, "step_allocated_over_reserved", sr);
+    } else {
+        J.object_set_new(frag, "step_allocated_over_reserved", J.null());
+    }
+    /* negative only with spill: live blocks whose pages are on the host */
+    set_i(frag, "reserved_minus_allocated_at_peak_bytes",
+          (int64_t)st->at_peak_mapped_bytes - (int64_t)st->at_peak_live_bytes);
     J.object_set_new(root, "fragmentation", frag);
 
     json_t *ops = J.object();
@@ -497,6 +510,8 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
         set_u(diag, "limit_bytes", o->limit_bytes);
         set_u(diag, "largest_free_extent_bytes", o->largest_free);
         set_s(diag, "cause", o->fragmentation ? "fragmentation" : "capacity");
+        set_s(diag, "case", msh_oom_case_name(o->kind));
+        set_u(diag, "cached_bytes", o->cached_bytes);
         json_t *top = J.array();
         for (int i = 0; i < o->ntop; i++) {
             json_t *b = J.object();

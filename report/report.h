@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "pool.h"
+#include "stepfig.h"
 
 #define MSH_REPORT_SCHEMA 2
 
@@ -68,6 +69,9 @@ struct msh_report_device {
     /* segment mode: PyTorch's memory_stats() for the epoch; none in tensor mode */
     struct msh_report_stat torch_stats[MSH_REPORT_TORCH_STATS];
     int ntorch_stats;
+    /* each optimizer step's peak allocated over its peak reserved, over the epoch's steps (the
+     * shim notes one at every memshim_step); steps 0: no step was measured */
+    struct msh_stepfig_summary step_ratio;
 };
 #define MSH_TREND_MAX 64
 

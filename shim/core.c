@@ -59,6 +59,9 @@ static uint64_t trim_base[MSH_MAX_DEVICES][2]; /* pool trim_runs/trim_bytes at t
 static uint64_t trend_live[MSH_MAX_DEVICES][MSH_TREND_MAX]; /* under epoch_lock */
 static int trend_n[MSH_MAX_DEVICES];
 static uint64_t epoch_allocs_base[MSH_MAX_DEVICES]; /* pool allocs when the epoch began (epoch_lock) */
+/* Each optimizer step's peak allocated over its peak reserved in this epoch, per device: made at
+ * the device's first step mark, under epoch_lock (fragmentation.step_allocated_over_reserved). */
+static struct msh_stepfig *step_ratio[MSH_MAX_DEVICES];
 /* The figures of each device's last closed epoch, for the frameworks' loggers (epoch_lock). */
 static struct memshim_epoch_figures last_fig[MSH_MAX_DEVICES];
 static void spill_mark_all(void);
@@ -445,6 +448,7 @@ static void fill_report(struct msh_report *r, const char *kind, const char *reas
             r->empty_cache_bytes += rd->st.trim_bytes - trim_base[d][1];
             msh_pool_last_oom(p, &rd->oom);
             rd->had_oom = rd->st.oom_events > 0;
+            if (step_ratio[d]) msh_stepfig_summarize(step_ratio[d], &rd->step_ratio);
             size_t f = 0, t = 0;
             if (devices[d].ops && devices[d].ops->mem_info(&devices[d], &f, &t) == 0) {
                 rd->device_total = t;
@@ -546,7 +550,8 @@ static void close_epoch(const char *reason, bool may_gc, bool policies, const ch
     spill_mark_all(); /* after the report: the epoch's spill figures are its own */
     for (int d = 0; d < MSH_MAX_DEVICES; d++) {
         struct msh_pool *p = atomic_load(&pools[d]);
-        if (p) msh_pool_reset_peaks(p);
+        if (p) msh_pool_reset_peaks(p); /* the step peaks too: an epoch's steps are its own */
+        if (step_ratio[d]) msh_stepfig_reset(step_ratio[d]);
     }
     msh_sites_epoch_reset();
     epoch_index++;
@@ -944,11 +949,27 @@ MSH_EXPORT int memshim_last_epoch(int device, struct memshim_epoch_figures *out)
     return rc;
 }
 
+/* One optimizer step ended: its peak allocated over its peak reserved, per device (epoch_lock
+ * held). Only the pool's lock is taken: nothing here waits for the device. */
+static void note_step_peaks(void)
+{
+    for (int d = 0; d < MSH_MAX_DEVICES; d++) {
+        struct msh_pool *p = atomic_load(&pools[d]);
+        if (!p) continue;
+        size_t live, reserved;
+        msh_pool_take_step_peaks(p, &live, &reserved);
+        if (!reserved) continue; /* nothing held: no figure */
+        if (!step_ratio[d] && !(step_ratio[d] = calloc(1, sizeof *step_ratio[d]))) continue;
+        msh_stepfig_note(step_ratio[d], (double)live / (double)reserved);
+    }
+}
+
 MSH_EXPORT void memshim_step(void)
 {
     if (!msh_core_init()) return;
     bool close = false;
     pthread_mutex_lock(&epoch_lock);
+    note_step_peaks();
     steps_total++;
     steps_in_epoch++;
     if (msh_cfg.epoch_src == MSH_EPOCH_STEPS && msh_cfg.epoch_steps && steps_in_epoch >= msh_cfg.epoch_steps &&

@@ -116,6 +116,10 @@ void memshim_torch_init(int device_count);
  * and MEMSHIM_LIMIT). get: the fraction in force (1.0 without a limit). */
 void memshim_torch_set_memory_fraction(double fraction, int device);
 double memshim_torch_get_memory_fraction(int device);
+/* per_process_memory_fraction from PyTorch's allocator settings (PYTORCH_ALLOC_CONF,
+ * PYTORCH_CUDA_ALLOC_CONF): the fraction of every device whose fraction is not set yet. 0, or
+ * EINVAL outside (0, 1]. */
+int memshim_torch_conf_memory_fraction(double fraction);
 /* set_base_alloc_fn: the block that contains ptr and its size (ptr itself, *size untouched when
  * memshim did not allocate it). */
 void *memshim_torch_base_alloc(void *ptr, size_t *size);

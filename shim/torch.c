@@ -164,6 +164,7 @@ MSH_EXPORT long memshim_torch_setting(const char *name)
     if (!strcmp(name, "log")) return msh_log_level;
     if (!strcmp(name, "epoch_interval")) return (long)msh_cfg.epoch_interval;
     if (!strcmp(name, "trainer_metrics")) return msh_cfg.trainer_metrics;
+    if (!strcmp(name, "spill")) return msh_cfg.spill;
     return -1;
 }
 
@@ -338,6 +339,26 @@ MSH_EXPORT void memshim_torch_set_memory_fraction(double fraction, int device)
     pthread_mutex_unlock(&tlock);
     msh_info("device %d: PyTorch set the memory fraction to %g: limit %zu bytes%s", device, fraction, lim,
              t->params_done ? "" : " (once the pool starts)");
+}
+
+/* per_process_memory_fraction in PyTorch's allocator settings (PYTORCH_ALLOC_CONF or the older
+ * PYTORCH_CUDA_ALLOC_CONF, read by the Python hook as PyTorch reads them). PyTorch applies it in
+ * its own caching allocator, so in tensor mode memshim does: every device's limit becomes fraction
+ * x its memory, as set_per_process_memory_fraction(fraction, device) would make it; a device whose
+ * fraction the program already set keeps it, and a later call overrides this one. 0, or EINVAL
+ * (nothing changed) outside (0, 1]. */
+MSH_EXPORT int memshim_torch_conf_memory_fraction(double fraction)
+{
+    if (!(fraction > 0.0 && fraction <= 1.0)) return EINVAL;
+    pthread_mutex_lock(&tlock);
+    for (int d = 0; d < MSH_MAX_DEVICES; d++) {
+        struct tdev *t = &tdevs[d];
+        if (t->fraction > 0) continue;
+        t->fraction = fraction;
+        if (t->params_done) __atomic_store_n(&shares[d].limit_bytes, limit_for(t), __ATOMIC_RELAXED);
+    }
+    pthread_mutex_unlock(&tlock);
+    return 0;
 }
 
 MSH_EXPORT double memshim_torch_get_memory_fraction(int device)
@@ -692,6 +713,9 @@ static CUresult (*exchange_capture_mode)(CUstreamCaptureMode *);
 static void capq_resolve(void)
 {
     if (msh_cuda_load() || !msh_cu.handle) return;
+    MSH_ABI_ASSERT(is_capturing, PFN_cuStreamIsCapturing_v10000, "cuStreamIsCapturing");
+    MSH_ABI_ASSERT(exchange_capture_mode, PFN_cuThreadExchangeStreamCaptureMode_v10010,
+                   "cuThreadExchangeStreamCaptureMode");
     *(void **)&is_capturing = dlsym(msh_cu.handle, "cuStreamIsCapturing");
     *(void **)&exchange_capture_mode = dlsym(msh_cu.handle, "cuThreadExchangeStreamCaptureMode");
 }
@@ -1157,8 +1181,9 @@ MSH_EXPORT int memshim_torch_oom_message(int device, size_t size, char *buf, siz
     struct msh_pool_oom o;
     memset(&o, 0, sizeof o);
     if (p) msh_pool_last_oom(p, &o);
-    char req[32], tot[32], fre[32], live[32], resv[32], lim[32], ext[32], torch_live[32];
+    char req[32], tot[32], fre[32], live[32], resv[32], lim[32], ext[32], torch_live[32], cached[32];
     fmt_size(req, sizeof req, size);
+    fmt_size(cached, sizeof cached, o.cached_bytes);
     fmt_size(tot, sizeof tot, o.device_total);
     fmt_size(fre, sizeof fre, o.device_free);
     fmt_size(live, sizeof live, o.live_bytes);
@@ -1168,32 +1193,51 @@ MSH_EXPORT int memshim_torch_oom_message(int device, size_t size, char *buf, siz
     fmt_size(torch_live, sizeof torch_live, dev_ok(device) ? atomic_load(&tdevs[device].req[SP_ALL].cur) : 0);
     const char *gc = msh_cfg.gc == MSH_GC_NEVER ? "no gc.collect() (MEMSHIM_GC=never)"
                      : msh_cfg.gc == MSH_GC_EPOCH ? "no gc.collect() (MEMSHIM_GC=epoch runs it only at epoch ends)"
-                                                  : "gc.collect() where this thread holds the GIL";
-    int n = snprintf(buf, len,
+                     : o.steps & MSH_OOM_STEP_GC  ? "gc.collect() where this thread holds the GIL"
+                                                  : "no gc.collect() (freeing every tensor would not make room)";
+    const char *rel = msh_cfg.empty_cache == MSH_EC_NEVER      ? "no release to the driver (MEMSHIM_EMPTY_CACHE=never)"
+                      : o.steps & MSH_OOM_STEP_EMPTY_CACHE ? "release of cached pages to the driver"
+                                                           : "its cache kept (releasing it would not make room)";
+    /* Issue 25: the case first. A request larger than the device or the limit is refused before
+     * any driver work (no step can change that); one that does not fit now gets the figures. */
+    int n;
+    if (p && o.kind != MSH_OOM_NOW)
+        n = snprintf(buf, len,
                      "CUDA out of memory. Tried to allocate %s. GPU %d has a total capacity of %s of which %s is "
-                     "free. Of the allocated memory %s is allocated by PyTorch. memshim (tensor mode%s): %s; limit %s, "
-                     "live %s, reserved %s, largest free extent %s. memshim tried: reuse of free blocks, new pages "
-                     "up to the limit, %s, %s, %s.",
+                     "free. Of the allocated memory %s is allocated by PyTorch. memshim (tensor mode%s): larger than "
+                     "the %s (%s): no memory could ever hold it, so memshim refused it before any driver work%s.",
                      req, device, tot, fre, torch_live, last_oom_capture ? ", CUDA-graph capture pool" : "",
-                     !p ? "no pool for this device"
-                     : o.fragmentation ? "fragmentation (enough bytes are free, but not in usable pages)"
-                                       : "capacity (the live set does not fit)",
-                     o.limit_bytes ? lim : "none", live, resv, ext,
-                     msh_cfg.defrag ? "reclaim and remap of cached pages" : "no remap (MEMSHIM_DEFRAG=0)", gc,
-                     msh_cfg.empty_cache == MSH_EC_NEVER ? "no release to the driver (MEMSHIM_EMPTY_CACHE=never)"
-                                                         : "release of cached pages to the driver");
+                     o.kind == MSH_OOM_DEVICE ? "device" : "limit", o.kind == MSH_OOM_DEVICE ? tot : lim,
+                     o.kind == MSH_OOM_DEVICE ? ""
+                     : msh_cfg.spill == MSH_SPILL_HOST
+                         ? "; raise MEMSHIM_LIMIT (or set_per_process_memory_fraction), spill cannot help: a new "
+                           "tensor lives in device memory"
+                         : "; raise MEMSHIM_LIMIT (or set_per_process_memory_fraction)");
+    else
+        n = snprintf(buf, len,
+                     "CUDA out of memory. Tried to allocate %s. GPU %d has a total capacity of %s of which %s is "
+                     "free. Of the allocated memory %s is allocated by PyTorch. memshim (tensor mode%s): %s: "
+                     "%s; device free %s, cached by memshim %s, limit %s, live %s, reserved %s, largest free "
+                     "extent %s. memshim tried: reuse of free blocks and cached pages, new pages within the limit "
+                     "and the device's free memory, %s, %s, %s.",
+                     req, device, tot, fre, torch_live, last_oom_capture ? ", CUDA-graph capture pool" : "",
+                     !p ? "no pool for this device" : "does not fit now",
+                     o.fragmentation ? "fragmentation (enough bytes are free, but not in usable pages)"
+                                     : "capacity (the live set does not fit)",
+                     fre, cached, o.limit_bytes ? lim : "none", live, resv, ext,
+                     msh_cfg.defrag ? "reclaim and remap of cached pages" : "no remap (MEMSHIM_DEFRAG=0)", gc, rel);
     if (n < 0) {
         buf[0] = 0;
         return 0;
     }
-    if ((o.capture || msh_capture_any()) && (size_t)n < len) {
+    if (o.kind == MSH_OOM_NOW && (o.capture || msh_capture_any()) && (size_t)n < len) {
         int m = snprintf(buf + n, len - (size_t)n,
                          " A CUDA-graph capture was in progress: memshim does not synchronize, unmap or release "
                          "memory during a capture (that would invalidate it), so cached memory could not be "
                          "reclaimed for this request; allocate what the capture needs before it begins.");
         if (m > 0) n += m;
     }
-    if (p && (size_t)n < len) {
+    if (p && o.kind == MSH_OOM_NOW && (size_t)n < len) { /* spill cannot help the other cases */
         char sp[32], short_by[32];
         fmt_size(sp, sizeof sp, o.spilled_bytes);
         size_t cap = o.limit_bytes ? o.limit_bytes : o.device_total;

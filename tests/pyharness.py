@@ -112,6 +112,17 @@ def skip(name, why):
     step(f"the work after '{name}'")
 
 
+def need_torch_and_glue(what, glue):
+    """Skip `what` and finish unless python3 imports PyTorch and the glue `glue` was built."""
+    import subprocess
+    step("PyTorch present", timeout=120)
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                           text=True)
+    if probe.returncode != 0 or not os.path.exists(glue):
+        skip(what, "needs PyTorch and the glue (bash scripts/setup.sh --with-torch; make)")
+        finish()
+
+
 def summary():
     return f"{results['passed']} passed, {results['failed']} failed, {results['skipped']} skipped"
 

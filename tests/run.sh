@@ -58,11 +58,14 @@ quick|all)
         # issue 19: the folders are floors (hooks -> shim -> report -> policy), files stay small
         run_suite "layers (includes run one way, sizes)" python3 tests/layers/check_layers.py
         run_suite "layers (the check catches a breach)" python3 tests/layers/test_check_layers.py
+        # issue 25: the doubles' lookups have the real driver's signature at every version
+        run_suite "doubles' ABI (cudaTypedefs.h)" env BUILD="$BUILD" python3 tests/cudadouble/test_abi.py
         [ -f tests/preload/run_preload.sh ] && run_suite "preload (LD_PRELOAD + double)" env BUILD="$BUILD" bash tests/preload/run_preload.sh
         run_suite "replay (CLI, traces, targets)" env BUILD="$BUILD" bash tests/replay/run_replay.sh
         run_suite "replay (torch models vs traces)" env BUILD="$BUILD" python3 tests/replay/test_models_traces.py
         run_suite "replay --check (pool invariants)" env BUILD="$BUILD" python3 tests/replay/check_traces.py
         run_suite "reports (figures vs ground truth)" env BUILD="$BUILD" python3 tests/reports/test_report_truth.py
+        run_suite "reports (step figures by hand)" env BUILD="$BUILD" python3 tests/reports/test_step_figures.py
         run_suite "demo (main job, reports)" env BUILD="$BUILD" bash tests/replay/run_demo.sh
         run_suite "promises (every documented promise has a test)" env BUILD="$BUILD" python3 tests/promises/check_promises.py
         run_suite "report tool (memshim-report)" env BUILD="$BUILD" python3 tests/report_tool/test_report_tool.py
@@ -73,7 +76,9 @@ quick|all)
         run_suite "PyTorch snapshots (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_snapshot.py
         run_suite "reliability" env BUILD="$BUILD" bash tests/reliability/run_reliability.sh
         run_suite "pytorch (allocator API; GPU parts)" env BUILD="$BUILD" python3 tests/gpu/test_torch.py
+        run_suite "GPU bench plan (search, budget, rows)" python3 tests/gpu/test_bench_plan.py
         run_suite "pytorch on CPU (hook, tensor mode, epochs)" env BUILD="$BUILD" python3 tests/torch/test_torch_cpu.py
+        run_suite "pytorch allocator settings (PYTORCH_ALLOC_CONF)" env BUILD="$BUILD" python3 tests/torch/test_alloc_conf.py
         run_suite "differential (PyTorch's own rules)" env BUILD="$BUILD" python3 tests/differential/test_differential.py
         run_suite "differential (fallbacks as PyTorch decides)" env BUILD="$BUILD" python3 tests/differential/test_fallbacks.py
         run_suite "differential (snapshot fields as PyTorch's)" env BUILD="$BUILD" python3 tests/differential/test_snapshot_fields.py

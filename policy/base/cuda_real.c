@@ -18,7 +18,14 @@ struct msh_cuda_driver msh_cu;
 static pthread_once_t load_once = PTHREAD_ONCE_INIT;
 static int load_rc = ENODEV;
 
-#define RESOLVE(field, sym) (*(void **)&msh_cu.field = dlsym(msh_cu.handle, sym))
+/* sym: the ABI symbol; pfn: cudaTypedefs.h's type of that ABI (the unversioned symbol is the
+ * first version of a name, _v2 the second, ...: cuCtxGetDevice is PFN_cuCtxGetDevice_v2000, not
+ * the _v13000 that a lookup of "cuCtxGetDevice" at 13000 returns) */
+#define RESOLVE(field, sym, pfn)                                                                \
+    do {                                                                                        \
+        MSH_ABI_ASSERT(msh_cu.field, pfn, "msh_cu." #field " (" sym ")");                       \
+        *(void **)&msh_cu.field = dlsym(msh_cu.handle, sym);                                    \
+    } while (0)
 
 static void load_driver(void)
 {
@@ -29,58 +36,58 @@ static void load_driver(void)
         load_rc = ENODEV;
         return;
     }
-    RESOLVE(cuInit, "cuInit");
-    RESOLVE(cuDriverGetVersion, "cuDriverGetVersion");
-    RESOLVE(cuDeviceGetCount, "cuDeviceGetCount");
-    RESOLVE(cuDeviceGet, "cuDeviceGet");
-    RESOLVE(cuDeviceGetName, "cuDeviceGetName");
-    RESOLVE(cuDeviceTotalMem, "cuDeviceTotalMem_v2");
-    RESOLVE(cuDeviceGetAttribute, "cuDeviceGetAttribute");
-    RESOLVE(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
-    RESOLVE(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
-    RESOLVE(cuCtxGetCurrent, "cuCtxGetCurrent");
-    RESOLVE(cuCtxSetCurrent, "cuCtxSetCurrent");
-    RESOLVE(cuCtxPushCurrent, "cuCtxPushCurrent_v2");
-    RESOLVE(cuCtxPopCurrent, "cuCtxPopCurrent_v2");
-    RESOLVE(cuCtxGetDevice, "cuCtxGetDevice");
-    RESOLVE(cuCtxSynchronize, "cuCtxSynchronize");
-    RESOLVE(cuMemGetInfo, "cuMemGetInfo_v2");
-    RESOLVE(cuMemAlloc, "cuMemAlloc_v2");
-    RESOLVE(cuMemFree, "cuMemFree_v2");
-    RESOLVE(cuMemAllocAsync, "cuMemAllocAsync");
-    RESOLVE(cuMemFreeAsync, "cuMemFreeAsync");
-    RESOLVE(cuMemCreate, "cuMemCreate");
-    RESOLVE(cuMemRelease, "cuMemRelease");
-    RESOLVE(cuMemAddressReserve, "cuMemAddressReserve");
-    RESOLVE(cuMemAddressFree, "cuMemAddressFree");
-    RESOLVE(cuMemMap, "cuMemMap");
-    RESOLVE(cuMemUnmap, "cuMemUnmap");
-    RESOLVE(cuMemSetAccess, "cuMemSetAccess");
-    RESOLVE(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity");
-    RESOLVE(cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle");
-    RESOLVE(cuEventCreate, "cuEventCreate");
-    RESOLVE(cuEventRecord, "cuEventRecord");
-    RESOLVE(cuEventQuery, "cuEventQuery");
-    RESOLVE(cuEventSynchronize, "cuEventSynchronize");
-    RESOLVE(cuEventDestroy, "cuEventDestroy_v2");
-    RESOLVE(cuStreamWaitEvent, "cuStreamWaitEvent");
-    RESOLVE(cuGetProcAddress, "cuGetProcAddress_v2");
-    RESOLVE(cuGetErrorString, "cuGetErrorString");
-    RESOLVE(cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer");
-    RESOLVE(cuStreamDestroy, "cuStreamDestroy_v2");
-    RESOLVE(cuMemGetAddressRange, "cuMemGetAddressRange_v2");
-    RESOLVE(cuPointerGetAttribute, "cuPointerGetAttribute");
-    RESOLVE(cuPointerGetAttributes, "cuPointerGetAttributes");
-    RESOLVE(cuIpcGetMemHandle, "cuIpcGetMemHandle");
-    RESOLVE(cuStreamIsCapturing, "cuStreamIsCapturing");
-    RESOLVE(cuStreamGetCtx, "cuStreamGetCtx");
-    RESOLVE(cuStreamSynchronize, "cuStreamSynchronize");
-    RESOLVE(cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess");
-    RESOLVE(cuStreamBeginCapture, "cuStreamBeginCapture_v2");
-    RESOLVE(cuStreamBeginCapture_ptsz, "cuStreamBeginCapture_v2_ptsz");
-    RESOLVE(cuStreamEndCapture, "cuStreamEndCapture");
-    RESOLVE(cuStreamEndCapture_ptsz, "cuStreamEndCapture_ptsz");
-    RESOLVE(cuMemcpyDtoD, "cuMemcpyDtoD_v2");
+    RESOLVE(cuInit, "cuInit", PFN_cuInit_v2000);
+    RESOLVE(cuDriverGetVersion, "cuDriverGetVersion", PFN_cuDriverGetVersion_v2020);
+    RESOLVE(cuDeviceGetCount, "cuDeviceGetCount", PFN_cuDeviceGetCount_v2000);
+    RESOLVE(cuDeviceGet, "cuDeviceGet", PFN_cuDeviceGet_v2000);
+    RESOLVE(cuDeviceGetName, "cuDeviceGetName", PFN_cuDeviceGetName_v2000);
+    RESOLVE(cuDeviceTotalMem, "cuDeviceTotalMem_v2", PFN_cuDeviceTotalMem_v3020);
+    RESOLVE(cuDeviceGetAttribute, "cuDeviceGetAttribute", PFN_cuDeviceGetAttribute_v2000);
+    RESOLVE(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", PFN_cuDevicePrimaryCtxRetain_v7000);
+    RESOLVE(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", PFN_cuDevicePrimaryCtxRelease_v11000);
+    RESOLVE(cuCtxGetCurrent, "cuCtxGetCurrent", PFN_cuCtxGetCurrent_v4000);
+    RESOLVE(cuCtxSetCurrent, "cuCtxSetCurrent", PFN_cuCtxSetCurrent_v4000);
+    RESOLVE(cuCtxPushCurrent, "cuCtxPushCurrent_v2", PFN_cuCtxPushCurrent_v4000);
+    RESOLVE(cuCtxPopCurrent, "cuCtxPopCurrent_v2", PFN_cuCtxPopCurrent_v4000);
+    RESOLVE(cuCtxGetDevice, "cuCtxGetDevice", PFN_cuCtxGetDevice_v2000);
+    RESOLVE(cuCtxSynchronize, "cuCtxSynchronize", PFN_cuCtxSynchronize_v2000);
+    RESOLVE(cuMemGetInfo, "cuMemGetInfo_v2", PFN_cuMemGetInfo_v3020);
+    RESOLVE(cuMemAlloc, "cuMemAlloc_v2", PFN_cuMemAlloc_v3020);
+    RESOLVE(cuMemFree, "cuMemFree_v2", PFN_cuMemFree_v3020);
+    RESOLVE(cuMemAllocAsync, "cuMemAllocAsync", PFN_cuMemAllocAsync_v11020);
+    RESOLVE(cuMemFreeAsync, "cuMemFreeAsync", PFN_cuMemFreeAsync_v11020);
+    RESOLVE(cuMemCreate, "cuMemCreate", PFN_cuMemCreate_v10020);
+    RESOLVE(cuMemRelease, "cuMemRelease", PFN_cuMemRelease_v10020);
+    RESOLVE(cuMemAddressReserve, "cuMemAddressReserve", PFN_cuMemAddressReserve_v10020);
+    RESOLVE(cuMemAddressFree, "cuMemAddressFree", PFN_cuMemAddressFree_v10020);
+    RESOLVE(cuMemMap, "cuMemMap", PFN_cuMemMap_v10020);
+    RESOLVE(cuMemUnmap, "cuMemUnmap", PFN_cuMemUnmap_v10020);
+    RESOLVE(cuMemSetAccess, "cuMemSetAccess", PFN_cuMemSetAccess_v10020);
+    RESOLVE(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity", PFN_cuMemGetAllocationGranularity_v10020);
+    RESOLVE(cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle", PFN_cuMemRetainAllocationHandle_v11000);
+    RESOLVE(cuEventCreate, "cuEventCreate", PFN_cuEventCreate_v2000);
+    RESOLVE(cuEventRecord, "cuEventRecord", PFN_cuEventRecord_v2000);
+    RESOLVE(cuEventQuery, "cuEventQuery", PFN_cuEventQuery_v2000);
+    RESOLVE(cuEventSynchronize, "cuEventSynchronize", PFN_cuEventSynchronize_v2000);
+    RESOLVE(cuEventDestroy, "cuEventDestroy_v2", PFN_cuEventDestroy_v4000);
+    RESOLVE(cuStreamWaitEvent, "cuStreamWaitEvent", PFN_cuStreamWaitEvent_v3020);
+    RESOLVE(cuGetProcAddress, "cuGetProcAddress_v2", PFN_cuGetProcAddress_v12000);
+    RESOLVE(cuGetErrorString, "cuGetErrorString", PFN_cuGetErrorString_v6000);
+    RESOLVE(cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer", PFN_cuDeviceCanAccessPeer_v4000);
+    RESOLVE(cuStreamDestroy, "cuStreamDestroy_v2", PFN_cuStreamDestroy_v4000);
+    RESOLVE(cuMemGetAddressRange, "cuMemGetAddressRange_v2", PFN_cuMemGetAddressRange_v3020);
+    RESOLVE(cuPointerGetAttribute, "cuPointerGetAttribute", PFN_cuPointerGetAttribute_v4000);
+    RESOLVE(cuPointerGetAttributes, "cuPointerGetAttributes", PFN_cuPointerGetAttributes_v7000);
+    RESOLVE(cuIpcGetMemHandle, "cuIpcGetMemHandle", PFN_cuIpcGetMemHandle_v4010);
+    RESOLVE(cuStreamIsCapturing, "cuStreamIsCapturing", PFN_cuStreamIsCapturing_v10000);
+    RESOLVE(cuStreamGetCtx, "cuStreamGetCtx", PFN_cuStreamGetCtx_v9020);
+    RESOLVE(cuStreamSynchronize, "cuStreamSynchronize", PFN_cuStreamSynchronize_v2000);
+    RESOLVE(cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess", PFN_cuCtxEnablePeerAccess_v4000);
+    RESOLVE(cuStreamBeginCapture, "cuStreamBeginCapture_v2", PFN_cuStreamBeginCapture_v10010);
+    RESOLVE(cuStreamBeginCapture_ptsz, "cuStreamBeginCapture_v2_ptsz", PFN_cuStreamBeginCapture_v10010_ptsz);
+    RESOLVE(cuStreamEndCapture, "cuStreamEndCapture", PFN_cuStreamEndCapture_v10000);
+    RESOLVE(cuStreamEndCapture_ptsz, "cuStreamEndCapture_ptsz", PFN_cuStreamEndCapture_v10000_ptsz);
+    RESOLVE(cuMemcpyDtoD, "cuMemcpyDtoD_v2", PFN_cuMemcpyDtoD_v3020);
 
     if (!msh_cu.cuInit || !msh_cu.cuCtxGetCurrent || !msh_cu.cuMemGetInfo) {
         msh_warn("libcuda.so.1 lacks cuInit/cuCtxGetCurrent/cuMemGetInfo_v2; passing through");

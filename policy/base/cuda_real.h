@@ -4,7 +4,8 @@
  * libmemshim.so must not have libcuda or libcudart as NEEDED (a preloaded library with a missing
  * dependency kills the host with exit 127). The driver is opened with dlopen("libcuda.so.1") and
  * each function is looked up by its versioned ABI name (cuMemAlloc_v2, ...) with a handle-based
- * dlsym, which never returns memshim's own exported hooks. msh_cu is filled once; a function
+ * dlsym, which never returns memshim's own exported hooks; each field has the type of the ABI its
+ * symbol names (checked against cudaTypedefs.h, MSH_ABI_ASSERT). msh_cu is filled once; a function
  * the driver lacks stays NULL and its user falls back. The pool and the hooks call the driver
  * only through this table.
  *
@@ -79,6 +80,26 @@ struct msh_cuda_driver {
 };
 
 extern struct msh_cuda_driver msh_cu;
+
+/* MSH_ABI_ASSERT(fnptr, PFN, what): a build error when `fnptr` (a function pointer memshim calls
+ * or hands out) is not of type PFN, cudaTypedefs.h's type of the ABI it is resolved as
+ * (PFN_<name>_v<version>[_ptsz]). A driver symbol or a lookup at a version stands for one
+ * signature: cuCtxGetDevice is (CUdevice *), what cuGetProcAddress gives for "cuCtxGetDevice" at
+ * 13000 is cuCtxGetDevice_v2 (CUdevice *, CUcontext). Without cudaTypedefs.h (not every header set
+ * has it) nothing is checked; the doubles' build always has it (docs/test-double.md). */
+#if defined(__has_include)
+#if __has_include(<cudaTypedefs.h>)
+#include <cudaTypedefs.h>
+#define MSH_HAVE_CUDA_TYPEDEFS 1
+#endif
+#endif
+#ifdef MSH_HAVE_CUDA_TYPEDEFS
+#define MSH_ABI_ASSERT(fnptr, pfn, what)                                                        \
+    _Static_assert(__builtin_types_compatible_p(__typeof__(fnptr), pfn),                         \
+                   what ": not the signature of cudaTypedefs.h's " #pfn)
+#else
+#define MSH_ABI_ASSERT(fnptr, pfn, what) _Static_assert(1, what)
+#endif
 
 /* Open the driver and fill msh_cu (once, thread-safe). Returns 0, or ENODEV when libcuda.so.1
  * cannot be opened or cuInit fails (a CPU-only process): the caller then passes through. */

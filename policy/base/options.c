@@ -64,12 +64,16 @@ static const struct enum_val mode_vals[] = {
     {"auto", MSH_MODE_AUTO,
      "In a Python process, memshim's start-up hook makes memshim PyTorch's allocator at PyTorch's "
      "first CUDA use (`tensor`), unless the program chose an allocator or allocator settings "
-     "itself, `PYTORCH_CUDA_ALLOC_CONF` is set, or the C++ glue is missing (then `segment`, "
-     "said once at info level; docs/pytorch.md). Elsewhere as `segment`."},
+     "itself, PyTorch's allocator settings (`PYTORCH_ALLOC_CONF`, or the older "
+     "`PYTORCH_CUDA_ALLOC_CONF`, whichever PyTorch reads) tune its own allocator, or the C++ glue "
+     "is missing (then `segment`, said once at info level; docs/pytorch.md). Settings with only "
+     "`per_process_memory_fraction` (memshim's limit in tensor mode) and `pinned_*` keys do not "
+     "keep it out. Elsewhere as `segment`."},
     {"tensor", MSH_MODE_TENSOR,
-     "As `auto`, but the switch to memshim's allocator also overrides `PYTORCH_CUDA_ALLOC_CONF`, "
-     "and a switch that cannot happen is a warning. `torch.cuda.memory_stats()` and friends answer "
-     "from memshim's counters. The interposed calls are served as in `segment`."},
+     "As `auto`, but the switch to memshim's allocator also overrides PyTorch's allocator "
+     "settings (their `per_process_memory_fraction` still becomes memshim's limit), and a switch "
+     "that cannot happen is a warning. `torch.cuda.memory_stats()` and friends answer from "
+     "memshim's counters. The interposed calls are served as in `segment`."},
     {"segment", MSH_MODE_SEGMENT,
      "PyTorch keeps its caching allocator; memshim serves the segments it asks for from the "
      "pool, accounts them, enforces the limit and runs the policies."},
@@ -178,7 +182,10 @@ static const struct opt opts[O_COUNT] = {
                  "bytes like 40G or a fraction 0..1", "bytes or fraction",
                  "Most memory the job may hold on each device. A value of at most 1 written with "
                  "a dot, or exactly `1`, is a fraction of the device's memory (`0.9`); anything "
-                 "else is a size (`40G`, `512MiB`, `1073741824`). `0`: no limit.",
+                 "else is a size (`40G`, `512MiB`, `1073741824`). `0`: no limit. In tensor mode "
+                 "`set_per_process_memory_fraction` and `per_process_memory_fraction` in PyTorch's "
+                 "allocator settings set a smaller one; `cudaMemGetInfo` reports whichever is in "
+                 "force.",
                  F(limit_bytes), F(limit_fraction), 0, UINT64_MAX, NULL, NULL},
     [O_EMPTY_CACHE] = {"MEMSHIM_EMPTY_CACHE", T_ENUM, "oom", NULL, NULL, "-",
                        "When unused physical memory goes back to the driver.", F(empty_cache), 0,
@@ -226,7 +233,10 @@ static const struct opt opts[O_COUNT] = {
                  "What happens when even the rescue chain cannot serve a request under the limit or "
                  "the device's capacity. Only the main pool spills (never a CUDA-graph pool), never "
                  "during a capture, and only whole pages that no block of the current step touches. "
-                 "The reports' `spill` section and `memshim-report` say what it cost."},
+                 "The reports' `spill` section and `memshim-report` say what it cost. In segment "
+                 "mode, `throw_on_cudamalloc_oom:True` in PyTorch's allocator settings makes PyTorch "
+                 "refuse a segment past its memory fraction before asking memshim: a warning says "
+                 "so."},
     [O_SPILL_MAX] = {"MEMSHIM_SPILL_MAX", T_LIMIT, "0.5", NULL,
                      "bytes like 64G or a fraction 0..1 of host RAM", "bytes or fraction",
                      "With `MEMSHIM_SPILL=host`: most host memory spilled pages may take. A value of "

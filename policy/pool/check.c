@@ -342,6 +342,13 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
     size_t dpr = __atomic_load_n(&pool->drv_peak_run, __ATOMIC_RELAXED);
     if (dpe < dheld || dpr < dpe)
         CHECK_FAIL("reserved peaks (epoch %zu, run %zu) below the current %zu the driver holds", dpe, dpr, dheld);
+    size_t dps = __atomic_load_n(&pool->drv_peak_step, __ATOMIC_RELAXED);
+    if (dps < dheld || dps > dpr || pool->step_peak_live < live_bytes)
+        CHECK_FAIL("step peaks (reserved %zu, live %zu) below the current %zu, %zu or above the run's %zu", dps,
+                   pool->step_peak_live, dheld, live_bytes, dpr);
+    if (pool->at_peak_held > dpe || pool->at_peak_live > pool->st.peak_live_bytes)
+        CHECK_FAIL("at the reserved peak: %zu reserved, %zu live, above the epoch's peaks %zu, %zu", pool->at_peak_held,
+                   pool->at_peak_live, dpe, pool->st.peak_live_bytes);
     /* Quiet, every page counted against the budget is a handle the driver holds (more only for
      * handles whose release failed past the orphan list, left to the driver). */
     if (quiet && dheld < pool->held * pool->gran)

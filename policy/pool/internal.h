@@ -47,6 +47,10 @@ enum { B_FREE = 1, B_LIVE, B_PENDING, B_FREEING, B_PARKED };
 /* claim_pages: the block would touch a page of host memory (spill.c); the caller places it on
  * fresh memory instead: a new block never lands on spilled pages, which only cold blocks hold */
 #define EHOSTPAGE EREMOTE
+/* job_run: the device has no room for the job's new handles (its free memory, asked once per
+ * request, is less than the job would create after its releases): nothing was done, nothing is
+ * asked of the driver; the caller decides what can still help (issue 25, pool.c "rescue"). */
+#define ENOROOM EDQUOT
 /* PG_MOVING: spill.c moves the handle between device and host memory (docs/pool.md "Spill"). */
 enum { PG_MAPPED = 0, PG_MAPPING, PG_UNMAPPING, PG_MOVING };
 
@@ -183,6 +187,12 @@ struct msh_pool {
      * driver, never a reservation whose create then failed. Atomics: the driver calls run
      * without the lock. */
     size_t drv_held, drv_peak_epoch, drv_peak_run;
+    /* The reports' step and peak figures (msh_pool_take_step_peaks, note_alloc): the peaks since
+     * the last step mark (drv_peak_step atomic, beside drv_peak_epoch; step_peak_live under the
+     * lock), and the reserved and live bytes at the first allocation that saw the epoch's highest
+     * reserved figure (under the lock). */
+    size_t drv_peak_step, step_peak_live;
+    size_t at_peak_held, at_peak_live;
     size_t nhandles, touched, cached;
     int jobs;             /* requests doing driver work right now (without the lock) */
     int waiters;
@@ -306,6 +316,18 @@ struct ewait {
     uint8_t done;    /* a query found it complete: no wait was needed */
 };
 
+/* What one request knows of the device's room (issue 25). The device is asked once, by the first
+ * job of the request that must create handles (job_run: a request served from mapped pages never
+ * asks), and a create the driver refuses lowers what is known. Under the request's allocation. */
+struct room {
+    bool asked;      /* cuMemGetInfo answered (dev_free is its answer) */
+    size_t dev_free; /* bytes the device had free then */
+    size_t drv_held; /* bytes the driver held for this pool then (pool->drv_held) */
+    size_t dev_cap;  /* pages of handles the device lets this pool hold now (what it held when asked
+                      * plus the free pages; after a refused create, what it held then); SIZE_MAX:
+                      * not known */
+};
+
 #define JOB_INL 8
 struct job {
     struct region *r;
@@ -317,6 +339,7 @@ struct job {
     bool sync;                  /* synchronize first: unmapping pages freed on streams, or host use */
     bool host_sync;             /* the synchronize is for a host-synchronous user */
     bool driver_enomem;         /* the driver refused a create */
+    struct room *room;          /* the request's, or NULL (releases, spill): asked before creates */
     uint64_t sync_gen;
     int sync_rc, wait_rc;
     uint64_t stream;            /* the allocation's stream (waits are enqueued on it) */

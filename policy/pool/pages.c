@@ -53,6 +53,7 @@ static int dev_create(struct msh_pool *pool, size_t size, uint64_t *h)
         size_t now = __atomic_add_fetch(&pool->drv_held, size, __ATOMIC_RELAXED);
         peak_raise(&pool->drv_peak_epoch, now);
         peak_raise(&pool->drv_peak_run, now);
+        peak_raise(&pool->drv_peak_step, now);
     }
     return rc;
 }
@@ -421,11 +422,12 @@ int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap)
     bool edge_lo = b->addr > page_va(pool, r, p0);
     bool edge_hi = b->addr + b->size < page_va(pool, r, p1) + pool->gran;
     int64_t q0 = (int64_t)p0 + edge_lo, q1 = (int64_t)p1 - edge_hi; /* pages b covers whole */
-    /* Far from any limit (none set, no driver refusal, under 3/4 of the device), handles save
+    /* Far from any limit (none set, no driver refusal, the device's room not binding this request
+     * (issue 25: cap is finite once it is), under 3/4 of the device), handles save
      * driver calls: the pages b covers whole share one, and (relaxed) a handle may span several
      * blocks, a chunk mapped ahead at the open end of the line. Otherwise every page must stay
      * reclaimable: handles b would cover in part are split, and new ones are one page each. */
-    bool far = !limit_now(pool) && !pool->driver_oom &&
+    bool far = !limit_now(pool) && !pool->driver_oom && cap == SIZE_MAX &&
                (pool->held + (p1 - p0 + 1) + pool->chunk_pages) * pool->gran < pool->device_total / 4 * 3;
     bool relaxed = far && pool->chunk_pages > 1;
     /* Near the limit, one handle per page (issue 15): a handle goes back to the driver whole, so
@@ -673,12 +675,48 @@ static void run_undo(struct msh_pool *pool, struct job *j, struct run *ru, int r
     ru->fate = dev_release(pool, ru->h, bytes) ? RUN_ORPHANED : RUN_RELEASED;
 }
 
+/* Issue 25: before the first create of a request, ask the device (once per request) whether it has
+ * room for what this job creates, after what it releases first. When it has not, the job is given
+ * up before any driver work (every run and victim fails with ENOROOM, which job_publish undoes as a
+ * failed unmap: the victims stay mapped where they were) and the request knows the device's room:
+ * a request larger than what the device can give never maps page after page until the driver
+ * refuses, filling the device that other processes use. A capture in progress is not asked (the
+ * creates run as before: a refusal still ends them at once). */
+static bool job_lacks_room(struct msh_pool *pool, struct job *j)
+{
+    struct room *rm = j->room;
+    if (!rm || rm->asked || capturing(pool)) return false;
+    size_t create = 0, freed = 0, gran = pool->gran;
+    for (uint32_t i = 0; i < j->nruns; i++)
+        if (j->runs[i].vic < 0) create += j->runs[i].n;
+    for (uint32_t i = 0; i < j->nvic; i++)
+        if (j->vic[i].run < 0) freed += j->vic[i].n;
+    for (int i = 0; i < j->norph; i++) freed += j->orph[i].pages;
+    if (create <= freed) return false; /* no new memory (a handle cut anew): nothing to ask */
+    size_t f = 0, t = 0;
+    if (pool->dev->ops->mem_info(pool->dev, &f, &t)) return false; /* no answer: the creates will tell */
+    rm->asked = true;
+    rm->dev_free = f;
+    rm->drv_held = __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED);
+    size_t cap = rm->drv_held / gran + f / gran;
+    if (cap < rm->dev_cap) rm->dev_cap = cap;
+    if (create <= f / gran + freed) return false;
+    for (uint32_t i = 0; i < j->nvic; i++) j->vic[i].rc = ENOROOM;
+    for (uint32_t i = 0; i < j->nruns; i++) j->runs[i].rc = ENOROOM;
+    for (int i = 0; i < j->norph; i++) j->orph[i].rc = ENOROOM;
+    j->sync = false; /* nothing was synchronized */
+    return true;
+}
+
 /* The driver work, without the lock. Order matters: a synchronize before any unmap; unmaps and
  * releases before creates, so that the device never holds more than the limit; access once over
- * the whole span just mapped; stream waits last. */
+ * the whole span just mapped; stream waits last. The first create the driver refuses for memory
+ * ends the creates: those made before it are unmapped and released (the request gives back what
+ * it made, and another process gets that memory at once), and nothing more is asked. */
 static void job_run(struct msh_pool *pool, struct job *j)
 {
     size_t gran = pool->gran;
+    if (job_lacks_room(pool, j)) return;
     if (j->sync) {
         j->sync_rc = dev_synchronize(pool);
         if (j->sync_rc) {
@@ -694,7 +732,7 @@ static void job_run(struct msh_pool *pool, struct job *j)
         v->rc = dev_unmap(pool, page_va(pool, v->r, v->head), (size_t)v->n * gran);
         if (!v->rc && v->run < 0) v->rel_rc = dev_release(pool, v->h, (size_t)v->n * gran);
     }
-    bool ok = true;
+    bool ok = true, refused = false;
     for (uint32_t i = 0; i < j->nruns; i++) {
         struct run *ru = &j->runs[i];
         uint64_t h = 0;
@@ -715,10 +753,19 @@ static void job_run(struct msh_pool *pool, struct job *j)
                 continue;
             }
             h = j->vic[ru->vic].h;
+        } else if (refused) {
+            ru->rc = ENOMEM; /* never asked: the driver has just refused one */
+            continue;
         } else {
             ru->rc = dev_create(pool, bytes, &h);
             if (ru->rc) {
-                if (ru->rc == ENOMEM) j->driver_enomem = true;
+                if (ru->rc == ENOMEM) {
+                    j->driver_enomem = refused = true;
+                    if (j->room) { /* the device holds no more for this pool than it does now */
+                        size_t cap = __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED) / gran;
+                        if (cap < j->room->dev_cap) j->room->dev_cap = cap;
+                    }
+                }
                 ok = false;
                 continue;
             }
@@ -732,6 +779,8 @@ static void job_run(struct msh_pool *pool, struct job *j)
         }
         ru->h = h;
     }
+    for (uint32_t i = 0; refused && i < j->nruns; i++) /* give back what this job created */
+        if (j->runs[i].vic < 0 && !j->runs[i].rc) run_undo(pool, j, &j->runs[i], ENOMEM);
     /* Access: one call over the whole span (every page between the runs is mapped already).
      * When a run failed, each mapped run gets its own call: it stays mapped, as a cached handle,
      * and must be usable when a block takes it later. A run whose access cannot be granted is

@@ -45,13 +45,14 @@
 
 /* ---- allocation ----------------------------------------------------------------------------------- */
 
-/* One try at placing and backing a block. reclaim_only: the driver said it is full, so the pool
- * holds no more handles than it does now (it reclaims cached ones instead). While the device
+/* One try at placing and backing a block, within the limit and what the request knows of the
+ * device's room (rm: once the device was asked, or refused a create, the pool reclaims cached
+ * handles rather than create past it; the job asks the device before its first create). While the device
  * captures a CUDA graph, a placement that would need a synchronize, an unmap or a release
  * (reclaim, a split handle) is given up for fresh memory, and failing that the request fails
  * (*capture_blocked). */
 static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64_t stream, uint64_t *addr,
-                     bool reclaim_only, bool *reclaimed, bool *driver_enomem, bool *capture_blocked)
+                     struct room *rm, bool *reclaimed, bool *driver_enomem, bool *capture_blocked)
 {
     int area = area_of(pool, rsize);
     bool fresh_only = false;
@@ -59,6 +60,7 @@ static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64
     int rc;
     struct job j;
     job_init(&j);
+    j.room = rm;
     for (;;) {
         rc = 0;
         while (!(b = fresh_only ? place_fresh(pool, area, rsize, &rc) : place(pool, area, rsize, stream, &rc))) {
@@ -70,7 +72,7 @@ static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64
         } else {
             for (;;) {
                 size_t cap = cap_pages(pool);
-                if (reclaim_only && pool->held < cap) cap = pool->held;
+                if (rm->dev_cap < cap) cap = rm->dev_cap;
                 rc = claim_pages(pool, b, &j, cap);
                 if (rc != EAGAIN) break;
                 /* another thread maps or unmaps one of our pages: wait for it to publish */
@@ -122,7 +124,7 @@ static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64
         block_untouch(pool, b);
         b->claimed = 0;
         blk_make_free(pool, b);
-        return rc;
+        return rc == ENOROOM ? ENOMEM : rc; /* rm says what the device has */
     }
     sref_clear(pool, b); /* the waits are enqueued: the new stream owns the extent */
     b->claimed = 0;
@@ -137,14 +139,80 @@ static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64
     return 0;
 }
 
-/* The driver ran out (no limit set, or other allocators hold the device): reclaim instead. */
+/* ---- the rescue chain's figures (issue 25) -------------------------------------------------------
+ * Which rescue steps can help a request is decided from the pool's own figures, before any driver
+ * call: a step runs only when what it could free at best would let the request fit. A request's
+ * block covers at least floor(rsize / gran) - 1 whole pages (it may share a page with a live
+ * neighbour at each end), which no live block touches: those must come from room under the cap
+ * (the limit, and what the device gives once asked), from mapped pages no live block touches
+ * (cached handles, pages beside a live block in a handle of several), or from what a step frees. */
+
+static size_t pages_at_least(const struct msh_pool *pool, uint64_t rsize)
+{
+    size_t whole = (size_t)(rsize / pool->gran);
+    return whole ? whole - 1 : 0;
+}
+
+/* The most pages of that kind the request could have now (all: had a collection freed every live
+ * block); SIZE_MAX when nothing bounds it yet (no limit, the device not asked). */
+static size_t room_pages(const struct msh_pool *pool, const struct room *rm, bool all)
+{
+    size_t cap = cap_pages(pool);
+    if (rm->dev_cap < cap) cap = rm->dev_cap;
+    if (cap == SIZE_MAX || all) return cap;
+    size_t host_used = pool->spill_pages - pool->spill_idle; /* touched, but not on the device */
+    size_t touched = pool->touched > host_used ? pool->touched - host_used : 0;
+    return (cap > pool->held ? cap - pool->held : 0) + (pool->held > touched ? pool->held - touched : 0);
+}
+
+static size_t add_sat(size_t a, size_t b) { return a > SIZE_MAX - b ? SIZE_MAX : a + b; }
+
+/* Device pages spill could move to the host at best: those live blocks touch, within
+ * MEMSHIM_SPILL_MAX (*capped: that is what bounds it). */
+static size_t spill_room(const struct msh_pool *pool, bool *capped)
+{
+    size_t host_used = pool->spill_pages - pool->spill_idle;
+    size_t on_dev = pool->touched > host_used ? pool->touched - host_used : 0;
+    *capped = false;
+    if (!pool->spill_max_pages) return on_dev;
+    size_t left = pool->spill_max_pages > pool->spill_pages ? pool->spill_max_pages - pool->spill_pages : 0;
+    *capped = left < on_dev;
+    return left < on_dev ? left : on_dev;
+}
+
+/* Whether spilling could make room for `need` pages now; if not, why (the OOM's spill_stop). */
+static bool spill_can_help(struct msh_pool *pool, const struct room *rm, size_t need)
+{
+    bool capped;
+    size_t sp = spill_room(pool, &capped);
+    if (need > room_pages(pool, rm, true)) pool->oom.spill_stop = "the request needs more than the device can hold";
+    else if (need > add_sat(room_pages(pool, rm, false), sp)) pool->oom.spill_stop = capped ? "spill_max" : "nothing cold";
+    else return true;
+    return false;
+}
+
+/* What no step can change: a block lives on device pages only (spill moves cold blocks, never a
+ * new one), within the limit, so a request larger than the device or the limit is refused before
+ * anything else; MSH_OOM_NOW: it may fit. */
+static int oom_case_fixed(const struct msh_pool *pool, uint64_t rsize)
+{
+    if (pool->device_total && rsize > pool->device_total) return MSH_OOM_DEVICE;
+    size_t lim = limit_now(pool);
+    if (lim && rsize > lim) return MSH_OOM_LIMIT;
+    return MSH_OOM_NOW;
+}
+
+/* The device had no room for the creates (asked once per request, job_run) or refused one: now
+ * that its room is known, the request is placed again within it: pages rather than chunks mapped
+ * ahead, cached handles reclaimed rather than new ones created, when that can make it fit. */
 static int try_alloc_all(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64_t stream, uint64_t *addr,
-                         bool *reclaimed, bool *capture_blocked)
+                         struct room *rm, bool *reclaimed, bool *capture_blocked)
 {
     bool denomem = false;
-    int rc = try_alloc(pool, rsize, req, stream, addr, false, reclaimed, &denomem, capture_blocked);
-    if (rc == ENOMEM && denomem && pool->prm.defrag && pool->cached && !capturing(pool))
-        rc = try_alloc(pool, rsize, req, stream, addr, true, reclaimed, &denomem, capture_blocked);
+    size_t cap0 = rm->dev_cap;
+    int rc = try_alloc(pool, rsize, req, stream, addr, rm, reclaimed, &denomem, capture_blocked);
+    if (rc == ENOMEM && rm->dev_cap < cap0 && !capturing(pool) && pages_at_least(pool, rsize) <= room_pages(pool, rm, false))
+        rc = try_alloc(pool, rsize, req, stream, addr, rm, reclaimed, &denomem, capture_blocked);
     return rc;
 }
 
@@ -272,6 +340,14 @@ static void note_alloc(struct msh_pool *pool, uint64_t req, bool reclaimed)
     st->live_blocks++;
     if (st->live_bytes > st->peak_live_bytes) st->peak_live_bytes = st->live_bytes;
     if (st->live_bytes > st->run_peak_live_bytes) st->run_peak_live_bytes = st->live_bytes;
+    if (st->live_bytes > pool->step_peak_live) pool->step_peak_live = st->live_bytes;
+    /* reserved minus allocated at the reserved peak: measured once the allocation that needed the
+     * new peak holds its block (the reserve grows inside it, before its bytes count as live) */
+    size_t held = __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED);
+    if (held > pool->at_peak_held) {
+        pool->at_peak_held = held;
+        pool->at_peak_live = st->live_bytes;
+    }
     size_t touched = pool->touched * pool->gran;
     if (touched > st->peak_touched_bytes) st->peak_touched_bytes = touched;
     if (reclaimed) st->rescue_reclaim++;
@@ -336,31 +412,45 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
     if (pool->step) step_before_alloc(pool, rsize);
     size_t held0 = pool->held; /* issue 8: a failed request gives back what it created */
     bool reclaimed = false, capture_blocked = false;
-    int rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed, &capture_blocked);
-    if (rc == ENOMEM && pool->gc_fn) {
+    /* Issue 25: a request no step can serve fails before any driver work; each step below runs
+     * only when the pool's figures say it can make the request fit (room_pages). */
+    struct room rm = {.dev_cap = SIZE_MAX};
+    int ocase = oom_case_fixed(pool, rsize);
+    unsigned steps = 0;
+    int rc = ocase == MSH_OOM_NOW ? try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked)
+                                  : ENOMEM;
+    size_t need = rc == ENOMEM ? pages_at_least(pool, rsize) : 0;
+    if (rc == ENOMEM && ocase == MSH_OOM_NOW && pool->gc_fn && pool->st.live_blocks &&
+        need <= room_pages(pool, &rm, true)) {
         msh_pool_gc_fn fn = pool->gc_fn;
         void *arg = pool->gc_arg;
+        steps |= MSH_OOM_STEP_GC;
         pthread_mutex_unlock(&pool->lock);
         fn(arg); /* may free blocks through msh_pool_free */
         pthread_mutex_lock(&pool->lock);
-        rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed, &capture_blocked);
+        rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
         if (rc == 0) pool->st.rescue_gc++;
     }
-    if (rc == ENOMEM && pool->cached && (pool->driver_oom || !pool->prm.defrag) && !pool->prm.no_release_on_oom &&
-        !capturing(pool)) {
+    if (rc == ENOMEM && ocase == MSH_OOM_NOW && pool->cached && (pool->driver_oom || !pool->prm.defrag) &&
+        !pool->prm.no_release_on_oom && !capturing(pool) && need <= room_pages(pool, &rm, false)) {
         pool->driver_oom = false;
         /* Cached pages were already candidates for reclaim; giving them back helps when the
          * driver itself ran out (other allocators in the process hold the rest), and when reclaim
-         * is off (MEMSHIM_DEFRAG=0: under a limit new pages can be created only after these go). */
+         * is off (MEMSHIM_DEFRAG=0: under a limit new pages can be created only after these go).
+         * Never for a request that would not fit even then (the job keeps its cache). */
+        steps |= MSH_OOM_STEP_EMPTY_CACHE;
         release_cached(pool, 0, 0);
-        rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed, &capture_blocked);
+        rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
         if (rc == 0) pool->st.rescue_empty_cache++;
     }
     /* the last step, opt-in: cold pages to host memory (spill.c), more at each round */
     if (rc == ENOMEM) pool->oom.spill_stop = NULL;
-    for (int round = 0; rc == ENOMEM && pool->prm.spill && round < 8; round++) {
+    for (int round = 0; rc == ENOMEM && ocase == MSH_OOM_NOW && pool->prm.spill && round < 8 &&
+                        spill_can_help(pool, &rm, need);
+         round++) {
+        steps |= MSH_OOM_STEP_SPILL;
         if (!spill_rescue(pool, rsize, round)) break;
-        rc = try_alloc_all(pool, rsize, size, stream, addr, &reclaimed, &capture_blocked);
+        rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
         if (rc == 0) pool->st.rescue_spill++;
     }
     if (rc == 0) {
@@ -379,21 +469,35 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
     pool->st.oom_events++;
     if (pool->prm.spill) pool->st.spill_refused++;
     const char *spill_stop = pool->oom.spill_stop;
-    pthread_mutex_unlock(&pool->lock);
-    size_t df = 0, dt = 0;
-    if (pool->dev->ops->mem_info(pool->dev, &df, &dt)) df = dt = 0;
-    pthread_mutex_lock(&pool->lock);
+    size_t df = 0, dt = pool->device_total;
+    if (rm.asked) { /* one question to the device per request: its answer, less what the pool took since */
+        size_t now = __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED);
+        df = rm.dev_free + rm.drv_held > now ? rm.dev_free + rm.drv_held - now : 0;
+    } else { /* no job asked: this is the request's one question */
+        pthread_mutex_unlock(&pool->lock);
+        if (pool->dev->ops->mem_info(pool->dev, &df, &dt)) df = dt = 0;
+        pthread_mutex_lock(&pool->lock);
+    }
     fill_oom(pool, size, df, dt);
+    pool->oom.kind = ocase;
+    pool->oom.steps = steps;
     pool->oom.capture = capture_blocked || (capturing(pool) && pool->cached);
     pool->oom.spilled_bytes = pool->spill_pages * pool->gran;
-    pool->oom.spill_stop = pool->prm.spill ? (pool->spill_state < 0 ? "no host memory through VMM"
-                                              : spill_stop ? spill_stop : "nothing cold") : NULL;
+    pool->oom.spill_stop = !pool->prm.spill || ocase != MSH_OOM_NOW ? NULL /* spill cannot change those cases */
+                           : pool->spill_state < 0 ? "no host memory through VMM"
+                           : spill_stop ? spill_stop : "nothing cold";
     struct msh_pool_oom o = pool->oom;
     pthread_mutex_unlock(&pool->lock);
-    msh_warn("out of memory on device %d: requested %zu bytes; live %zu, reserved %zu, limit %zu, "
-             "device free %zu of %zu, largest usable free extent %zu: %s%s",
-             pool->dev->ordinal, o.requested, o.live_bytes, o.mapped_bytes, o.limit_bytes,
-             o.device_free, o.device_total, o.largest_free,
+    if (o.kind != MSH_OOM_NOW) {
+        msh_warn("out of memory on device %d: requested %zu bytes, %s (%zu bytes): refused before any driver work",
+                 pool->dev->ordinal, o.requested, msh_oom_case_text(o.kind),
+                 o.kind == MSH_OOM_DEVICE ? o.device_total : o.limit_bytes);
+        return ENOMEM;
+    }
+    msh_warn("out of memory on device %d: requested %zu bytes, %s: device free %zu of %zu, cached %zu, live %zu, "
+             "reserved %zu, limit %zu, largest usable free extent %zu: %s%s",
+             pool->dev->ordinal, o.requested, msh_oom_case_text(o.kind), o.device_free, o.device_total,
+             o.cached_bytes, o.live_bytes, o.mapped_bytes, o.limit_bytes, o.largest_free,
              o.fragmentation ? "fragmentation (enough bytes are free, but not in usable pages)"
                              : "capacity (the live set does not fit)",
              o.capture ? "; a CUDA-graph capture was in progress, during which memshim cannot reclaim or "
@@ -789,6 +893,8 @@ void msh_pool_get_stats(struct msh_pool *pool, struct msh_pool_stats *out)
     *out = pool->st;
     out->peak_mapped_bytes = __atomic_load_n(&pool->drv_peak_epoch, __ATOMIC_RELAXED);
     out->run_peak_mapped_bytes = __atomic_load_n(&pool->drv_peak_run, __ATOMIC_RELAXED);
+    out->at_peak_mapped_bytes = pool->at_peak_held;
+    out->at_peak_live_bytes = pool->at_peak_live;
     for (int k = 0; k < MSH_DRV_NKINDS; k++) {
         out->drv_calls[k] = __atomic_load_n(&pool->st.drv_calls[k], __ATOMIC_RELAXED);
         out->drv_bytes[k] = __atomic_load_n(&pool->st.drv_bytes[k], __ATOMIC_RELAXED);
@@ -804,6 +910,20 @@ void msh_pool_reset_peaks(struct msh_pool *pool)
     __atomic_store_n(&pool->drv_peak_epoch, __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
     pool->st.peak_touched_bytes = pool->touched * pool->gran;
     pool->st.peak_spilled_bytes = pool->spill_pages * pool->gran;
+    pool->at_peak_held = __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED);
+    pool->at_peak_live = pool->st.live_bytes;
+    pool->step_peak_live = pool->st.live_bytes;
+    __atomic_store_n(&pool->drv_peak_step, pool->at_peak_held, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&pool->lock);
+}
+
+void msh_pool_take_step_peaks(struct msh_pool *pool, size_t *live, size_t *reserved)
+{
+    pthread_mutex_lock(&pool->lock);
+    size_t held = __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED);
+    *live = pool->step_peak_live;
+    *reserved = __atomic_exchange_n(&pool->drv_peak_step, held, __ATOMIC_RELAXED);
+    pool->step_peak_live = pool->st.live_bytes;
     pthread_mutex_unlock(&pool->lock);
 }
 
@@ -816,6 +936,7 @@ static void fill_oom(struct msh_pool *pool, size_t req, size_t dev_free, size_t 
     o->device_total = dev_total;
     o->live_bytes = pool->st.live_bytes;
     o->mapped_bytes = pool->held * pool->gran;
+    o->cached_bytes = pool->cached * pool->gran;
     o->limit_bytes = limit_now(pool);
     size_t fb = 0;
     scan_free(pool, &fb, &o->largest_free);
@@ -835,6 +956,18 @@ static void fill_oom(struct msh_pool *pool, size_t req, size_t dev_free, size_t 
             o->top[k].size = b->req;
         }
     }
+}
+
+const char *msh_oom_case_name(int kind)
+{
+    return kind == MSH_OOM_DEVICE ? "larger_than_device" : kind == MSH_OOM_LIMIT ? "larger_than_limit"
+                                                                                  : "does_not_fit_now";
+}
+
+const char *msh_oom_case_text(int kind)
+{
+    return kind == MSH_OOM_DEVICE ? "larger than the device" : kind == MSH_OOM_LIMIT ? "larger than the limit"
+                                                                                      : "does not fit now";
 }
 
 void msh_pool_last_oom(struct msh_pool *pool, struct msh_pool_oom *out)

@@ -30,6 +30,7 @@
 #include "msh.h"
 #include "policy.h"
 #include "pool.h"
+#include "stepfig.h"
 #include "trace.h"
 
 struct opts {
@@ -619,6 +620,11 @@ struct prun {
     size_t recorded_allocs; /* allocations of the recorded window */
     double wall;
     bool seeded;
+    /* issue 26's fragmentation figures (docs/reports.md), each pass one step with its peaks reset
+     * at its start: every pass's peak live over its peak reserved; the peaks over all passes; the
+     * reserve and live bytes at the first allocation that saw the highest reserve */
+    struct msh_stepfig_summary step;
+    uint64_t peak_live, peak_reserved, at_peak_reserved, at_peak_live;
 };
 
 /* Replay t through one policy at `capacity`, `passes` times in a row (the live set is released
@@ -667,9 +673,12 @@ static int policy_replay(const struct msh_trace *t, const struct msh_snap_dev *d
         for (size_t i = 0; rel && i < d->nev; i++)
             if (d->ev[i].op == MSH_SEG_FREE && (!nrel || rel[nrel - 1] != d->ev[i].at)) rel[nrel++] = d->ev[i].at;
     }
+    struct msh_stepfig *sf = malloc(sizeof *sf);
+    if (sf) msh_stepfig_reset(sf);
     for (int pass = 0; pass < passes; pass++) {
         size_t ri = 0;
         bool first = pass == 0;
+        msh_policy_reset_peaks(p);
         for (size_t i = 0; i < t->n; i++) {
             const struct msh_trace_event *e = &t->ev[i];
             if (torch) msh_torch_set_clock(p, i);
@@ -710,6 +719,15 @@ static int policy_replay(const struct msh_trace *t, const struct msh_snap_dev *d
             r->ooms_pass1 = r->ooms;
             msh_policy_get_stats(p, &r->st_pass1);
         }
+        struct msh_policy_stats ps;
+        msh_policy_get_stats(p, &ps);
+        if (sf && ps.peak_reserved) msh_stepfig_note(sf, (double)ps.peak_live_bytes / (double)ps.peak_reserved);
+        if (ps.peak_live_bytes > r->peak_live) r->peak_live = ps.peak_live_bytes;
+        if (ps.peak_reserved > r->peak_reserved) r->peak_reserved = ps.peak_reserved;
+        if (first || ps.at_peak_reserved > r->at_peak_reserved) { /* the first pass to reach the highest */
+            r->at_peak_reserved = ps.at_peak_reserved;
+            r->at_peak_live = ps.at_peak_live;
+        }
         if (pass + 2 == passes) msh_policy_get_stats(p, &r->st_before_last);
         if (pass + 1 < passes) { /* the loop begins again: everything live is released */
             for (size_t i = 0; i < m.cap; i++) {
@@ -720,6 +738,8 @@ static int policy_replay(const struct msh_trace *t, const struct msh_snap_dev *d
         }
     }
     msh_policy_get_stats(p, &r->st);
+    if (sf) msh_stepfig_summarize(sf, &r->step);
+    free(sf);
     free(rel);
     free(m.t);
     free(placed);
@@ -924,6 +944,21 @@ out:
     return rc;
 }
 
+/* ,"peak_allocated_over_peak_reserved":..,"step_allocated_over_reserved":{..},"reserved_minus_..":..
+ * of a run with no limit, as the epoch reports define them (docs/reports.md), a pass a step. */
+static void json_fragmentation(const struct prun *u)
+{
+    printf(",\"peak_allocated_over_peak_reserved\":%.6f,\"step_allocated_over_reserved\":",
+           u->peak_reserved ? (double)u->peak_live / (double)u->peak_reserved : 1.0);
+    if (u->step.steps)
+        printf("{\"min\":%.6f,\"median\":%.6f,\"max\":%.6f,\"steps\":%llu}", u->step.min, u->step.median,
+               u->step.max, (unsigned long long)u->step.steps);
+    else
+        printf("null");
+    printf(",\"reserved_minus_allocated_at_peak_bytes\":%lld",
+           (long long)u->at_peak_reserved - (long long)u->at_peak_live);
+}
+
 /* --compare: the three policies side by side for one device trace. */
 struct cmp_row {
     uint64_t unl_peak, min_cap, ooms_at_cap, maps, unmaps, segs, segs_freed;
@@ -946,10 +981,12 @@ static int compare_trace(const struct loaded *L, size_t di, const struct opts *o
         if (k == 1) msh_torch_conf_format(&conf, cs, sizeof cs);
         if (kinds[k] == MSH_POLICY_TORCH) conf.expandable = false;
         struct prun u, r;
-        int rc = policy_replay(t, d, kinds[k], &conf, o, 0, 1, false, &u, NULL);
+        /* no limit, --passes passes: the fragmentation figures (a pass is a step); the rest is
+         * the first pass's, as with one */
+        int rc = policy_replay(t, d, kinds[k], &conf, o, 0, o->passes, false, &u, NULL);
         if (rc) return rc;
         memset(&row[k], 0, sizeof row[k]);
-        row[k].unl_peak = u.st.peak_reserved;
+        row[k].unl_peak = u.st_pass1.peak_reserved;
         row[k].seeded = u.seeded;
         if ((rc = policy_min_capacity(t, d, kinds[k], &conf, o, u.st.peak_reserved, &row[k].min_cap))) return rc;
         /* the work at the minimum capacity (memshim: maps/unmaps; torch: cudaMalloc/cudaFree) */
@@ -999,6 +1036,7 @@ static int compare_trace(const struct loaded *L, size_t di, const struct opts *o
             json_drv("", DRV_(r->st_pass1), &o->cost);
             json_drv("unlimited_", DRV_(u->st_pass1), &o->cost);
             if (o->passes > 1) json_policy_steady(r, o, row[k].min_cap);
+            json_fragmentation(u);
             printf("}");
         }
         printf("}}\n");
@@ -1036,6 +1074,17 @@ static int compare_trace(const struct loaded *L, size_t di, const struct opts *o
                    (unsigned long long)(r->st.segs_created - r->st_before_last.segs_created), last_pass_seconds(r, o),
                    k < 2 ? ";" : "\n");
         }
+    }
+    printf("    fragmentation with no limit (%d pass%s, a step each):", o->passes, o->passes > 1 ? "es" : "");
+    for (int k = 0; k < 3; k++) {
+        const struct prun *u = &row[k].unl;
+        char sr[64] = "n/a";
+        if (u->step.steps) snprintf(sr, sizeof sr, "%.3f/%.3f/%.3f", u->step.min, u->step.median, u->step.max);
+        printf(" %s: step allocated/reserved %s, peak allocated/reserved %.3f, reserved - allocated "
+               "at the peak %.0f MiB%s",
+               msh_policy_name(kinds[k]), sr,
+               u->peak_reserved ? (double)u->peak_live / (double)u->peak_reserved : 1.0,
+               ((double)u->at_peak_reserved - (double)u->at_peak_live) / MSH_MiB, k < 2 ? ";" : "\n");
     }
     if (o->capacity) {
         printf("    at %s (%.0f MiB):", o->capacity_name ? o->capacity_name : "the capacity",

@@ -12,7 +12,7 @@
  */
 #include <cuda.h>
 
-#include "cudbl.h"
+#include "cudbl.h" /* cudaTypedefs.h, and the typedefs of ABIs newer than the headers */
 
 #include <errno.h>
 #include <fcntl.h>
@@ -70,6 +70,7 @@ static const char *const fn_names[FN_COUNT] = { CUDBL_FUNCS(FN_NAME) };
 #define DEFAULT_HOST_CAPACITY (64ull << 30)
 #define DEFAULT_GRANULARITY (2ull << 20)
 #define DRIVER_VERSION 13020 /* CUDA 13.2: the newest runtime in the PyPI wheels checks for it */
+
 
 /* ---- error names ----------------------------------------------------------------------------- */
 
@@ -347,6 +348,7 @@ static struct config g_cfg = {1, DEFAULT_CAPACITY, DEFAULT_GRANULARITY, HOST_VMM
                                DEFAULT_HOST_CAPACITY};
 static size_t g_dev_used[MAX_DEVICES];
 static size_t g_dev_peak[MAX_DEVICES]; /* the most g_dev_used has been */
+static size_t g_dev_mark_peak[MAX_DEVICES]; /* ...since the last cudbl_device_mark_peak(d, 1) */
 static size_t g_host_used, g_host_peak; /* host-located handles */
 static struct ctx *g_primary[MAX_DEVICES];
 static struct ctx *g_ctxs;
@@ -751,18 +753,36 @@ static struct ctx *ctx_new_locked(int device, int primary)
 }
 
 /* Contexts are never freed (a destroyed one keeps its memory, marked), so a stale CUcontext can
- * always be checked. */
-static int ctx_valid_locked(struct ctx *c)
+ * always be checked; the list is searched by address, so a value that is not a context is never
+ * dereferenced. */
+static int ctx_known_locked(const struct ctx *c)
 {
     for (struct ctx *x = g_ctxs; x; x = x->next)
-        if (x == c) return !c->destroyed;
+        if (x == c) return 1;
     return 0;
 }
 
+static int ctx_valid_locked(struct ctx *c)
+{
+    return ctx_known_locked(c) && !c->destroyed;
+}
+
+/* A context argument: a live context, else NULL (CUDA_ERROR_INVALID_CONTEXT to the caller). A
+ * destroyed context is that clean error; a non-NULL value the double never handed out as a context
+ * is misuse: a real driver dereferences it. That is what a caller does that looks a CUDA 13 _v2
+ * function up (cuCtxGetDevice_v2, cuCtxSynchronize_v2 take a context) and calls it with the old
+ * signature: the context argument is whatever sits in the register, and the driver crashes
+ * (DESIGN.md 10: the C demo's SIGSEGV on an H200). */
 static struct ctx *ctx_arg_locked(CUcontext h)
 {
     struct ctx *c = (struct ctx *)h;
-    return c && ctx_valid_locked(c) ? c : NULL;
+    if (!c) return NULL;
+    if (!ctx_known_locked(c)) {
+        misuse(CUDA_ERROR_INVALID_CONTEXT, "%p is not a context (a stale register where a context "
+               "argument belongs? cuda.h 13: cuCtxGetDevice_v2, cuCtxSynchronize_v2)", (void *)h);
+        return NULL;
+    }
+    return c->destroyed ? NULL : c;
 }
 
 static struct ctx *ctx_current(void)
@@ -1194,6 +1214,7 @@ static int charge_locked(int dev, size_t bytes)
     if (bytes > g_cfg.capacity || g_dev_used[dev] > g_cfg.capacity - bytes) return -1;
     g_dev_used[dev] += bytes;
     if (g_dev_used[dev] > g_dev_peak[dev]) g_dev_peak[dev] = g_dev_used[dev];
+    if (g_dev_used[dev] > g_dev_mark_peak[dev]) g_dev_mark_peak[dev] = g_dev_used[dev];
     g_counts.bytes_in_use += bytes;
     return 0;
 }
@@ -1611,6 +1632,19 @@ CUresult CUDAAPI cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice de
     return ctx_create(pctx, flags, dev);
 }
 
+/* CUDA 11.4's form ("cuCtxCreate" from version 11040 until 12050): execution affinity, which
+ * the double does not emulate, is refused. */
+CUresult CUDAAPI cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
+                                unsigned int flags, CUdevice dev);
+CUresult CUDAAPI cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
+                                unsigned int flags, CUdevice dev)
+{
+    ENTER(cuCtxCreate);
+    if (numParams < 0 || (numParams > 0 && !paramsArray)) return CUDA_ERROR_INVALID_VALUE;
+    if (numParams > 0) return CUDA_ERROR_NOT_SUPPORTED;
+    return ctx_create(pctx, flags, dev);
+}
+
 CUresult CUDAAPI cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *params, unsigned int flags,
                                 CUdevice dev)
 {
@@ -1622,9 +1656,9 @@ CUresult CUDAAPI cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *params, unsi
 CUresult CUDAAPI cuCtxDestroy_v2(CUcontext ctx)
 {
     ENTER(cuCtxDestroy);
-    struct ctx *c = (struct ctx *)ctx;
     pthread_mutex_lock(&g_lock);
-    if (!c || !ctx_valid_locked(c) || c->is_primary) {
+    struct ctx *c = ctx_arg_locked(ctx);
+    if (!c || c->is_primary) {
         pthread_mutex_unlock(&g_lock);
         return CUDA_ERROR_INVALID_CONTEXT;
     }
@@ -1661,7 +1695,7 @@ CUresult CUDAAPI cuCtxSetCurrent(CUcontext ctx)
         return CUDA_SUCCESS;
     }
     pthread_mutex_lock(&g_lock);
-    int ok = ctx_valid_locked(c);
+    int ok = ctx_arg_locked(ctx) != NULL;
     pthread_mutex_unlock(&g_lock);
     if (!ok) return CUDA_ERROR_INVALID_CONTEXT;
     if (tls_ctx_depth) tls_ctx_stack[tls_ctx_depth - 1] = c;
@@ -1674,7 +1708,7 @@ CUresult CUDAAPI cuCtxPushCurrent_v2(CUcontext ctx)
     ENTER(cuCtxPushCurrent);
     struct ctx *c = (struct ctx *)ctx;
     pthread_mutex_lock(&g_lock);
-    int ok = c && ctx_valid_locked(c);
+    int ok = ctx_arg_locked(ctx) != NULL;
     pthread_mutex_unlock(&g_lock);
     if (!ok) return CUDA_ERROR_INVALID_CONTEXT;
     if (tls_ctx_depth >= CTX_STACK_MAX) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -1708,16 +1742,44 @@ static struct ctx *ctx_current_locked(void)
     return c && ctx_valid_locked(c) ? c : NULL;
 }
 
+/* CUDA 13's form (what cuGetProcAddress returns for "cuCtxGetDevice" from version 13000): the
+ * device of `ctx`, of the current context when ctx is NULL. */
+CUresult CUDAAPI cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx)
+{
+    ENTER(cuCtxGetDevice);
+    if (!device) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    struct ctx *c = ctx ? ctx_arg_locked(ctx) : ctx_current_locked();
+    if (c) *device = c->device;
+    pthread_mutex_unlock(&g_lock);
+    return c ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+}
+
 /* Waiting for a context whose stream captures cannot end: refused, and the captures are
  * invalidated (as cuCtxRecordEvent documents for a context with a capturing stream). */
+static CUresult ctx_synchronize_locked(struct ctx *c)
+{
+    CUresult rc = !c ? CUDA_ERROR_INVALID_CONTEXT
+                : ctx_captures_locked(c, 0, 1) ? CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED : CUDA_SUCCESS;
+    if (rc == CUDA_SUCCESS) sync_streams_locked(c, -1);
+    return rc;
+}
+
 CUresult CUDAAPI cuCtxSynchronize(void)
 {
     ENTER(cuCtxSynchronize);
     pthread_mutex_lock(&g_lock);
-    struct ctx *c = ctx_current_locked();
-    CUresult rc = !c ? CUDA_ERROR_INVALID_CONTEXT
-                : ctx_captures_locked(c, 0, 1) ? CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED : CUDA_SUCCESS;
-    if (rc == CUDA_SUCCESS) sync_streams_locked(c, -1);
+    CUresult rc = ctx_synchronize_locked(ctx_current_locked());
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+/* CUDA 13's form ("cuCtxSynchronize" from version 13000): `ctx`, the current context when NULL. */
+CUresult CUDAAPI cuCtxSynchronize_v2(CUcontext ctx)
+{
+    ENTER(cuCtxSynchronize);
+    pthread_mutex_lock(&g_lock);
+    CUresult rc = ctx_synchronize_locked(ctx ? ctx_arg_locked(ctx) : ctx_current_locked());
     pthread_mutex_unlock(&g_lock);
     return rc;
 }
@@ -2014,17 +2076,28 @@ static CUresult copy_arg_locked(int dev, struct ctx *c, CUdeviceptr p, size_t n,
 }
 
 /* A synchronous copy (src may be 0 for a set) from the current context: wait for the device,
- * then check and do it on host memory. */
-static CUresult copy_sync(CUdeviceptr dst, int dst_need, CUdeviceptr src, int src_need, size_t n,
-                          int set, int value)
+ * then check and do it on host memory. per_thread: the _ptds form (the default stream is the
+ * calling thread's). */
+static CUresult copy_sync_on(int per_thread, CUdeviceptr dst, int dst_need, CUdeviceptr src, int src_need,
+                             size_t n, int set, int value)
 {
     pthread_mutex_lock(&g_lock);
     struct ctx *c = ctx_current();
     CUresult rc = c && ctx_valid_locked(c) ? capture_unsafe_locked() : CUDA_ERROR_INVALID_CONTEXT;
+    struct stream *pt = NULL;
+    if (rc == CUDA_SUCCESS && per_thread) rc = stream_resolve_locked(CU_STREAM_PER_THREAD, &pt);
     if (rc == CUDA_SUCCESS) {
-        /* a synchronous copy runs on the legacy default stream: it waits for what that stream
-         * waits for, not for non-blocking streams (their work may still be running) */
-        sync_streams_snap_locked(c, c->device, 1);
+        if (pt) {
+            /* on the per-thread default stream: it waits for that stream's work and, the stream
+             * being a blocking one, for the legacy stream's, not for other streams' */
+            uint64_t legacy_pos = c->legacy->enqueued, pt_pos = pt->enqueued;
+            advance_locked(c->legacy, legacy_pos);
+            advance_locked(pt, pt_pos);
+        } else {
+            /* a synchronous copy runs on the legacy default stream: it waits for what that stream
+             * waits for, not for non-blocking streams (their work may still be running) */
+            sync_streams_snap_locked(c, c->device, 1);
+        }
         rc = copy_arg_locked(c->device, c, dst, n, 1, dst_need);
         if (rc == CUDA_SUCCESS && !set) rc = copy_arg_locked(c->device, c, src, n, 0, src_need);
     }
@@ -2033,6 +2106,12 @@ static CUresult copy_sync(CUdeviceptr dst, int dst_need, CUdeviceptr src, int sr
     if (set) memset((void *)(uintptr_t)dst, value, n);
     else memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
     return CUDA_SUCCESS;
+}
+
+static CUresult copy_sync(CUdeviceptr dst, int dst_need, CUdeviceptr src, int src_need, size_t n,
+                          int set, int value)
+{
+    return copy_sync_on(0, dst, dst_need, src, src_need, n, set, value);
 }
 
 CUresult CUDAAPI cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n)
@@ -2060,16 +2139,64 @@ CUresult CUDAAPI cuMemsetD8_v2(CUdeviceptr dst, unsigned char uc, size_t n)
 }
 
 /* Unified addressing: each pointer is device or host memory by where it lies. */
+static CUresult copy_peer(CUdeviceptr dst, CUcontext dstCtx, CUdeviceptr src, CUcontext srcCtx, size_t n);
 CUresult CUDAAPI cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n)
 {
     ENTER(cuMemcpy);
     return copy_sync(dst, ARG_HOST_OK, src, ARG_HOST_OK, n, 0, 0);
 }
 
+/* The per-thread default stream forms of the synchronous ones (_ptds: what cuGetProcAddress gives
+ * with CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM from version 7000). */
+CUresult CUDAAPI cuMemcpyHtoD_v2_ptds(CUdeviceptr dst, const void *src, size_t n);
+CUresult CUDAAPI cuMemcpyHtoD_v2_ptds(CUdeviceptr dst, const void *src, size_t n)
+{
+    ENTER(cuMemcpyHtoD);
+    return copy_sync_on(1, dst, ARG_DEVICE, (CUdeviceptr)(uintptr_t)src, ARG_HOST_OK, n, 0, 0);
+}
+CUresult CUDAAPI cuMemcpyDtoH_v2_ptds(void *dst, CUdeviceptr src, size_t n);
+CUresult CUDAAPI cuMemcpyDtoH_v2_ptds(void *dst, CUdeviceptr src, size_t n)
+{
+    ENTER(cuMemcpyDtoH);
+    return copy_sync_on(1, (CUdeviceptr)(uintptr_t)dst, ARG_HOST_OK, src, ARG_DEVICE, n, 0, 0);
+}
+CUresult CUDAAPI cuMemcpyDtoD_v2_ptds(CUdeviceptr dst, CUdeviceptr src, size_t n);
+CUresult CUDAAPI cuMemcpyDtoD_v2_ptds(CUdeviceptr dst, CUdeviceptr src, size_t n)
+{
+    ENTER(cuMemcpyDtoD);
+    return copy_sync_on(1, dst, ARG_DEVICE, src, ARG_DEVICE, n, 0, 0);
+}
+CUresult CUDAAPI cuMemsetD8_v2_ptds(CUdeviceptr dst, unsigned char uc, size_t n);
+CUresult CUDAAPI cuMemsetD8_v2_ptds(CUdeviceptr dst, unsigned char uc, size_t n)
+{
+    ENTER(cuMemsetD8);
+    return copy_sync_on(1, dst, ARG_DEVICE, 0, ARG_HOST_OK, n, 1, uc);
+}
+CUresult CUDAAPI cuMemcpy_ptds(CUdeviceptr dst, CUdeviceptr src, size_t n);
+CUresult CUDAAPI cuMemcpy_ptds(CUdeviceptr dst, CUdeviceptr src, size_t n)
+{
+    ENTER(cuMemcpy);
+    return copy_sync_on(1, dst, ARG_HOST_OK, src, ARG_HOST_OK, n, 0, 0);
+}
+
 /* Each side is touched by the device of its own context (the copy may be staged). */
 CUresult CUDAAPI cuMemcpyPeer(CUdeviceptr dst, CUcontext dstCtx, CUdeviceptr src, CUcontext srcCtx, size_t n)
 {
     ENTER(cuMemcpyPeer);
+    return copy_peer(dst, dstCtx, src, srcCtx, n);
+}
+
+/* The per-thread form: the double's peer copy already waits for both devices, which covers the
+ * thread's default stream too. */
+CUresult CUDAAPI cuMemcpyPeer_ptds(CUdeviceptr dst, CUcontext dstCtx, CUdeviceptr src, CUcontext srcCtx, size_t n);
+CUresult CUDAAPI cuMemcpyPeer_ptds(CUdeviceptr dst, CUcontext dstCtx, CUdeviceptr src, CUcontext srcCtx, size_t n)
+{
+    ENTER(cuMemcpyPeer);
+    return copy_peer(dst, dstCtx, src, srcCtx, n);
+}
+
+static CUresult copy_peer(CUdeviceptr dst, CUcontext dstCtx, CUdeviceptr src, CUcontext srcCtx, size_t n)
+{
     pthread_mutex_lock(&g_lock);
     struct ctx *dc = ctx_arg_locked(dstCtx), *sc = ctx_arg_locked(srcCtx);
     CUresult rc = dc && sc ? capture_unsafe_locked() : CUDA_ERROR_INVALID_CONTEXT;
@@ -2706,6 +2833,24 @@ CUresult CUDAAPI cuStreamGetCtx(CUstream hStream, CUcontext *pctx)
     return rc;
 }
 
+/* CUDA 12.5's form ("cuStreamGetCtx" from version 12050): also the stream's green context, always
+ * NULL here (the double has no green contexts). Both out-pointers are required (cuda.h names no
+ * NULL case; refusing is the side a test can trust). */
+CUresult CUDAAPI cuStreamGetCtx_v2(CUstream hStream, CUcontext *pCtx, CUgreenCtx *pGreenCtx)
+{
+    ENTER(cuStreamGetCtx);
+    if (!pCtx || !pGreenCtx) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    struct stream *s;
+    CUresult rc = stream_resolve_locked(hStream, &s);
+    if (rc == CUDA_SUCCESS) {
+        *pCtx = (CUcontext)s->ctx;
+        *pGreenCtx = NULL;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
 static CUresult enqueue_item(CUstream hStream, struct item *it, int kernel)
 {
     pthread_mutex_lock(&g_lock);
@@ -2733,6 +2878,16 @@ static CUresult enqueue_fn(CUstream hStream, void (*fn)(void *), void *arg)
 CUresult CUDAAPI cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData)
 {
     ENTER(cuLaunchHostFunc);
+    return enqueue_fn(hStream, fn, userData);
+}
+
+/* CUDA 13.1's form ("cuLaunchHostFunc" from version 13010): syncMode is how the driver's thread
+ * waits for host tasks, CU_HOST_TASK_BLOCKING (0) or CU_HOST_TASK_SPINWAIT (1); the double runs the
+ * function the same way under either. */
+CUresult CUDAAPI cuLaunchHostFunc_v2(CUstream hStream, CUhostFn fn, void *userData, unsigned int syncMode)
+{
+    ENTER(cuLaunchHostFunc);
+    if (syncMode > 1) return CUDA_ERROR_INVALID_VALUE;
     return enqueue_fn(hStream, fn, userData);
 }
 
@@ -3342,6 +3497,21 @@ CUresult CUDAAPI cuGraphLaunch_ptsz(CUgraphExec exec, CUstream hStream)
 {
     return cuGraphLaunch(exec, PTSZ(hStream));
 }
+CUresult CUDAAPI cuStreamGetCtx_ptsz(CUstream hStream, CUcontext *pctx);
+CUresult CUDAAPI cuStreamGetCtx_ptsz(CUstream hStream, CUcontext *pctx)
+{
+    return cuStreamGetCtx(PTSZ(hStream), pctx);
+}
+CUresult CUDAAPI cuStreamGetCtx_v2_ptsz(CUstream hStream, CUcontext *pCtx, CUgreenCtx *pGreenCtx);
+CUresult CUDAAPI cuStreamGetCtx_v2_ptsz(CUstream hStream, CUcontext *pCtx, CUgreenCtx *pGreenCtx)
+{
+    return cuStreamGetCtx_v2(PTSZ(hStream), pCtx, pGreenCtx);
+}
+CUresult CUDAAPI cuLaunchHostFunc_v2_ptsz(CUstream hStream, CUhostFn fn, void *userData, unsigned int syncMode);
+CUresult CUDAAPI cuLaunchHostFunc_v2_ptsz(CUstream hStream, CUhostFn fn, void *userData, unsigned int syncMode)
+{
+    return cuLaunchHostFunc_v2(PTSZ(hStream), fn, userData, syncMode);
+}
 
 /* ---- errors ---------------------------------------------------------------------------------- */
 
@@ -3393,127 +3563,179 @@ CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev) { return cuDevicePrimar
 
 /* ---- cuGetProcAddress ------------------------------------------------------------------------ */
 
-/* One row per ABI version of a base name: the newest row whose version is <= the caller's
- * cudaVersion wins. ptsz is what CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM returns. */
-struct proc_entry { const char *name; int version; void *fn; void *ptsz; };
+/* One row per ABI of a base name: the version it appeared in (N in cudaTypedefs.h's
+ * PFN_<name>_vN) and the function. A lookup gets the newest row whose version is <= the caller's
+ * cudaVersion; with CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM the newest per-thread row
+ * (PFN_<name>_vN_ptsz or _ptds) first. Every row is typed: _Generic refuses to compile a row whose
+ * function is not exactly of the header's PFN type for that name and version, or a row for a
+ * version the header has no typedef for, so a caller at version V gets the signature the real
+ * driver gives at V (docs/test-double.md has the table; tests/cudadouble/test_abi.py checks that no
+ * header version is missing between a name's first row and DRIVER_VERSION). A lookup below a
+ * name's first row finds nothing (VERSION_NOT_SUFFICIENT): the double does not serve the old ABIs
+ * (32-bit sizes, the 5-argument cuGraphInstantiate). */
+struct proc_entry { const char *name; int version; void *fn; int per_thread; };
 
 CUresult CUDAAPI cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
                                      cuuint64_t flags, CUdriverProcAddressQueryResult *symbolStatus);
 CUresult CUDAAPI cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags);
 
-#define P(name, ver, fn) {name, ver, (void *)fn, NULL}
-#define PS(name, ver, fn) {name, ver, (void *)fn, (void *)fn##_ptsz}
+/* ABIs whose typedefs cudaTypedefs.h keeps for the driver's own build (__CUDA_API_VERSION_INTERNAL,
+ * which also changes cuda.h, so it cannot be defined here): the unversioned symbols, written as the
+ * header writes them (test_abi.py compares them with the header's text). */
+typedef CUresult (CUDAAPI *PFN_cuCtxDestroy_v2000)(CUcontext ctx);
+typedef CUresult (CUDAAPI *PFN_cuCtxPopCurrent_v2000)(CUcontext *pctx);
+typedef CUresult (CUDAAPI *PFN_cuCtxPushCurrent_v2000)(CUcontext ctx);
+typedef CUresult (CUDAAPI *PFN_cuStreamDestroy_v2000)(CUstream hStream);
+typedef CUresult (CUDAAPI *PFN_cuEventDestroy_v2000)(CUevent hEvent);
+typedef CUresult (CUDAAPI *PFN_cuDevicePrimaryCtxRelease_v7000)(CUdevice_v1 dev);
+
+#define ROW_(str, ver, pfn, fn, pt) {str, ver, _Generic((fn), pfn: (void *)(fn)), pt}
+#define P(name, ver, fn) ROW_(#name, ver, PFN_##name##_v##ver, fn, 0)
+#define PTSZ_ROW(name, ver, fn) ROW_(#name, ver, PFN_##name##_v##ver##_ptsz, fn, 1)
+#define PTDS_ROW(name, ver, fn) ROW_(#name, ver, PFN_##name##_v##ver##_ptds, fn, 1)
+/* a function and its _ptsz twin, both new at `ver` */
+#define PS(name, ver, fn) \
+    ROW_(#name, ver, PFN_##name##_v##ver, fn, 0), ROW_(#name, ver, PFN_##name##_v##ver##_ptsz, fn##_ptsz, 1)
 static const struct proc_entry proc_table[] = {
-    P("cuInit", 2000, cuInit),
-    P("cuDriverGetVersion", 2020, cuDriverGetVersion),
-    P("cuDeviceGet", 2000, cuDeviceGet),
-    P("cuDeviceGetCount", 2000, cuDeviceGetCount),
-    P("cuDeviceGetName", 2000, cuDeviceGetName),
-    P("cuDeviceTotalMem", 3020, cuDeviceTotalMem_v2),
-    P("cuDeviceGetAttribute", 2000, cuDeviceGetAttribute),
-    P("cuDevicePrimaryCtxRetain", 7000, cuDevicePrimaryCtxRetain),
-    P("cuDevicePrimaryCtxRelease", 7000, cuDevicePrimaryCtxRelease),
-    P("cuDevicePrimaryCtxRelease", 11000, cuDevicePrimaryCtxRelease_v2),
-    P("cuDevicePrimaryCtxGetState", 7000, cuDevicePrimaryCtxGetState),
-    P("cuCtxCreate", 3020, cuCtxCreate_v2),
-    P("cuCtxCreate", 12050, cuCtxCreate_v4),
-    P("cuCtxDestroy", 2000, cuCtxDestroy),
-    P("cuCtxDestroy", 4000, cuCtxDestroy_v2),
-    P("cuCtxGetCurrent", 4000, cuCtxGetCurrent),
-    P("cuCtxSetCurrent", 4000, cuCtxSetCurrent),
-    P("cuCtxPushCurrent", 2000, cuCtxPushCurrent),
-    P("cuCtxPushCurrent", 4000, cuCtxPushCurrent_v2),
-    P("cuCtxPopCurrent", 2000, cuCtxPopCurrent),
-    P("cuCtxPopCurrent", 4000, cuCtxPopCurrent_v2),
-    P("cuCtxGetDevice", 2000, cuCtxGetDevice),
-    P("cuCtxSynchronize", 2000, cuCtxSynchronize),
-    P("cuMemGetInfo", 3020, cuMemGetInfo_v2),
-    P("cuMemAlloc", 3020, cuMemAlloc_v2),
-    P("cuMemFree", 3020, cuMemFree_v2),
-    PS("cuMemAllocAsync", 11020, cuMemAllocAsync),
-    PS("cuMemFreeAsync", 11020, cuMemFreeAsync),
-    P("cuMemGetAddressRange", 3020, cuMemGetAddressRange_v2),
-    P("cuMemcpyHtoD", 3020, cuMemcpyHtoD_v2),
-    P("cuMemcpyDtoH", 3020, cuMemcpyDtoH_v2),
-    P("cuMemcpyDtoD", 3020, cuMemcpyDtoD_v2),
-    P("cuMemsetD8", 3020, cuMemsetD8_v2),
-    P("cuMemGetAllocationGranularity", 10020, cuMemGetAllocationGranularity),
-    P("cuMemCreate", 10020, cuMemCreate),
-    P("cuMemRelease", 10020, cuMemRelease),
-    P("cuMemAddressReserve", 10020, cuMemAddressReserve),
-    P("cuMemAddressFree", 10020, cuMemAddressFree),
-    P("cuMemMap", 10020, cuMemMap),
-    P("cuMemUnmap", 10020, cuMemUnmap),
-    P("cuMemSetAccess", 10020, cuMemSetAccess),
-    P("cuMemGetAccess", 10020, cuMemGetAccess),
-    P("cuMemRetainAllocationHandle", 11000, cuMemRetainAllocationHandle),
-    P("cuMemGetAllocationPropertiesFromHandle", 10020, cuMemGetAllocationPropertiesFromHandle),
-    P("cuStreamCreate", 2000, cuStreamCreate),
-    P("cuStreamCreateWithPriority", 5050, cuStreamCreateWithPriority),
-    P("cuStreamDestroy", 2000, cuStreamDestroy),
-    P("cuStreamDestroy", 4000, cuStreamDestroy_v2),
-    PS("cuStreamSynchronize", 2000, cuStreamSynchronize),
-    PS("cuStreamQuery", 2000, cuStreamQuery),
-    PS("cuStreamWaitEvent", 3020, cuStreamWaitEvent),
-    PS("cuLaunchHostFunc", 10000, cuLaunchHostFunc),
-    P("cuEventCreate", 2000, cuEventCreate),
-    PS("cuEventRecord", 2000, cuEventRecord),
-    P("cuEventQuery", 2000, cuEventQuery),
-    P("cuEventSynchronize", 2000, cuEventSynchronize),
-    P("cuEventDestroy", 2000, cuEventDestroy),
-    P("cuEventDestroy", 4000, cuEventDestroy_v2),
-    P("cuEventElapsedTime", 2000, cuEventElapsedTime),
-    P("cuEventElapsedTime", 12080, cuEventElapsedTime_v2),
-    P("cuGetProcAddress", 11030, cuGetProcAddress),
-    P("cuGetProcAddress", 12000, cuGetProcAddress_v2),
-    P("cuGetErrorString", 6000, cuGetErrorString),
-    P("cuGetErrorName", 6000, cuGetErrorName),
-    P("cuDeviceCanAccessPeer", 4000, cuDeviceCanAccessPeer),
-    P("cuCtxEnablePeerAccess", 4000, cuCtxEnablePeerAccess),
-    P("cuCtxDisablePeerAccess", 4000, cuCtxDisablePeerAccess),
-    P("cuMemcpy", 4000, cuMemcpy),
-    PS("cuMemcpyAsync", 4000, cuMemcpyAsync),
-    P("cuMemcpyPeer", 4000, cuMemcpyPeer),
-    PS("cuMemcpyPeerAsync", 4000, cuMemcpyPeerAsync),
-    PS("cuMemcpyHtoDAsync", 3020, cuMemcpyHtoDAsync_v2),
-    PS("cuMemcpyDtoHAsync", 3020, cuMemcpyDtoHAsync_v2),
-    PS("cuMemcpyDtoDAsync", 3020, cuMemcpyDtoDAsync_v2),
-    PS("cuMemsetD8Async", 3020, cuMemsetD8Async),
-    P("cuPointerGetAttribute", 4000, cuPointerGetAttribute),
-    P("cuPointerGetAttributes", 7000, cuPointerGetAttributes),
-    P("cuIpcGetMemHandle", 4010, cuIpcGetMemHandle),
-    P("cuIpcOpenMemHandle", 11000, cuIpcOpenMemHandle_v2),
-    P("cuIpcCloseMemHandle", 4010, cuIpcCloseMemHandle),
-    P("cuMemExportToShareableHandle", 10020, cuMemExportToShareableHandle),
-    P("cuMemImportFromShareableHandle", 10020, cuMemImportFromShareableHandle),
-    PS("cuStreamBeginCapture", 10010, cuStreamBeginCapture_v2),
-    PS("cuStreamEndCapture", 10000, cuStreamEndCapture),
-    PS("cuStreamIsCapturing", 10000, cuStreamIsCapturing),
-    PS("cuStreamGetCaptureInfo", 11030, cuStreamGetCaptureInfo_v2),
-    PS("cuStreamGetCaptureInfo", 12030, cuStreamGetCaptureInfo_v3),
-    P("cuThreadExchangeStreamCaptureMode", 10010, cuThreadExchangeStreamCaptureMode),
-    P("cuGraphInstantiate", 11040, cuGraphInstantiateWithFlags),
-    P("cuGraphInstantiateWithFlags", 11040, cuGraphInstantiateWithFlags),
-    PS("cuGraphLaunch", 10000, cuGraphLaunch),
-    P("cuGraphExecDestroy", 10000, cuGraphExecDestroy),
-    P("cuGraphDestroy", 10000, cuGraphDestroy),
-    P("cuStreamGetCtx", 9020, cuStreamGetCtx),
+    P(cuInit, 2000, cuInit),
+    P(cuDriverGetVersion, 2020, cuDriverGetVersion),
+    P(cuDeviceGet, 2000, cuDeviceGet),
+    P(cuDeviceGetCount, 2000, cuDeviceGetCount),
+    P(cuDeviceGetName, 2000, cuDeviceGetName),
+    P(cuDeviceTotalMem, 3020, cuDeviceTotalMem_v2),
+    P(cuDeviceGetAttribute, 2000, cuDeviceGetAttribute),
+    P(cuDevicePrimaryCtxRetain, 7000, cuDevicePrimaryCtxRetain),
+    P(cuDevicePrimaryCtxRelease, 7000, cuDevicePrimaryCtxRelease),
+    P(cuDevicePrimaryCtxRelease, 11000, cuDevicePrimaryCtxRelease_v2),
+    P(cuDevicePrimaryCtxGetState, 7000, cuDevicePrimaryCtxGetState),
+    P(cuCtxCreate, 3020, cuCtxCreate_v2),
+    P(cuCtxCreate, 11040, cuCtxCreate_v3),
+    P(cuCtxCreate, 12050, cuCtxCreate_v4),
+    P(cuCtxDestroy, 2000, cuCtxDestroy),
+    P(cuCtxDestroy, 4000, cuCtxDestroy_v2),
+    P(cuCtxGetCurrent, 4000, cuCtxGetCurrent),
+    P(cuCtxSetCurrent, 4000, cuCtxSetCurrent),
+    P(cuCtxPushCurrent, 2000, cuCtxPushCurrent),
+    P(cuCtxPushCurrent, 4000, cuCtxPushCurrent_v2),
+    P(cuCtxPopCurrent, 2000, cuCtxPopCurrent),
+    P(cuCtxPopCurrent, 4000, cuCtxPopCurrent_v2),
+    P(cuCtxGetDevice, 2000, cuCtxGetDevice),
+    P(cuCtxGetDevice, 13000, cuCtxGetDevice_v2),       /* (CUdevice *, CUcontext) */
+    P(cuCtxSynchronize, 2000, cuCtxSynchronize),
+    P(cuCtxSynchronize, 13000, cuCtxSynchronize_v2),   /* (CUcontext) */
+    P(cuMemGetInfo, 3020, cuMemGetInfo_v2),
+    P(cuMemAlloc, 3020, cuMemAlloc_v2),
+    P(cuMemFree, 3020, cuMemFree_v2),
+    PS(cuMemAllocAsync, 11020, cuMemAllocAsync),
+    PS(cuMemFreeAsync, 11020, cuMemFreeAsync),
+    P(cuMemGetAddressRange, 3020, cuMemGetAddressRange_v2),
+    P(cuMemcpyHtoD, 3020, cuMemcpyHtoD_v2),
+    PTDS_ROW(cuMemcpyHtoD, 7000, cuMemcpyHtoD_v2_ptds),
+    P(cuMemcpyDtoH, 3020, cuMemcpyDtoH_v2),
+    PTDS_ROW(cuMemcpyDtoH, 7000, cuMemcpyDtoH_v2_ptds),
+    P(cuMemcpyDtoD, 3020, cuMemcpyDtoD_v2),
+    PTDS_ROW(cuMemcpyDtoD, 7000, cuMemcpyDtoD_v2_ptds),
+    P(cuMemsetD8, 3020, cuMemsetD8_v2),
+    PTDS_ROW(cuMemsetD8, 7000, cuMemsetD8_v2_ptds),
+    P(cuMemGetAllocationGranularity, 10020, cuMemGetAllocationGranularity),
+    P(cuMemCreate, 10020, cuMemCreate),
+    P(cuMemRelease, 10020, cuMemRelease),
+    P(cuMemAddressReserve, 10020, cuMemAddressReserve),
+    P(cuMemAddressFree, 10020, cuMemAddressFree),
+    P(cuMemMap, 10020, cuMemMap),
+    P(cuMemUnmap, 10020, cuMemUnmap),
+    P(cuMemSetAccess, 10020, cuMemSetAccess),
+    P(cuMemGetAccess, 10020, cuMemGetAccess),
+    P(cuMemRetainAllocationHandle, 11000, cuMemRetainAllocationHandle),
+    P(cuMemGetAllocationPropertiesFromHandle, 10020, cuMemGetAllocationPropertiesFromHandle),
+    P(cuStreamCreate, 2000, cuStreamCreate),
+    P(cuStreamCreateWithPriority, 5050, cuStreamCreateWithPriority),
+    P(cuStreamDestroy, 2000, cuStreamDestroy),
+    P(cuStreamDestroy, 4000, cuStreamDestroy_v2),
+    P(cuStreamSynchronize, 2000, cuStreamSynchronize),
+    PTSZ_ROW(cuStreamSynchronize, 7000, cuStreamSynchronize_ptsz),
+    P(cuStreamQuery, 2000, cuStreamQuery),
+    PTSZ_ROW(cuStreamQuery, 7000, cuStreamQuery_ptsz),
+    P(cuStreamWaitEvent, 3020, cuStreamWaitEvent),
+    PTSZ_ROW(cuStreamWaitEvent, 7000, cuStreamWaitEvent_ptsz),
+    PS(cuLaunchHostFunc, 10000, cuLaunchHostFunc),
+    PS(cuLaunchHostFunc, 13010, cuLaunchHostFunc_v2),   /* + unsigned int syncMode */
+    P(cuEventCreate, 2000, cuEventCreate),
+    P(cuEventRecord, 2000, cuEventRecord),
+    PTSZ_ROW(cuEventRecord, 7000, cuEventRecord_ptsz),
+    P(cuEventQuery, 2000, cuEventQuery),
+    P(cuEventSynchronize, 2000, cuEventSynchronize),
+    P(cuEventDestroy, 2000, cuEventDestroy),
+    P(cuEventDestroy, 4000, cuEventDestroy_v2),
+    P(cuEventElapsedTime, 2000, cuEventElapsedTime),
+    P(cuEventElapsedTime, 12080, cuEventElapsedTime_v2),
+    P(cuGetProcAddress, 11030, cuGetProcAddress),
+    P(cuGetProcAddress, 12000, cuGetProcAddress_v2),
+    P(cuGetErrorString, 6000, cuGetErrorString),
+    P(cuGetErrorName, 6000, cuGetErrorName),
+    P(cuDeviceCanAccessPeer, 4000, cuDeviceCanAccessPeer),
+    P(cuCtxEnablePeerAccess, 4000, cuCtxEnablePeerAccess),
+    P(cuCtxDisablePeerAccess, 4000, cuCtxDisablePeerAccess),
+    P(cuMemcpy, 4000, cuMemcpy),
+    PTDS_ROW(cuMemcpy, 7000, cuMemcpy_ptds),
+    P(cuMemcpyAsync, 4000, cuMemcpyAsync),
+    PTSZ_ROW(cuMemcpyAsync, 7000, cuMemcpyAsync_ptsz),
+    P(cuMemcpyPeer, 4000, cuMemcpyPeer),
+    PTDS_ROW(cuMemcpyPeer, 7000, cuMemcpyPeer_ptds),
+    P(cuMemcpyPeerAsync, 4000, cuMemcpyPeerAsync),
+    PTSZ_ROW(cuMemcpyPeerAsync, 7000, cuMemcpyPeerAsync_ptsz),
+    P(cuMemcpyHtoDAsync, 3020, cuMemcpyHtoDAsync_v2),
+    PTSZ_ROW(cuMemcpyHtoDAsync, 7000, cuMemcpyHtoDAsync_v2_ptsz),
+    P(cuMemcpyDtoHAsync, 3020, cuMemcpyDtoHAsync_v2),
+    PTSZ_ROW(cuMemcpyDtoHAsync, 7000, cuMemcpyDtoHAsync_v2_ptsz),
+    P(cuMemcpyDtoDAsync, 3020, cuMemcpyDtoDAsync_v2),
+    PTSZ_ROW(cuMemcpyDtoDAsync, 7000, cuMemcpyDtoDAsync_v2_ptsz),
+    P(cuMemsetD8Async, 3020, cuMemsetD8Async),
+    PTSZ_ROW(cuMemsetD8Async, 7000, cuMemsetD8Async_ptsz),
+    P(cuPointerGetAttribute, 4000, cuPointerGetAttribute),
+    P(cuPointerGetAttributes, 7000, cuPointerGetAttributes),
+    P(cuIpcGetMemHandle, 4010, cuIpcGetMemHandle),
+    P(cuIpcOpenMemHandle, 11000, cuIpcOpenMemHandle_v2),
+    P(cuIpcCloseMemHandle, 4010, cuIpcCloseMemHandle),
+    P(cuMemExportToShareableHandle, 10020, cuMemExportToShareableHandle),
+    P(cuMemImportFromShareableHandle, 10020, cuMemImportFromShareableHandle),
+    PS(cuStreamBeginCapture, 10010, cuStreamBeginCapture_v2),
+    PS(cuStreamEndCapture, 10000, cuStreamEndCapture),
+    PS(cuStreamIsCapturing, 10000, cuStreamIsCapturing),
+    PS(cuStreamGetCaptureInfo, 11030, cuStreamGetCaptureInfo_v2),
+    PS(cuStreamGetCaptureInfo, 12030, cuStreamGetCaptureInfo_v3),
+    P(cuThreadExchangeStreamCaptureMode, 10010, cuThreadExchangeStreamCaptureMode),
+    /* cuda.h 12.0 and later #define cuGraphInstantiate as cuGraphInstantiateWithFlags; before 12.0
+     * the name meant the 5-argument form (PFN_cuGraphInstantiate_v11000), not served here */
+    ROW_("cuGraphInstantiate", 12000, PFN_cuGraphInstantiateWithFlags_v11040, cuGraphInstantiateWithFlags, 0),
+    P(cuGraphInstantiateWithFlags, 11040, cuGraphInstantiateWithFlags),
+    PS(cuGraphLaunch, 10000, cuGraphLaunch),
+    P(cuGraphExecDestroy, 10000, cuGraphExecDestroy),
+    P(cuGraphDestroy, 10000, cuGraphDestroy),
+    PS(cuStreamGetCtx, 9020, cuStreamGetCtx),
+    PS(cuStreamGetCtx, 12050, cuStreamGetCtx_v2),     /* + CUgreenCtx * */
 };
 #undef P
 #undef PS
+#undef PTSZ_ROW
+#undef PTDS_ROW
+#undef ROW_
 
 static CUresult proc_lookup(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
                             CUdriverProcAddressQueryResult *status)
 {
     if (!symbol || !pfn) return CUDA_ERROR_INVALID_VALUE;
-    const struct proc_entry *best = NULL;
+    const struct proc_entry *best = NULL, *best_pt = NULL;
     int known = 0;
     for (size_t i = 0; i < sizeof proc_table / sizeof proc_table[0]; i++) {
         const struct proc_entry *e = &proc_table[i];
         if (strcmp(e->name, symbol) != 0) continue;
         known = 1;
-        if (e->version <= cudaVersion && (!best || e->version > best->version)) best = e;
+        if (e->version > cudaVersion) continue;
+        const struct proc_entry **slot = e->per_thread ? &best_pt : &best;
+        if (!*slot || e->version > (*slot)->version) *slot = e;
     }
+    if (best_pt && (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM)) best = best_pt;
     *pfn = NULL;
     if (!best) {
         /* CUDBL_TRACE_LOOKUPS=1 names what a program wanted that the double lacks. (The real
@@ -3524,10 +3746,19 @@ static CUresult proc_lookup(const char *symbol, void **pfn, int cudaVersion, cuu
                             : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
         return CUDA_ERROR_NOT_FOUND;
     }
-    *pfn = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) && best->ptsz ? best->ptsz
-                                                                                  : best->fn;
+    *pfn = best->fn;
     if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
     return CUDA_SUCCESS;
+}
+
+/* The table, for tests (cudbl.h): row i's name, version and per-thread flag; 0 past the end. */
+int cudbl_proc_row(int i, const char **name, int *version, int *per_thread)
+{
+    if (i < 0 || (size_t)i >= sizeof proc_table / sizeof proc_table[0]) return 0;
+    *name = proc_table[i].name;
+    *version = proc_table[i].version;
+    *per_thread = proc_table[i].per_thread;
+    return 1;
 }
 
 CUresult CUDAAPI cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
@@ -3550,6 +3781,17 @@ size_t cudbl_device_peak(int device)
     if (device < 0 || device >= MAX_DEVICES) return 0;
     pthread_mutex_lock(&g_lock);
     size_t v = g_dev_peak[device];
+    pthread_mutex_unlock(&g_lock);
+    return v;
+}
+
+size_t cudbl_device_mark_peak(int device, int new_window, size_t *used_now)
+{
+    if (device < 0 || device >= MAX_DEVICES) return 0;
+    pthread_mutex_lock(&g_lock);
+    size_t v = g_dev_mark_peak[device];
+    if (used_now) *used_now = g_dev_used[device];
+    if (new_window) g_dev_mark_peak[device] = g_dev_used[device];
     pthread_mutex_unlock(&g_lock);
     return v;
 }

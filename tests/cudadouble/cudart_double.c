@@ -13,6 +13,8 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include "cudbl.h" /* only for cudaTypedefs.h and the typedefs of ABIs newer than the headers */
+
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -22,60 +24,71 @@
 #define RUNTIME_VERSION 13000
 #define MAX_DEVICES 16
 
-/* The driver functions, as returned by cuGetProcAddress_v2 (field names avoid cuda.h's macros). */
+/* The driver functions the runtime takes through cuGetProcAddress_v2 at RUNTIME_VERSION: (field,
+ * base name, version), where version is the newest cudaTypedefs.h PFN_<name>_v<version> at or below
+ * RUNTIME_VERSION, so each field has the type of what the driver returns for that name at that
+ * version (tests/cudadouble/test_abi.py checks the versions against the header). At 13000
+ * cuCtxGetDevice is cuCtxGetDevice_v2(CUdevice *, CUcontext) and cuCtxSynchronize is
+ * cuCtxSynchronize_v2(CUcontext): calling them with their old signatures passed a stale register
+ * as the context, which crashed the real driver (DESIGN.md 10). Field names avoid cuda.h's
+ * macros. cuGraphInstantiateWithFlags is asked for by that name: "cuGraphInstantiate" means it
+ * only from 12000 (cuda.h's #define) and has no PFN typedef of its own there. */
+#define DRIVER_FUNCS(X)                                                                         \
+    X(init, cuInit, 2000)                                                                       \
+    X(driverGetVersion, cuDriverGetVersion, 2020)                                               \
+    X(deviceGetCount, cuDeviceGetCount, 2000)                                                   \
+    X(deviceGetAttribute, cuDeviceGetAttribute, 2000)                                           \
+    X(primaryCtxRetain, cuDevicePrimaryCtxRetain, 7000)                                         \
+    X(ctxGetCurrent, cuCtxGetCurrent, 4000)                                                     \
+    X(ctxSetCurrent, cuCtxSetCurrent, 4000)                                                     \
+    X(ctxGetDevice, cuCtxGetDevice, 13000)                                                      \
+    X(ctxSynchronize, cuCtxSynchronize, 13000)                                                  \
+    X(memGetInfo, cuMemGetInfo, 3020)                                                           \
+    X(memAlloc, cuMemAlloc, 3020)                                                               \
+    X(memFree, cuMemFree, 3020)                                                                 \
+    X(memAllocAsync, cuMemAllocAsync, 11020)                                                    \
+    X(memFreeAsync, cuMemFreeAsync, 11020)                                                      \
+    X(streamCreate, cuStreamCreate, 2000)                                                       \
+    X(streamDestroy, cuStreamDestroy, 4000)                                                     \
+    X(streamSynchronize, cuStreamSynchronize, 2000)                                             \
+    X(streamQuery, cuStreamQuery, 2000)                                                         \
+    X(streamWaitEvent, cuStreamWaitEvent, 3020)                                                 \
+    X(launchHostFunc, cuLaunchHostFunc, 10000)                                                  \
+    X(eventCreate, cuEventCreate, 2000)                                                         \
+    X(eventRecord, cuEventRecord, 2000)                                                         \
+    X(eventQuery, cuEventQuery, 2000)                                                           \
+    X(eventSynchronize, cuEventSynchronize, 2000)                                               \
+    X(eventDestroy, cuEventDestroy, 4000)                                                       \
+    X(eventElapsedTime, cuEventElapsedTime, 12080)                                              \
+    X(memcpy_, cuMemcpy, 4000)                                                                  \
+    X(memcpyAsync, cuMemcpyAsync, 4000)                                                         \
+    X(memsetD8, cuMemsetD8, 3020)                                                               \
+    X(memsetD8Async, cuMemsetD8Async, 3020)                                                     \
+    X(memcpyPeer, cuMemcpyPeer, 4000)                                                           \
+    X(memcpyPeerAsync, cuMemcpyPeerAsync, 4000)                                                 \
+    X(canAccessPeer, cuDeviceCanAccessPeer, 4000)                                               \
+    X(ctxEnablePeerAccess, cuCtxEnablePeerAccess, 4000)                                         \
+    X(ctxDisablePeerAccess, cuCtxDisablePeerAccess, 4000)                                       \
+    X(ipcGetMemHandle, cuIpcGetMemHandle, 4010)                                                 \
+    X(ipcOpenMemHandle, cuIpcOpenMemHandle, 11000)                                              \
+    X(ipcCloseMemHandle, cuIpcCloseMemHandle, 4010)                                             \
+    X(pointerGetAttributes, cuPointerGetAttributes, 7000)                                       \
+    X(streamBeginCapture, cuStreamBeginCapture, 10010)                                          \
+    X(streamEndCapture, cuStreamEndCapture, 10000)                                              \
+    X(streamIsCapturing, cuStreamIsCapturing, 10000)                                            \
+    X(streamGetCaptureInfo, cuStreamGetCaptureInfo, 12030)                                      \
+    X(threadExchangeStreamCaptureMode, cuThreadExchangeStreamCaptureMode, 10010)                \
+    X(graphInstantiate, cuGraphInstantiateWithFlags, 11040)                                     \
+    X(graphLaunch, cuGraphLaunch, 10000)                                                        \
+    X(graphExecDestroy, cuGraphExecDestroy, 10000)                                              \
+    X(graphDestroy, cuGraphDestroy, 10000)
+
+#define DRIVER_FIELD(field, name, ver) PFN_##name##_v##ver field;
 static struct {
-    CUresult (*init)(unsigned int);
-    CUresult (*driverGetVersion)(int *);
-    CUresult (*deviceGetCount)(int *);
-    CUresult (*deviceGetAttribute)(int *, CUdevice_attribute, CUdevice);
-    CUresult (*primaryCtxRetain)(CUcontext *, CUdevice);
-    CUresult (*ctxGetCurrent)(CUcontext *);
-    CUresult (*ctxSetCurrent)(CUcontext);
-    CUresult (*ctxGetDevice)(CUdevice *);
-    CUresult (*ctxSynchronize)(void);
-    CUresult (*memGetInfo)(size_t *, size_t *);
-    CUresult (*memAlloc)(CUdeviceptr *, size_t);
-    CUresult (*memFree)(CUdeviceptr);
-    CUresult (*memAllocAsync)(CUdeviceptr *, size_t, CUstream);
-    CUresult (*memFreeAsync)(CUdeviceptr, CUstream);
-    CUresult (*streamCreate)(CUstream *, unsigned int);
-    CUresult (*streamDestroy)(CUstream);
-    CUresult (*streamSynchronize)(CUstream);
-    CUresult (*streamQuery)(CUstream);
-    CUresult (*streamWaitEvent)(CUstream, CUevent, unsigned int);
-    CUresult (*launchHostFunc)(CUstream, CUhostFn, void *);
-    CUresult (*eventCreate)(CUevent *, unsigned int);
-    CUresult (*eventRecord)(CUevent, CUstream);
-    CUresult (*eventQuery)(CUevent);
-    CUresult (*eventSynchronize)(CUevent);
-    CUresult (*eventDestroy)(CUevent);
-    CUresult (*eventElapsedTime)(float *, CUevent, CUevent);
-    CUresult (*getProcAddress)(const char *, void **, int, cuuint64_t,
-                               CUdriverProcAddressQueryResult *);
-    CUresult (*memcpy_)(CUdeviceptr, CUdeviceptr, size_t);
-    CUresult (*memcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
-    CUresult (*memsetD8)(CUdeviceptr, unsigned char, size_t);
-    CUresult (*memsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
-    CUresult (*memcpyPeer)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t);
-    CUresult (*memcpyPeerAsync)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t, CUstream);
-    CUresult (*canAccessPeer)(int *, CUdevice, CUdevice);
-    CUresult (*ctxEnablePeerAccess)(CUcontext, unsigned int);
-    CUresult (*ctxDisablePeerAccess)(CUcontext);
-    CUresult (*ipcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
-    CUresult (*ipcOpenMemHandle)(CUdeviceptr *, CUipcMemHandle, unsigned int);
-    CUresult (*ipcCloseMemHandle)(CUdeviceptr);
-    CUresult (*pointerGetAttributes)(unsigned int, CUpointer_attribute *, void **, CUdeviceptr);
-    CUresult (*streamBeginCapture)(CUstream, CUstreamCaptureMode);
-    CUresult (*streamEndCapture)(CUstream, CUgraph *);
-    CUresult (*streamIsCapturing)(CUstream, CUstreamCaptureStatus *);
-    CUresult (*streamGetCaptureInfo)(CUstream, CUstreamCaptureStatus *, cuuint64_t *, CUgraph *,
-                                     const CUgraphNode **, const CUgraphEdgeData **, size_t *);
-    CUresult (*threadExchangeStreamCaptureMode)(CUstreamCaptureMode *);
-    CUresult (*graphInstantiate)(CUgraphExec *, CUgraph, unsigned long long);
-    CUresult (*graphLaunch)(CUgraphExec, CUstream);
-    CUresult (*graphExecDestroy)(CUgraphExec);
-    CUresult (*graphDestroy)(CUgraph);
+    DRIVER_FUNCS(DRIVER_FIELD)
+    PFN_cuGetProcAddress_v12000 getProcAddress; /* cuGetProcAddress_v2, the one dlsym */
 } drv;
+#undef DRIVER_FIELD
 
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 static cudaError_t init_error = cudaErrorInitializationError;
@@ -156,56 +169,9 @@ static void load_driver(void)
     *(void **)&drv.getProcAddress = dlsym(h, "cuGetProcAddress_v2");
     if (!drv.getProcAddress) { init_error = cudaErrorInsufficientDriver; return; }
     int ok = 1;
-#define R(field, name) ok &= resolve(name, (void **)&drv.field)
-    R(init, "cuInit");
-    R(driverGetVersion, "cuDriverGetVersion");
-    R(deviceGetCount, "cuDeviceGetCount");
-    R(deviceGetAttribute, "cuDeviceGetAttribute");
-    R(primaryCtxRetain, "cuDevicePrimaryCtxRetain");
-    R(ctxGetCurrent, "cuCtxGetCurrent");
-    R(ctxSetCurrent, "cuCtxSetCurrent");
-    R(ctxGetDevice, "cuCtxGetDevice");
-    R(ctxSynchronize, "cuCtxSynchronize");
-    R(memGetInfo, "cuMemGetInfo");
-    R(memAlloc, "cuMemAlloc");
-    R(memFree, "cuMemFree");
-    R(memAllocAsync, "cuMemAllocAsync");
-    R(memFreeAsync, "cuMemFreeAsync");
-    R(streamCreate, "cuStreamCreate");
-    R(streamDestroy, "cuStreamDestroy");
-    R(streamSynchronize, "cuStreamSynchronize");
-    R(streamQuery, "cuStreamQuery");
-    R(streamWaitEvent, "cuStreamWaitEvent");
-    R(launchHostFunc, "cuLaunchHostFunc");
-    R(eventCreate, "cuEventCreate");
-    R(eventRecord, "cuEventRecord");
-    R(eventQuery, "cuEventQuery");
-    R(eventSynchronize, "cuEventSynchronize");
-    R(eventDestroy, "cuEventDestroy");
-    R(eventElapsedTime, "cuEventElapsedTime");
-    R(memcpy_, "cuMemcpy");
-    R(memcpyAsync, "cuMemcpyAsync");
-    R(memsetD8, "cuMemsetD8");
-    R(memsetD8Async, "cuMemsetD8Async");
-    R(memcpyPeer, "cuMemcpyPeer");
-    R(memcpyPeerAsync, "cuMemcpyPeerAsync");
-    R(canAccessPeer, "cuDeviceCanAccessPeer");
-    R(ctxEnablePeerAccess, "cuCtxEnablePeerAccess");
-    R(ctxDisablePeerAccess, "cuCtxDisablePeerAccess");
-    R(ipcGetMemHandle, "cuIpcGetMemHandle");
-    R(ipcOpenMemHandle, "cuIpcOpenMemHandle");
-    R(ipcCloseMemHandle, "cuIpcCloseMemHandle");
-    R(pointerGetAttributes, "cuPointerGetAttributes");
-    R(streamBeginCapture, "cuStreamBeginCapture");
-    R(streamEndCapture, "cuStreamEndCapture");
-    R(streamIsCapturing, "cuStreamIsCapturing");
-    R(streamGetCaptureInfo, "cuStreamGetCaptureInfo");
-    R(threadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode");
-    R(graphInstantiate, "cuGraphInstantiate");
-    R(graphLaunch, "cuGraphLaunch");
-    R(graphExecDestroy, "cuGraphExecDestroy");
-    R(graphDestroy, "cuGraphDestroy");
-#undef R
+#define RESOLVE(field, name, ver) ok &= resolve(#name, (void **)&drv.field);
+    DRIVER_FUNCS(RESOLVE)
+#undef RESOLVE
     if (!ok) { init_error = cudaErrorInsufficientDriver; return; }
     CUresult r = drv.init(0);
     if (r != CUDA_SUCCESS) { init_error = map_error(r); return; }
@@ -283,7 +249,7 @@ cudaError_t CUDARTAPI cudaGetDevice(int *device)
     if (e != cudaSuccess) return ret(e);
     CUcontext c = NULL;
     CUdevice d;
-    if (drv.ctxGetCurrent(&c) == CUDA_SUCCESS && c && drv.ctxGetDevice(&d) == CUDA_SUCCESS)
+    if (drv.ctxGetCurrent(&c) == CUDA_SUCCESS && c && drv.ctxGetDevice(&d, c) == CUDA_SUCCESS)
         *device = d;
     else
         *device = tls_device;
@@ -300,7 +266,7 @@ cudaError_t CUDARTAPI cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr att
 cudaError_t CUDARTAPI cudaDeviceSynchronize(void)
 {
     NEED_CONTEXT();
-    return ret_cu(drv.ctxSynchronize());
+    return ret_cu(drv.ctxSynchronize(NULL)); /* NULL: the current context */
 }
 
 cudaError_t CUDARTAPI cudaRuntimeGetVersion(int *runtimeVersion)
@@ -341,7 +307,7 @@ cudaError_t CUDARTAPI cudaFree(void *devPtr)
 {
     NEED_CONTEXT();
     if (!devPtr) return cudaSuccess;
-    CUresult r = drv.ctxSynchronize();
+    CUresult r = drv.ctxSynchronize(NULL);
     if (r == CUDA_SUCCESS) r = drv.memFree((CUdeviceptr)(uintptr_t)devPtr);
     return ret_cu(r);
 }

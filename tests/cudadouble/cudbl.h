@@ -10,10 +10,29 @@
 #define CUDBL_H
 
 #include <cuda.h>
+#include <cudaTypedefs.h>
 #include <stddef.h>
 
 #ifdef __cplusplus
 extern "C" {
+#endif
+
+/* The ABIs newer than the headers the double may be built with (CUDA 12.5 and later): their
+ * declarations and cudaTypedefs.h typedefs, as CUDA 13.2's headers write them, so that every row of
+ * the double's cuGetProcAddress table is checked against a PFN type and tests can hold what a
+ * lookup returns in its type. Built against headers that have them, the headers' own are used
+ * (tests/cudadouble/test_abi.py also compiles the double against the newest cudaTypedefs.h on the
+ * machine and compares these with it). */
+#if CUDA_VERSION < 13000
+CUresult CUDAAPI cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx);
+CUresult CUDAAPI cuCtxSynchronize_v2(CUcontext ctx);
+typedef CUresult (CUDAAPI *PFN_cuCtxGetDevice_v13000)(CUdevice *device, CUcontext ctx);
+typedef CUresult (CUDAAPI *PFN_cuCtxSynchronize_v13000)(CUcontext ctx);
+#endif
+#if CUDA_VERSION < 13010
+CUresult CUDAAPI cuLaunchHostFunc_v2(CUstream hStream, CUhostFn fn, void *userData, unsigned int syncMode);
+typedef CUresult (CUDAAPI *PFN_cuLaunchHostFunc_v13010)(CUstream hStream, CUhostFn fn, void *userData, unsigned int syncMode);
+typedef CUresult (CUDAAPI *PFN_cuLaunchHostFunc_v13010_ptsz)(CUstream hStream, CUhostFn fn, void *userData, unsigned int syncMode);
 #endif
 
 /* Live objects of the double. handles: physical allocations still holding memory (a released
@@ -34,6 +53,12 @@ void cudbl_get_counts(struct cudbl_counts *out);
  * (cuMemCreate and cuMemAlloc; host-located handles never count), and the same for the host's. */
 size_t cudbl_device_peak(int device);
 size_t cudbl_host_peak(void);
+/* The same peak over a window: the most device bytes charged to `device` since the last call with
+ * new_window = 1 (or since the start), and in *used_now (may be NULL) the bytes charged now. With
+ * new_window = 1 the figures are read first, then the window restarts at the current charge. A
+ * test brackets a request with two calls: the second's peak minus the first's *used_now is how far
+ * the device's free memory (what another process would get) fell while it was served or refused. */
+size_t cudbl_device_mark_peak(int device, int new_window, size_t *used_now);
 /* Host memory through VMM, as CUDBL_HOST_VMM and CUDBL_HOST_CAPACITY set it: `vmm` is a mask of
  * CUDBL_HOST_VMM_NUMA (CU_MEM_LOCATION_TYPE_HOST_NUMA) and CUDBL_HOST_VMM_HOST
  * (CU_MEM_LOCATION_TYPE_HOST), -1 to keep; `capacity` 0 keeps it. Refused while host handles live. */
@@ -70,6 +95,11 @@ long cudbl_foreach_mapping(void (*fn)(void *arg, CUdeviceptr va, size_t size), v
  * (CUDA_ERROR_INVALID_HANDLE, or CUDA_ERROR_ILLEGAL_ADDRESS for a bad access; queued work that
  * faults does not run). */
 void cudbl_set_misuse_abort(int on);
+
+/* The double's cuGetProcAddress table, row by row (tests/cudadouble/test_abi.py): the base name,
+ * the CUDA version its ABI appeared in (cudaTypedefs.h's PFN_<name>_v<version>) and whether it is
+ * the per-thread default stream form (_ptsz/_ptds). Returns 0 past the last row. */
+int cudbl_proc_row(int i, const char **name, int *version, int *per_thread);
 
 /* An emulated kernel: like cudbl_stream_enqueue, but it touches [p, p + n) (writes when write is
  * non-zero) from the device of stream s, whose context must be current (as for a launch). When

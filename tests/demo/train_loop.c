@@ -51,12 +51,18 @@ static uint64_t next_rand(void)
 
 struct blk { void *p; size_t n; void *stream; int pluggable; };
 
-static int fail(const char *what, cudaError_t e)
+/* Every CUDA call's result is checked: a failure other than the out-of-memory the workload
+ * expects ends the demo with the call, the error's name and text, and exit status 1 (on a GPU,
+ * an error ignored here would surface later as a crash far from its cause). */
+static void check(const char *what, cudaError_t e)
 {
-    fprintf(stderr, "train-demo: %s failed: %s\n", what, cudaGetErrorString(e));
-    return 1;
+    if (e == cudaSuccess) return;
+    fprintf(stderr, "train-demo: %s failed: %s (%s)\n", what, cudaGetErrorName(e), cudaGetErrorString(e));
+    exit(1);
 }
 
+/* 0, or 1 when the device is out of memory (counted by the caller: the workload may run into its
+ * limit on purpose). */
 static int dev_alloc(struct blk *b, size_t n, void *stream, int pluggable)
 {
     b->n = n;
@@ -67,14 +73,20 @@ static int dev_alloc(struct blk *b, size_t n, void *stream, int pluggable)
         return b->p ? 0 : 1;
     }
     cudaError_t e = cudaMalloc(&b->p, n);
-    return e == cudaSuccess ? 0 : 1;
+    if (e == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError(); /* the expected failure is handled: clear the sticky last error */
+        b->p = NULL;
+        return 1;
+    }
+    check("cudaMalloc", e);
+    return 0;
 }
 
 static void dev_free(struct blk *b)
 {
     if (!b->p) return;
     if (b->pluggable) ms.f(b->p, (ssize_t)b->n, 0, b->stream);
-    else cudaFree(b->p);
+    else check("cudaFree", cudaFree(b->p));
     b->p = NULL;
 }
 
@@ -108,10 +120,9 @@ int main(int argc, char **argv)
     printf("train-demo: %d epochs x %d steps, scale %.2f, memshim %s\n", epochs, steps, scale,
            ms.m ? "preloaded" : "not loaded (plain CUDA runtime)");
 
-    cudaError_t e = cudaSetDevice(0);
-    if (e != cudaSuccess) return fail("cudaSetDevice", e);
+    check("cudaSetDevice", cudaSetDevice(0));
     cudaStream_t side;
-    if ((e = cudaStreamCreate(&side)) != cudaSuccess) return fail("cudaStreamCreate", e);
+    check("cudaStreamCreate", cudaStreamCreate(&side));
 
     /* Parameters and two optimizer moments: live for the whole run. */
     static const size_t param_sizes[] = {96, 12, 12, 36, 48, 48, 3, 1};
@@ -125,7 +136,7 @@ int main(int argc, char **argv)
                     fprintf(stderr, "train-demo: cannot allocate parameters (%zu bytes)\n", n);
                     return 1;
                 }
-                cudaMemset(params[np].p, copy, n < 4096 ? n : 4096);
+                check("cudaMemset", cudaMemset(params[np].p, copy, n < 4096 ? n : 4096));
                 np++;
             }
 
@@ -168,7 +179,7 @@ int main(int argc, char **argv)
             struct blk leaked;
             if (dev_alloc(&leaked, (size_t)leak_mib * MiB, NULL, 1) != 0) ooms++;
         }
-        cudaDeviceSynchronize();
+        check("cudaDeviceSynchronize", cudaDeviceSynchronize());
         if (quiet > 0) { /* idle before the epoch ends (a validation pass on the host): timed policies act */
             struct timespec ts = {(time_t)quiet, (long)((quiet - (double)(time_t)quiet) * 1e9)};
             nanosleep(&ts, NULL);
@@ -192,7 +203,7 @@ int main(int argc, char **argv)
         }
     }
     for (int i = 0; i < np; i++) dev_free(&params[i]);
-    cudaStreamDestroy(side);
+    check("cudaStreamDestroy", cudaStreamDestroy(side));
     printf("train-demo: finished, %d failed allocations\n", ooms);
     return 0;
 }

@@ -21,7 +21,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from pyharness import BUILD, ROOT, case, finish, skip, step  # noqa: E402
+from pyharness import BUILD, ROOT, case, finish, need_torch_and_glue, step  # noqa: E402
 
 LIB = os.path.join(BUILD, "libmemshim.so")
 GLUE = os.path.join(BUILD, "libmemshim_torch.so")
@@ -59,11 +59,7 @@ def py(code, extra=None, flags=(), double=True, preload=LIB):
     return p.returncode, out, said, p.stdout + p.stderr[-1500:]
 
 
-step("PyTorch present", timeout=120)
-probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True)
-if probe.returncode != 0 or not os.path.exists(GLUE):
-    skip("fallbacks as PyTorch decides them", "needs PyTorch and the glue (bash scripts/setup.sh --with-torch; make)")
-    finish()
+need_torch_and_glue("fallbacks as PyTorch decides them", GLUE)
 
 step("allocator settings in the environment", timeout=200)
 for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):

@@ -12,7 +12,7 @@ tests/gpu/run_gpu_checks.sh:
               file per step).
   --dry-run   here (make check): the same steps on the CUDA driver double and PyTorch on the CPU,
               with libjansson made unreachable as on the GPU machine, so no step can fail there on
-              a typo.
+              a typo (default budget 900 s: no device time is spent).
 
 Steps, in order: machine (nvidia-smi, PyTorch, CUDA), vmm-costs (build-gpu/gpu-vmm-cost: probes the
 VMM calls, then times them at 2 MiB and larger handles against policy/drvcost.c's table, and
@@ -22,7 +22,13 @@ rebuilds it there, with the machine's g++ and CUDA headers), doctor (`python3 -m
 --json`), demo (the C training-loop workload on the real driver under LD_PRELOAD, reports without
 libjansson), torch (tests/gpu/test_torch.py with what is left of the budget: native, expandable
 segments and tensor mode side by side, OOM, CUDA graphs sharing a pool, torch.compile, the largest
-batch under 24 GiB), report (memshim-report over every report written). A step whose inputs
+batch under 24 GiB), spill, gpt (tests/gpu/bench_workloads.py gpt: a GPT trained by a plain loop
+natively, in tensor mode and in segment mode, interleaved, with memshim's own account and a CPU
+profile: where memshim's time per step goes; issue 24), bench (bench_workloads.py bench: training
+shapes under native, expandable segments, cudaMallocAsync and memshim: throughput and the largest
+batch under one cap, within --bench-budget; gpu-bench.json and gpu-bench.md; issue 26), report
+(memshim-report over every report written). --steps NAME,NAME runs those steps only (the others
+are recorded as skipped; `machine` gives the facts the others need, so keep it first). A step whose inputs
 failed is skipped with the reason (no VMM: the memshim steps; no PyTorch: torch). Ends with
 "N passed, N failed, N skipped" (one per step).
 """
@@ -40,6 +46,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BUILD = "build-gpu"
 B = os.path.join(ROOT, BUILD)
 BUDGET_S = 470
+# The dry run spends no device time: it gets what a loaded 2-core machine needs for every step
+# (the gpt and bench steps start a dozen PyTorch processes there).
+DRY_BUDGET_S = 900
 KEEP = ("libmemshim.so", "libmemshim_torch.so", "memshim-replay", "memshim-options", "memshim-train-demo",
         "gpu-vmm-cost", "hide_jansson.so", "double", "torch-flags.mk", "jansson.mode",
         "prepared.json")
@@ -106,9 +115,15 @@ def prepare():
 
 # ---- the run -------------------------------------------------------------------------------------
 
+STEPS = ("machine", "vmm-costs", "glue", "doctor", "demo", "torch", "spill", "oom", "gpt", "bench", "report")
+# the step whose result a fact is: a fact of a step not selected (--steps) is not checked
+PROVIDES = {"torch": "machine", "gpu": "machine", "vmm": "vmm-costs", "glue": "glue"}
+
+
 class Run:
-    def __init__(self, out, dry, budget):
+    def __init__(self, out, dry, budget, selected=STEPS, bench_budget=240):
         self.out, self.dry, self.budget, self.t0 = out, dry, budget, time.time()
+        self.selected, self.bench_budget = set(selected), bench_budget
         self.steps, self.facts = [], {}
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MEMSHIM_", "_MEMSHIM_"))
                and k not in ("LD_PRELOAD", "PYTHONPATH")}
@@ -122,9 +137,11 @@ class Run:
         return self.budget - (time.time() - self.t0)
 
     def step(self, name, fn, timeout, needs=()):
-        missing = [n for n in needs if not self.facts.get(n)]
+        missing = [n for n in needs if not self.facts.get(n) and PROVIDES[n] in self.selected]
         rec = {"name": name, "ok": None, "seconds": 0.0, "timed_out": False}
-        if missing:
+        if name not in self.selected:
+            rec["skipped"] = "not selected (--steps)"
+        elif missing:
             rec["skipped"] = f"needs {', '.join(missing)}"
         elif self.left() < 15:
             rec["skipped"] = f"the budget ({self.budget:.0f} s) is spent"
@@ -313,6 +330,50 @@ class Run:
             d["slowdown"] = d["spill_step_s"] / d["unlimited_step_s"]
         return same and d["off_ooms"], d
 
+    def oom(self, limit):
+        """Issue 25: torch.empty of 2x the device and of free + 4 GiB, a hand-written batch-size finder
+        and accelerate's, natively and in tensor mode, nvidia-smi sampling the card meanwhile
+        (tests/gpu/oom_check.py; dry run: memshim on the double)."""
+        path = os.path.join(self.out, "oom-check.json")
+        argv = self.py(os.path.join(ROOT, "tests", "gpu", "oom_check.py"), "--json", path,
+                       "--budget", str(max(20, limit - 5))) + (["--dry-run"] if self.dry else [])
+        rc, out, err, s, to = sh(argv, limit, self.env, out_path=os.path.join(self.out, "oom.txt"))
+        return rc == 0, {"rc": rc, "timed_out": to, "file": path,
+                         "checks": [ln for ln in out.splitlines() if ln.startswith(("ok ", "FAIL", "skip"))][:12]}
+
+    def workloads(self, what, limit):
+        """tests/gpu/bench_workloads.py `what` (gpt, bench) with the step's time less a margin as
+        its budget; its own verdict (rc) and its JSON's rows."""
+        path = os.path.join(self.out, f"gpu-{what}.json")
+        argv = self.py(os.path.join(ROOT, "tests", "gpu", "bench_workloads.py"), what, "--out", self.out,
+                       "--budget", str(round(max(20, limit - 15))))
+        if self.dry:
+            argv.append("--dry-run")
+        rc, out, err, s, to = sh(argv, limit, self.env, out_path=os.path.join(self.out, f"{what}.txt"))
+        try:
+            d = json.load(open(path))
+        except (OSError, ValueError):
+            return False, {"rc": rc, "timed_out": to, "stderr": err[-800:], "stdout": out[-800:]}
+        fails = [ln for ln in out.splitlines() if ln.startswith("FAIL")]
+        return rc == 0, {"rc": rc, "timed_out": to, "file": path, "failures": fails[:10], "data": d}
+
+    def gpt(self, limit):
+        """Issue 24 item 5: the GPT loop natively, in tensor mode and in segment mode, interleaved,
+        memshim's report of each timed window, and a CPU profile natively and in tensor mode."""
+        ok, d = self.workloads("gpt", limit)
+        data = d.pop("data", None) or {}
+        d["ms_per_step"] = {r["allocator"]: r.get("ms_per_step") for r in data.get("rows", [])}
+        d["split"] = data.get("split")
+        return ok, d
+
+    def bench(self, limit):
+        """Issue 26: every workload under every allocator, throughput and frontier, within its budget."""
+        ok, d = self.workloads("bench", limit)
+        data = d.pop("data", None) or {}
+        d["rows"] = [[r["workload"], r["allocator"], r.get("tokens_per_s"), (r.get("frontier") or {}).get("largest"),
+                      r.get("skipped") or r.get("error")] for r in data.get("rows", [])]
+        return ok, d
+
     def report(self, limit):
         dirs = sorted(d for d in glob.glob(os.path.join(self.out, "memreport-*")) if os.path.isdir(d))
         if not dirs:
@@ -335,6 +396,11 @@ class Run:
         self.step("demo", self.demo, 90, needs=("vmm",))
         self.step("torch", self.torch, 330, needs=("torch", "vmm"))
         self.step("spill", self.spill, 150, needs=("torch", "vmm", "gpu") if not self.dry else ())
+        self.step("oom", self.oom, 60, needs=("torch", "vmm"))
+        self.step("gpt", self.gpt, 240 if self.dry else 90, needs=("torch", "vmm", "glue"))
+        # the dry run measures nothing: it gets the time a loaded CPU machine needs for every row
+        self.step("bench", self.bench, max(self.bench_budget, 400) if self.dry else self.bench_budget,
+                  needs=("torch", "vmm", "glue"))
         self.step("report", self.report, 60)
         total = round(time.time() - self.t0, 1)
         summary = {"dry_run": self.dry, "budget_s": self.budget, "total_s": total, "steps": self.steps,
@@ -357,19 +423,30 @@ def main():
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--prepare", action="store_true")
     g.add_argument("--dry-run", action="store_true")
-    ap.add_argument("--budget", type=float, default=BUDGET_S)
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"seconds for every step together (default {BUDGET_S}; the dry run: {DRY_BUDGET_S})")
+    ap.add_argument("--steps", default=",".join(STEPS),
+                    help=f"the steps to run, comma-separated (default: all: {','.join(STEPS)}); the others are "
+                         "recorded as skipped")
+    ap.add_argument("--bench-budget", type=float, default=240, help="seconds for the bench step (default 240)")
     a = ap.parse_args()
+    sel = [x.strip() for x in a.steps.split(",") if x.strip()]
+    if not sel or set(sel) - set(STEPS):
+        say(f"--steps {a.steps}: name steps among {', '.join(STEPS)}")
+        return 2
     if a.prepare:
         return prepare()
     if not os.path.isfile(os.path.join(B, "libmemshim.so")):
         say(f"{BUILD}/libmemshim.so is missing: run `bash tests/gpu/run_gpu_checks.sh --prepare` where the code "
             f"was built, and carry {BUILD}/ with the run")
         return 2
-    if a.budget <= 60 or a.budget > 570:
+    if a.budget is None:
+        a.budget = DRY_BUDGET_S if a.dry_run else BUDGET_S
+    if a.budget <= 60 or (a.budget > 570 and not a.dry_run):
         say(f"--budget {a.budget}: give 60 to 570 seconds (a device command has 600)")
         return 2
     out = os.environ.get("OUT") or os.path.join(ROOT, "gpu-out" if not a.dry_run else os.path.join(BUILD, "dry-out"))
-    return Run(os.path.abspath(out), a.dry_run, a.budget).run()
+    return Run(os.path.abspath(out), a.dry_run, a.budget, sel, a.bench_budget).run()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 #   bash tests/gpu/run_gpu_checks.sh             on the lent GPU machine (build-gpu/ carried): every step
 #                                                on the real driver, under 8 minutes, results as JSON in $OUT
 #   bash tests/gpu/run_gpu_checks.sh --dry-run   here: every step on the driver double (make check)
+#   ... --steps machine,gpt,bench --bench-budget 240   a subset, the bench step with its own budget
 # Nothing is installed and nothing is fetched: the lent machine has no network.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

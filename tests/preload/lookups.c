@@ -58,8 +58,12 @@ static const struct { const char *name, *abi; } managed[] = {
     {"cuMemAllocAsync", "cuMemAllocAsync"}, {"cuMemFreeAsync", "cuMemFreeAsync"},
     {"cuGetProcAddress", "cuGetProcAddress_v2"},
 };
-static const char *const unmanaged[] = {"cuCtxSynchronize", "cuMemSetAccess", "cuMemAddressReserve",
-                                        "cuStreamSynchronize", "cuInit"};
+/* functions memshim leaves alone, with the ABI a lookup at 13000 returns (CUDA 13.0 gave
+ * cuCtxSynchronize a context argument: cuCtxSynchronize_v2) */
+static const struct { const char *name, *abi; } unmanaged[] = {
+    {"cuCtxSynchronize", "cuCtxSynchronize_v2"}, {"cuMemSetAccess", "cuMemSetAccess"},
+    {"cuMemAddressReserve", "cuMemAddressReserve"}, {"cuStreamSynchronize", "cuStreamSynchronize"},
+    {"cuInit", "cuInit"}};
 
 /* A real libcuda hands out its own functions from cuGetProcAddress, whatever is preloaded. A
  * double linked without -Bsymbolic takes the addresses of its exported functions through the GOT,
@@ -103,8 +107,9 @@ TEST(cudaGetDriverEntryPoint_substitutes_managed_only)
     }
     for (size_t i = 0; i < sizeof unmanaged / sizeof unmanaged[0]; i++) {
         void *fn = NULL;
-        CHECK(cudaGetDriverEntryPoint(unmanaged[i], &fn, cudaEnableDefault, NULL) == cudaSuccess);
-        CHECKF(fn == own(unmanaged[i]), "%s: got %p, own %p", unmanaged[i], fn, own(unmanaged[i]));
+        CHECK(cudaGetDriverEntryPoint(unmanaged[i].name, &fn, cudaEnableDefault, NULL) == cudaSuccess);
+        CHECKF(fn == own(unmanaged[i].abi), "%s: got %p, own %s %p", unmanaged[i].name, fn,
+               unmanaged[i].abi, own(unmanaged[i].abi));
         CHECK(!in_memshim(fn));
     }
     void *fn = (void *)0x1;
@@ -134,6 +139,9 @@ TEST(byversion_substitutes_managed_only)
     void *fn = NULL;
     CHECK(cudaGetDriverEntryPointByVersion("cuCtxSynchronize", &fn, 13000, cudaEnableDefault, NULL) ==
           cudaSuccess);
+    CHECK(fn == own("cuCtxSynchronize_v2"));
+    CHECK(cudaGetDriverEntryPointByVersion("cuCtxSynchronize", &fn, 12090, cudaEnableDefault, NULL) ==
+          cudaSuccess);
     CHECK(fn == own("cuCtxSynchronize"));
 }
 
@@ -155,8 +163,8 @@ TEST(cuGetProcAddress_v2_through_the_preloaded_symbol)
     CHECK(fn == expect_managed("cuMemAllocAsync_ptsz"));
     for (size_t i = 0; i < sizeof unmanaged / sizeof unmanaged[0]; i++) {
         fn = NULL;
-        CHECK(gpa(unmanaged[i], &fn, 13000, CU_GET_PROC_ADDRESS_DEFAULT, NULL) == CUDA_SUCCESS);
-        CHECKF(fn == own(unmanaged[i]), "%s", unmanaged[i]);
+        CHECK(gpa(unmanaged[i].name, &fn, 13000, CU_GET_PROC_ADDRESS_DEFAULT, NULL) == CUDA_SUCCESS);
+        CHECKF(fn == own(unmanaged[i].abi), "%s", unmanaged[i].name);
     }
     /* the v1 ABI of cuMemAlloc (before 3.2: 32-bit) is never replaced */
     fn = NULL;

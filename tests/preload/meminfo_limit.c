@@ -118,6 +118,41 @@ TEST(a_failed_request_leaves_nothing_the_answer_missed)
     cudaFree(live);
 }
 
+/* Issue 25: a limit from a memory fraction (set_per_process_memory_fraction through its hook, or
+ * per_process_memory_fraction in PyTorch's allocator settings) is what cudaMemGetInfo and
+ * cuMemGetInfo report too, with or without MEMSHIM_LIMIT: a job that sizes its buffers from free
+ * memory must see the cap, not the card (the answer followed MEMSHIM_LIMIT only). */
+TEST(a_fraction_limit_is_what_meminfo_reports)
+{
+    meminfo_fn real = real_meminfo();
+    REQUIRE(real != NULL);
+    void (*set_fraction)(double, int) = (void (*)(double, int))dlsym(RTLD_DEFAULT, "memshim_torch_set_memory_fraction");
+    int (*conf_fraction)(double) = (int (*)(double))dlsym(RTLD_DEFAULT, "memshim_torch_conf_memory_fraction");
+    REQUIRE(set_fraction && conf_fraction);
+    void *p = NULL;
+    REQUIRE(cudaMalloc(&p, 8 * MiB) == cudaSuccess); /* the pool serves device 0 */
+    size_t rf = 0, rt = 0, f = 0, t = 0, f2 = 0, t2 = 0;
+    REQUIRE(real(&rf, &rt) == CUDA_SUCCESS);
+    size_t before = expected_total() ? expected_total() : rt;
+    /* a quarter of whatever cap is in force now, in whole 2 MiB pages */
+    size_t want = before / 4 / (2 * MiB) * (2 * MiB);
+    set_fraction((double)want / (double)rt, 0);
+    REQUIRE(cudaMemGetInfo(&f, &t) == cudaSuccess);
+    REQUIRE(cuMemGetInfo(&f2, &t2) == CUDA_SUCCESS);
+    CHECKF(t <= want && t + 2 * MiB > want, "total %zu with a fraction of %zu bytes (before %zu)", t, want, before);
+    CHECKF(f <= t - 8 * MiB, "free %zu of %zu with 8 MiB live", f, t);
+    CHECK(t2 == t && f2 == f);
+    /* the settings' fraction does not override the program's own */
+    CHECK(conf_fraction(0.99) == 0);
+    REQUIRE(cudaMemGetInfo(&f, &t) == cudaSuccess);
+    CHECKF(t <= want, "total %zu after a settings fraction; the program's fraction is %zu bytes", t, want);
+    CHECK(conf_fraction(0.0) != 0 && conf_fraction(1.5) != 0); /* outside (0, 1]: refused */
+    set_fraction(1.0, 0);
+    REQUIRE(cudaMemGetInfo(&f, &t) == cudaSuccess);
+    CHECKF(t == before, "total %zu after the fraction went back to 1, expected %zu", t, before);
+    CHECK(cudaFree(p) == cudaSuccess);
+}
+
 static double meminfo_ns(int calls)
 {
     double best = 1e30;

@@ -134,6 +134,9 @@ ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=0.5 EXPECT_TOTAL_MIB=1024)
 run_prog meminfo_limit_fraction meminfo_limit
 ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=100G EXPECT_TOTAL_MIB=2048)
 run_prog meminfo_limit_above_device meminfo_limit
+# issue 25: with no MEMSHIM_LIMIT, a memory fraction alone caps what cudaMemGetInfo reports
+ENV_EXTRA=(CUDBL_CAPACITY=2G)
+run_prog meminfo_fraction_only meminfo_limit
 
 # ---- found by review: the GC step's own frees, and cuMemFree of another device's block ----------
 ENV_EXTRA=(MEMSHIM_LIMIT=8M MEMSHIM_LOG=error)
@@ -143,6 +146,9 @@ run_prog multidev_free multidev_free
 run_prog free_ordering free_ordering
 ENV_EXTRA=()
 run_prog driver_oom driver_oom
+ENV_EXTRA=(CUDBL_CAPACITY=8G MEMSHIM_LOG=error)
+run_prog oom_fast oom_fast
+ENV_EXTRA=()
 
 # ---- issue 8: peers, streams that go away, address ranges, legacy IPC, cudaFree ---------------
 ENV_EXTRA=(CUDBL_DEVICES=2)

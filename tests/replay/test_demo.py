@@ -150,5 +150,24 @@ with tempfile.TemporaryDirectory() as tmp:
     reasons = sorted(json.load(open(f))["reason"] for f in glob.glob(os.path.join(d, "*-epoch*.json")))
     case("MEMSHIM_EPOCH=auto with MEMSHIM_EPOCH_SECONDS closes epochs by time", reasons.count("seconds") >= 2,
          reasons)
+    # issue 25: the demo checks every CUDA call it makes. A failure the workload does not expect
+    # (anything but out of memory) ends it with the call's name, the error and status 1, with and
+    # without memshim; before, cudaMemset, cudaDeviceSynchronize, cudaFree and cudaStreamDestroy
+    # were unchecked and the demo reported success.
+    plain = {"LD_PRELOAD": ""}
+    for fn, call, env in (("cuMemsetD8", "cudaMemset", plain), ("cuMemsetD8", "cudaMemset", {}),
+                          ("cuCtxSynchronize", "cudaDeviceSynchronize", {}),
+                          ("cuStreamDestroy", "cudaStreamDestroy", {}), ("cuMemFree", "cudaFree", plain)):
+        p = demo({**env, "CUDBL_FAIL": f"{fn}:1:CUDA_ERROR_ILLEGAL_ADDRESS"}, "--epochs", "1", "--steps", "1",
+                 "--scale", "0.05")
+        where = "without memshim" if env else "under memshim"
+        case(f"a failing {call} ends the demo {where}: status 1, the call and the error named",
+             p.returncode == 1 and f"train-demo: {call} failed: cudaErrorIllegalAddress" in p.stderr
+             and "finished" not in p.stdout, (p.returncode, p.stderr[-300:], p.stdout[-200:]))
+    # the out-of-memory the workload expects is counted, not fatal
+    # (the 289th cuMemAlloc is the first activation: 288 parameter blocks come first)
+    p = demo({"LD_PRELOAD": "", "CUDBL_FAIL": "cuMemAlloc:289"}, "--epochs", "1", "--steps", "1", "--scale", "0.05")
+    case("an out-of-memory cudaMalloc is counted as a failed allocation, the demo goes on",
+         p.returncode == 0 and "finished, 1 failed allocations" in p.stdout, (p.returncode, p.stdout[-200:], p.stderr[-200:]))
 
 finish()

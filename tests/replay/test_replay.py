@@ -408,4 +408,47 @@ else:
                  rc == 0 and d["steady_map_ops"] == 0 and d["steady_unmap_ops"] == 0 and d["steady_ooms"] == 0,
                  f"maps {d.get('steady_map_ops')} unmaps {d.get('steady_unmap_ops')}")
 
+# issue 26: --compare prints the epoch reports' fragmentation figures for every model, a pass a step.
+# By hand, no limit: A 4 MiB, B 3 MiB (freed), C 12 MiB, D 30 MiB, all freed; live peak 46 MiB.
+#   torch (PyTorch's rules): A asks a 20 MiB segment (under 10 MiB: kLargeBuffer), B and C are split
+#     from it, D (over 10 MiB: rounded to 2 MiB) a segment of its own: 50 MiB reserved, first reached
+#     by D with 46 live: 46/50 = 0.92, 4 MiB beyond allocated at the peak; the second pass reuses
+#     both segments (peaks reset at its start: 50 held): 46/50 again.
+#   memshim (no limit: the open end of the line mapped in 20 MiB chunks): A maps pages 0-19 MiB, B
+#     and C fit there (C at 4 MiB), D at 16 MiB extends the mapping to the next chunk boundary,
+#     60 MiB: 46/60, 14 MiB beyond allocated at the peak.
+with tempfile.TemporaryDirectory() as tmp:
+    t = os.path.join(tmp, "frag.txt")
+    MB = 1 << 20
+    open(t, "w").write("# memshim-trace 1\n" + "".join(
+        f"{op} 0 0x0 {addr:#x} {mb * MB}\n" for op, addr, mb in (
+            ("a", 0x1000000, 4), ("a", 0x2000000, 3), ("f", 0x2000000, 3), ("a", 0x3000000, 12),
+            ("a", 0x4000000, 30), ("f", 0x4000000, 30), ("f", 0x3000000, 12), ("f", 0x1000000, 4))))
+    rc, out, err = run("--compare", "--json", "--passes", "2", t)
+    try:
+        pol = json.loads(out)["policies"]
+    except (ValueError, KeyError):
+        pol = {}
+    want = {"torch": (46 / 50, 4 * MB), "memshim": (46 / 60, 14 * MB)}
+    for k, (ratio, gap) in want.items():
+        v = pol.get(k, {})
+        sr = v.get("step_allocated_over_reserved") or {}
+        case(f"--compare --json: {k}: peak allocated/reserved {ratio:.4f}, each of the 2 passes the same, "
+             f"{gap // MB} MiB reserved beyond allocated at the peak (by hand)",
+             abs(v.get("peak_allocated_over_peak_reserved", -1) - ratio) < 1e-5 and sr.get("steps") == 2
+             and all(abs(sr.get(q, -1) - ratio) < 1e-5 for q in ("min", "median", "max"))
+             and v.get("reserved_minus_allocated_at_peak_bytes") == gap, (rc, v, err[-300:]))
+    x = pol.get("torch-expandable", {})
+    case("--compare --json: torch-expandable carries the same figures, consistent with its reserved peak",
+         x.get("step_allocated_over_reserved", {}).get("steps") == 2 and abs(
+             x.get("peak_allocated_over_peak_reserved", -1) - 46 * MB / x.get("unlimited_peak_reserved_bytes", 1)) < 1e-5
+         and 0 <= x.get("reserved_minus_allocated_at_peak_bytes", -1) <= x["unlimited_peak_reserved_bytes"] - 46 * MB,
+         x)
+    rc, out, err = run("--compare", "--passes", "2", t)
+    line = [ln for ln in out.splitlines() if "fragmentation with no limit" in ln]
+    case("--compare (text): one line of fragmentation figures for the three models",
+         rc == 0 and len(line) == 1 and "torch: step allocated/reserved 0.920/0.920/0.920, peak allocated/reserved "
+         "0.920, reserved - allocated at the peak 4 MiB" in line[0] and "memshim: step allocated/reserved 0.767" in line[0]
+         and "torch-expandable:" in line[0], out[-800:])
+
 finish()

@@ -218,6 +218,16 @@ def main():
         oa = [a for a in adv if a["kind"] == "oom"]
         case("OOM rule: short by 32% of the limit is not a case for spilling (no suggestion)",
              len(oa) == 1 and "MEMSHIM_SPILL" not in oa[0]["text"], adv)
+        # issue 25: a request larger than the limit alone, 2.6% over it: spill cannot help (a new block
+        # lives in device memory), so the rule names the case and suggests no spilling
+        alone = dict(oo, live_bytes=0, requested_bytes=39 * GiB, case="larger_than_limit", cached_bytes=0)
+        write_run(D("oom-alone"), [(30 * GiB, 36 * GiB, 38 * GiB)] * 3, total=80 * GiB, limit="38GiB", ooms=1,
+                  last_oom=alone)
+        adv, p = advice(D("oom-alone"))
+        oa = [a for a in adv if a["kind"] == "oom"]
+        case("OOM rule: larger than the limit alone is named as such, with no spill suggestion (issue 25)",
+             len(oa) == 1 and "larger than MEMSHIM_LIMIT (38912.0 MiB) alone" in oa[0]["text"]
+             and "MEMSHIM_SPILL" not in oa[0]["text"] and "short_bytes" not in oa[0].get("figures", {}), adv)
 
         # 5. unfinished and interrupted runs, unknown reasons
         write_run(D("nosummary"), [(GiB, 2 * GiB, 2 * GiB)] * 3, total=80 * GiB, summary=False)

@@ -131,6 +131,12 @@ def detail_expect(r):
     us = lambda v: "n/a" if v is None else f"{v / 1000:.1f}"  # noqa: E731
     return {"alloc_end": mib(m["allocated_bytes"]), "alloc_peak": mib(ap), "resv_peak": mib(rp),
             "resv/alloc": f3(rp / ap) if ap else "n/a", "frag": f3(r["fragmentation"]["free_extent_fragmentation"]),
+            # issue 26: min/median/max of each step's peak allocated over its peak reserved, and the
+            # reserve beyond allocated at the peak (n/a in reports from before them)
+            "step_a/r": "/".join(f3(sr[q]) for q in ("min", "median", "max"))
+            if (sr := r["fragmentation"].get("step_allocated_over_reserved")) else "n/a",
+            "gap@pk": mib(r["fragmentation"]["reserved_minus_allocated_at_peak_bytes"])
+            if "reserved_minus_allocated_at_peak_bytes" in r["fragmentation"] else "n/a",
             "maps": str(r["operations"]["map_ops"]), "unmaps": str(r["operations"]["unmap_ops"]),
             "reclaim": str(r["operations"]["reclaimed_pages"]), "ooms": str(r["oom"]["oom_events"]),
             "steps": str(r["steps"]), "reason": r["reason"],

@@ -460,6 +460,25 @@ def check_failures(c, v, idx):
     return need(v >= n, f"{v} < {n} OOM reports")
 
 
+def check_oom_case(c, v, idx):
+    """Issue 25: the case follows from the request, the double's capacity and the limit in pages."""
+    if c.r["kind"] != "oom":
+        return last_oom_same(c, v, idx, "case")
+    req, lim = c.r["last_oom"]["requested_bytes"], c.run["limit"] // GRAN * GRAN
+    want = ("larger_than_device" if req > c.run["cap"] else "larger_than_limit" if lim and req > lim
+            else "does_not_fit_now")
+    return eq(v, want, f"a request of {req} bytes on a device of {c.run['cap']}, limit {lim}")
+
+
+def check_oom_cached(c, v, idx):
+    """Cached pages are whole pages no live block touches: beside the live bytes, inside what is reserved."""
+    lo = c.r["last_oom"]
+    if c.r["kind"] != "oom":
+        return last_oom_same(c, v, idx, "cached_bytes")
+    return need(v % GRAN == 0 and v + lo["live_bytes"] <= lo["reserved_bytes"],
+                f"cached {v} + live {lo['live_bytes']} > reserved {lo['reserved_bytes']} (or not whole pages)")
+
+
 def check_oom_requested(c, v, idx):
     lo = c.r["last_oom"]
     cap = lo["limit_bytes"] or (lo["reserved_bytes"] + lo["device_free_bytes"])
@@ -702,6 +721,20 @@ FIELDS = {
     "fragmentation.peak_allocated_over_peak_reserved": (R, lambda c, v, i: close(
         v, mem(c, "allocated_peak_bytes") / mem(c, "reserved_peak_bytes") if mem(c, "reserved_peak_bytes") else 1.0,
         "peak allocated / peak reserved") or need(v <= 1.0, f"{v} > 1: reserved peak below allocated peak")),
+    # issue 26: each step's peaks over its own (a step of the demo always holds its weights, so every
+    # step is measured); the reserve at its peak: at most the reserved peak, at least what the
+    # allocated peak leaves of it (the first allocation that saw the peak was at most that live)
+    "fragmentation.step_allocated_over_reserved.steps": (T, lambda c, v, i: eq(v, c.r["steps"], "the epoch's steps")),
+    "fragmentation.step_allocated_over_reserved.min": (R, lambda c, v, i: need(
+        0 < v <= c.r["fragmentation"]["step_allocated_over_reserved"]["median"], f"{v}: not in (0, median]")),
+    "fragmentation.step_allocated_over_reserved.median": (R, lambda c, v, i: need(
+        v <= c.r["fragmentation"]["step_allocated_over_reserved"]["max"], f"{v} above the max")),
+    "fragmentation.step_allocated_over_reserved.max": (R, lambda c, v, i: need(v <= 1.0, f"{v} > 1: a step's "
+                                                                                    "allocated peak above its reserved")),
+    "fragmentation.reserved_minus_allocated_at_peak_bytes": (R, lambda c, v, i: need(
+        max(0, mem(c, "reserved_peak_bytes") - mem(c, "allocated_peak_bytes")) <= v <= mem(c, "reserved_peak_bytes"),
+        f"not in [reserved peak - allocated peak, reserved peak] = [{mem(c, 'reserved_peak_bytes')} - "
+        f"{mem(c, 'allocated_peak_bytes')}, {mem(c, 'reserved_peak_bytes')}]")),
     # operations (cumulative): counts from the trace, driver work from the driver's call counters
     "operations.allocs": (T, lambda c, v, i: eq(v, c.g["allocs"], "allocations in the trace")),
     "operations.frees": (T, lambda c, v, i: eq(v, c.g["frees"], "frees in the trace")
@@ -781,6 +814,7 @@ FIELDS = {
     "last_oom.largest_free_extent_bytes": (T, lambda c, v, i: eq(v, mem(c, "largest_free_extent_bytes"), "same moment")
                                            if c.r["kind"] == "oom" else last_oom_same(c, v, i, "largest_free_extent_bytes")),
     "last_oom.largest_live_blocks[].bytes": (T, check_top_bytes),
+    "last_oom.cached_bytes": (R, check_oom_cached),
     "policies.empty_cache_runs": (T, check_ec_runs),
     "policies.empty_cache_released_bytes": (R, check_ec_bytes),
     "policies.gc_runs": (T, lambda c, v, i: eq(v, 0, "a C program: no GC callback, no Python")),
@@ -953,6 +987,10 @@ def check_run(run, seen, differ):
                 why = f"the check could not be evaluated: {type(e).__name__}: {e}"
             if why:
                 bad.append(f"{path}{list(idx) if idx else ''} = {v}: {why}")
+        if "last_oom" in rep:  # a string, beside the numbers it follows from (issue 25)
+            why = check_oom_case(c, rep["last_oom"].get("case"), ())
+            if why:
+                bad.append(f"last_oom.case = {rep['last_oom'].get('case')}: {why}")
         case(f"{label}: all {n} numeric fields match", not bad, "; ".join(bad[:8]) + (
             f"; and {len(bad) - 8} more" if len(bad) > 8 else ""))
         prev.append(rep)

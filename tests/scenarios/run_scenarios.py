@@ -456,6 +456,50 @@ else:
          found and "memshim/" not in "\n".join(l for l in out.splitlines() if not l.startswith("MEMSHIM_LOG_HISTORY"))
          and "memshim/" not in err, (tb, out[-600:]))
 
+# ---- 8. batch-size finders (issue 25) -----------------------------------------------------------------------
+probes = glob.glob(os.path.join(BUILD, "tests", "torch", "memshim_oom_probe*.so"))
+if not os.path.exists(GLUE) or not probes:
+    skip("batch-size finders: the same batch as without memshim, refusals at no driver cost",
+         "the PyTorch glue or its test extension was not built (make tests where torch imports)")
+else:
+    d = tmpdir("finders")
+    seen_cases = set()
+    for label, cap, limit, finders in (("a 1 GiB device", 1 << 30, None, ["hand", "accelerate", "lightning"]),
+                                       ("MEMSHIM_LIMIT=512M on it", 1 << 30, 512 << 20, ["hand", "accelerate"])):
+        tag = "limit" if limit else "device"
+        step(f"batch-size finders on {label}", timeout=600)
+        mine, native, rep = (os.path.join(d, f"{tag}-{k}") for k in ("memshim.json", "native.json", "rep"))
+        # both at once: Lightning's trials take seconds each
+        pm = start([os.path.join(JOBS, "finder_job.py"), mine, *finders],
+                   {"CUDBL_CAPACITY": str(cap), "MEMSHIM_LIMIT": str(limit) if limit else None,
+                    "MEMSHIM_TEST_GLUE": GLUE, "MEMSHIM_TEST_PROBE": probes[0], "MEMSHIM_REPORT_DIR": rep,
+                    "MEMSHIM_LOG": "error"})
+        pn = start([os.path.join(JOBS, "finder_job.py"), native, *finders], {"FINDER_NATIVE_CAPACITY": str(limit or cap)},
+                   preload=False)
+        (out, err), (out0, err0) = pm.communicate(timeout=580), pn.communicate(timeout=580)
+        rc, rc0 = pm.returncode, pn.returncode
+        got = json.load(open(mine)) if rc == 0 and os.path.exists(mine) else {}
+        want = json.load(open(native)) if rc0 == 0 and os.path.exists(native) else {}
+        ran = [f for f in finders if "answer" in got.get(f, {}) and "answer" in want.get(f, {})]
+        for f in finders:
+            if f not in ran and "skipped" in got.get(f, {}):
+                skip(f"{label}: {f}", got[f]["skipped"][:160])
+        answers = {f: (got[f]["answer"], want[f]["answer"]) for f in ran}
+        case(f"{label}: {', '.join(ran)} find the same batch under memshim (tensor mode, the double) as PyTorch's "
+             "capacity rule gives without it", rc == 0 and rc0 == 0 and ran and "hand" in ran
+             and all(a == b and a > 0 for a, b in answers.values()), (answers, err[-800:], err0[-800:]))
+        refused = [p for f in ran for p in got[f]["refused"]]
+        case(f"{label}: each of the {len(refused)} refused probes cost the driver no cuMemCreate and the device none "
+             "of its free memory", refused and all(p["creates"] == 0 and p["device_rise_bytes"] == 0 for p in refused),
+             [(p["bytes"] >> 20, p["creates"], p["device_rise_bytes"]) for p in refused])
+        print(f"    {label}: answers {answers}; refusals (MiB, s): "
+              f"{[(p['bytes'] >> 20, round(p['seconds'], 4)) for p in refused]}")
+        for r in reports(rep):
+            if r["kind"] == "oom":
+                seen_cases.add(r["last_oom"].get("case"))
+    case("the finders' OOM reports name each case: larger_than_device, larger_than_limit, does_not_fit_now",
+         seen_cases >= {"larger_than_device", "larger_than_limit", "does_not_fit_now"}, seen_cases)
+
 bad = [(r["_file"], report_problems({k: v for k, v in r.items() if k != "_file"})[:2]) for r in all_reports
        if report_problems({k: v for k, v in r.items() if k != "_file"})]
 case(f"all {len(all_reports)} reports of these scenarios match docs/report.schema.json", all_reports and not bad, bad[:3])

@@ -270,6 +270,13 @@ except torch.OutOfMemoryError as e:
 print("OOMS", torch.cuda.memory_stats(0)["num_ooms"])
 d = probe.alloc(fa, 64 * MiB, 0)
 print("CONTINUE", d != 0)
+e = probe.alloc(fa, 600 * MiB, 0)
+try:
+    probe.alloc(fa, 600 * MiB, 0)
+    print("NOW none")
+except torch.OutOfMemoryError as exc:
+    print("NOW", json.dumps(str(exc)))
+probe.free(ff, e, 600 * MiB, 0)
 import memshim
 st = memshim.stats(0)
 print("STATS", st["mode"], st["torch"]["allocated_bytes.all.current"] == torch.cuda.memory_allocated(0))
@@ -310,10 +317,16 @@ print("STATS", st["mode"], st["torch"]["allocated_bytes.all.current"] == torch.c
         case("OOM: the glue's exception becomes torch.OutOfMemoryError through PyTorch's translation, with "
              "PyTorch's opening words and memshim's diagnosis",
              msg.startswith("CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 ")
-             and "memshim (tensor mode): capacity" in msg and "limit 1.00 GiB" in msg
-             and "largest free extent" in msg and "memshim tried:" in msg, out + err[-1500:])
+             and "memshim (tensor mode): larger than the limit (1.00 GiB)" in msg
+             and "before any driver work" in msg and "MEMSHIM_LIMIT" in msg, out + err[-1500:])
         case("num_ooms counts it, and the job continues with a smaller request",
              o.get("OOMS") == "1" and o.get("CONTINUE") == "True", out + err[-1500:])
+        now = json.loads(o["NOW"]) if o.get("NOW", "none") != "none" else ""
+        case("OOM under the limit but beyond what is left: 'does not fit now' with free, cached, live, the "
+             "largest free extent and what memshim tried (issue 25)",
+             now.startswith("CUDA out of memory. Tried to allocate 600.00 MiB. GPU 0 ")
+             and "memshim (tensor mode): does not fit now: capacity" in now and "cached by memshim" in now
+             and "device free" in now and "largest free extent" in now and "memshim tried:" in now, out + err[-1500:])
         case("memshim.stats() reports tensor mode and the same figures", o.get("STATS") == "tensor True",
              out + err[-1500:])
 

@@ -8,6 +8,7 @@
  * each cleans up after itself (the last one checks nothing leaked).
  */
 #include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include "cudadouble/cudbl.h"
 #include "harness.h"
@@ -873,6 +874,173 @@ TEST(proc_address_lookups)
     CU_IS(cuGetProcAddress("cuNoSuchFunction", &p, 13000, 0), CUDA_ERROR_NOT_FOUND);
     CU_OK(cuGetProcAddress("cuMemAlloc", &p, 13000, 0));
     CHECK(p == (void *)cuMemAlloc_v2);
+}
+
+/* Every ABI that changed in CUDA 12 and 13 for a name the double serves, looked up at each version
+ * and held in cudaTypedefs.h's type for that version (an assignment the compiler checks against
+ * the lookup's documented signature), then called the way a caller at that version calls it. */
+static void *lookup_at(const char *name, int version, cuuint64_t flags)
+{
+    void *p = NULL;
+    CUdriverProcAddressQueryResult st = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    CUresult r = cuGetProcAddress_v2(name, &p, version, flags, &st);
+    return r == CUDA_SUCCESS && st == CU_GET_PROC_ADDRESS_SUCCESS ? p : NULL;
+}
+
+static void count_host_fn(void *arg) { (*(volatile int *)arg)++; }
+
+TEST(proc_address_cuda13_signatures)
+{
+    REQUIRE(setup() == 0);
+    const cuuint64_t legacy = CU_GET_PROC_ADDRESS_LEGACY_STREAM,
+                     pt = CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
+    CUdevice dev = -1;
+
+    /* cuCtxGetDevice: (CUdevice *) up to 12.9, cuCtxGetDevice_v2(CUdevice *, CUcontext) from 13.0 */
+    PFN_cuCtxGetDevice_v2000 get_dev_v1 = (PFN_cuCtxGetDevice_v2000)lookup_at("cuCtxGetDevice", 12090, legacy);
+    PFN_cuCtxGetDevice_v13000 get_dev = (PFN_cuCtxGetDevice_v13000)lookup_at("cuCtxGetDevice", 13000, legacy);
+    REQUIRE(get_dev_v1 && get_dev);
+    CHECK((void *)get_dev_v1 == dlsym(RTLD_DEFAULT, "cuCtxGetDevice"));
+    CHECK((void *)get_dev == dlsym(RTLD_DEFAULT, "cuCtxGetDevice_v2"));
+    CU_OK(get_dev_v1(&dev));
+    CHECK(dev == 0);
+    dev = -1;
+    CU_OK(get_dev(&dev, NULL));             /* NULL: the current context */
+    CHECK(dev == 0);
+    dev = -1;
+    CU_OK(get_dev(&dev, g_ctx));
+    CHECK(dev == 0);
+    CU_IS(get_dev(NULL, g_ctx), CUDA_ERROR_INVALID_VALUE);
+    /* a value that is not a context: what the old signature's caller passes (a stale register) */
+    CU_MISUSE(get_dev(&dev, (CUcontext)&dev), CUDA_ERROR_INVALID_CONTEXT);
+    CUcontext gone = NULL, popped = NULL;
+    CU_OK(cuCtxCreate_v2(&gone, 0, 0));
+    CU_OK(cuCtxDestroy(gone));
+    CU_IS(get_dev(&dev, gone), CUDA_ERROR_INVALID_CONTEXT);   /* destroyed: a clean error */
+    CU_OK(cuCtxSetCurrent(g_ctx));
+    /* with two devices the argument, not the current context, decides */
+    if (cudbl_configure(2, 0, 0) == CUDA_SUCCESS) {
+        CUcontext c1 = NULL;
+        CU_OK(cuDevicePrimaryCtxRetain(&c1, 1));
+        CU_OK(get_dev(&dev, c1));
+        CHECK(dev == 1);
+        CU_OK(cuCtxPushCurrent(c1));
+        CU_OK(get_dev(&dev, g_ctx));
+        CHECK(dev == 0);
+        CU_OK(get_dev(&dev, NULL));
+        CHECK(dev == 1);
+        CU_OK(cuCtxPopCurrent(&popped));
+        CU_OK(cuDevicePrimaryCtxRelease(1));
+    }
+
+    /* cuCtxSynchronize: (void) up to 12.9, cuCtxSynchronize_v2(CUcontext) from 13.0 */
+    PFN_cuCtxSynchronize_v2000 sync_v1 = (PFN_cuCtxSynchronize_v2000)lookup_at("cuCtxSynchronize", 12090, legacy);
+    PFN_cuCtxSynchronize_v13000 sync_ctx = (PFN_cuCtxSynchronize_v13000)lookup_at("cuCtxSynchronize", 13000, legacy);
+    REQUIRE(sync_v1 && sync_ctx);
+    CHECK((void *)sync_ctx == dlsym(RTLD_DEFAULT, "cuCtxSynchronize_v2"));
+    CUstream s;
+    volatile int ran = 0;
+    CU_OK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    CU_OK(cuLaunchHostFunc(s, count_host_fn, (void *)&ran));
+    CHECK(ran == 0);
+    CU_OK(sync_ctx(g_ctx));                 /* waits for the context's streams */
+    CHECK(ran == 1);
+    CU_OK(cuLaunchHostFunc(s, count_host_fn, (void *)&ran));
+    CU_OK(sync_ctx(NULL));
+    CHECK(ran == 2);
+    CU_OK(cuLaunchHostFunc(s, count_host_fn, (void *)&ran));
+    CU_OK(sync_v1());
+    CHECK(ran == 3);
+    CU_MISUSE(sync_ctx((CUcontext)(uintptr_t)0x7f0012345678ull), CUDA_ERROR_INVALID_CONTEXT);
+    CU_IS(sync_ctx(gone), CUDA_ERROR_INVALID_CONTEXT);
+
+    /* cuStreamGetCtx: (CUstream, CUcontext *) up to 12.4, cuStreamGetCtx_v2 with a green context
+     * out-argument from 12.5; both have per-thread forms */
+    PFN_cuStreamGetCtx_v9020 stream_ctx_v1 = (PFN_cuStreamGetCtx_v9020)lookup_at("cuStreamGetCtx", 12040, legacy);
+    PFN_cuStreamGetCtx_v12050 stream_ctx = (PFN_cuStreamGetCtx_v12050)lookup_at("cuStreamGetCtx", 13000, legacy);
+    PFN_cuStreamGetCtx_v12050_ptsz stream_ctx_pt =
+        (PFN_cuStreamGetCtx_v12050_ptsz)lookup_at("cuStreamGetCtx", 13000, pt);
+    REQUIRE(stream_ctx_v1 && stream_ctx && stream_ctx_pt);
+    CHECK((void *)stream_ctx == dlsym(RTLD_DEFAULT, "cuStreamGetCtx_v2"));
+    CHECK((void *)stream_ctx_pt == dlsym(RTLD_DEFAULT, "cuStreamGetCtx_v2_ptsz"));
+    CHECK(lookup_at("cuStreamGetCtx", 12040, pt) == dlsym(RTLD_DEFAULT, "cuStreamGetCtx_ptsz"));
+    CUcontext sc = NULL;
+    CUgreenCtx green = (CUgreenCtx)(uintptr_t)1;
+    CU_OK(stream_ctx_v1(s, &sc));
+    CHECK(sc == g_ctx);
+    sc = NULL;
+    CU_OK(stream_ctx(s, &sc, &green));
+    CHECK(sc == g_ctx && green == NULL);
+    sc = NULL;
+    CU_OK(stream_ctx_pt(NULL, &sc, &green));  /* the thread's default stream */
+    CHECK(sc == g_ctx);
+    CU_IS(stream_ctx(s, &sc, NULL), CUDA_ERROR_INVALID_VALUE);
+
+    /* cuLaunchHostFunc_v2 (13.1): a sync mode, 0 or 1 */
+    PFN_cuLaunchHostFunc_v13010 host_fn = (PFN_cuLaunchHostFunc_v13010)lookup_at("cuLaunchHostFunc", 13010, legacy);
+    REQUIRE(host_fn);
+    CHECK(lookup_at("cuLaunchHostFunc", 13000, legacy) == dlsym(RTLD_DEFAULT, "cuLaunchHostFunc"));
+    CHECK(lookup_at("cuLaunchHostFunc", 13010, pt) == dlsym(RTLD_DEFAULT, "cuLaunchHostFunc_v2_ptsz"));
+    CU_OK(host_fn(s, count_host_fn, (void *)&ran, 1));
+    CU_IS(host_fn(s, count_host_fn, (void *)&ran, 2), CUDA_ERROR_INVALID_VALUE);
+    CU_OK(cuStreamSynchronize(s));
+    CHECK(ran == 4);
+    CU_OK(cuStreamDestroy(s));
+
+    /* cuCtxCreate: _v2 (3.2), _v3 with execution affinity (11.4), _v4 with CUctxCreateParams (12.5) */
+    PFN_cuCtxCreate_v11040 create_v3 = (PFN_cuCtxCreate_v11040)lookup_at("cuCtxCreate", 12040, legacy);
+    PFN_cuCtxCreate_v12050 create_v4 = (PFN_cuCtxCreate_v12050)lookup_at("cuCtxCreate", 13000, legacy);
+    REQUIRE(create_v3 && create_v4);
+    CHECK(lookup_at("cuCtxCreate", 11030, legacy) == dlsym(RTLD_DEFAULT, "cuCtxCreate_v2"));
+    CUcontext made = NULL;
+    CU_OK(create_v3(&made, NULL, 0, 0, 0));
+    CU_OK(cuCtxDestroy(made));
+    CUexecAffinityParam aff;
+    memset(&aff, 0, sizeof aff);
+    CU_IS(create_v3(&made, &aff, 1, 0, 0), CUDA_ERROR_NOT_SUPPORTED);
+    CU_OK(create_v4(&made, NULL, 0, 0));
+    CU_OK(cuCtxDestroy(made));
+    CU_OK(cuCtxSetCurrent(g_ctx));
+
+    /* cuGraphInstantiate means cuGraphInstantiateWithFlags from 12.0; the 5-argument form before it
+     * is not served (a caller at 11.4 must not get a 3-argument function) */
+    PFN_cuGraphInstantiateWithFlags_v11040 inst =
+        (PFN_cuGraphInstantiateWithFlags_v11040)lookup_at("cuGraphInstantiate", 12000, legacy);
+    CHECK(inst && (void *)inst == dlsym(RTLD_DEFAULT, "cuGraphInstantiateWithFlags"));
+    CHECK(lookup_at("cuGraphInstantiate", 11040, legacy) == NULL);
+
+    /* per-thread forms appear at their own versions: cuEventRecord_ptsz at 7.0, and the
+     * synchronous copies' _ptds */
+    CHECK(lookup_at("cuEventRecord", 6050, pt) == dlsym(RTLD_DEFAULT, "cuEventRecord"));
+    CHECK(lookup_at("cuEventRecord", 7000, pt) == dlsym(RTLD_DEFAULT, "cuEventRecord_ptsz"));
+    PFN_cuMemcpyHtoD_v7000_ptds htod_pt = (PFN_cuMemcpyHtoD_v7000_ptds)lookup_at("cuMemcpyHtoD", 13000, pt);
+    CHECK((void *)htod_pt == dlsym(RTLD_DEFAULT, "cuMemcpyHtoD_v2_ptds"));
+    CUdeviceptr d = 0;
+    CU_OK(cuMemAlloc(&d, 64));
+    char in[64] = "per-thread copy", out[64] = {0};
+    REQUIRE(htod_pt);
+    CU_OK(htod_pt(d, in, sizeof in));
+    CU_OK(cuMemcpyDtoH(out, d, sizeof out));
+    CHECK(strcmp(out, in) == 0);
+    CU_OK(cuMemFree(d));
+    CHECK(counts_zero());
+}
+
+/* Every context-taking call refuses a value that never was a context as misuse (a real driver
+ * dereferences it), and a destroyed context with CUDA_ERROR_INVALID_CONTEXT. */
+TEST(context_arguments_that_are_not_contexts)
+{
+    REQUIRE(setup() == 0);
+    CUcontext junk = (CUcontext)(uintptr_t)0x7f00deadbe00ull;
+    CU_MISUSE(cuCtxSetCurrent(junk), CUDA_ERROR_INVALID_CONTEXT);
+    CU_MISUSE(cuCtxPushCurrent(junk), CUDA_ERROR_INVALID_CONTEXT);
+    CU_MISUSE(cuCtxDestroy(junk), CUDA_ERROR_INVALID_CONTEXT);
+    CU_MISUSE(cuCtxEnablePeerAccess(junk, 0), CUDA_ERROR_INVALID_CONTEXT);
+    CU_MISUSE(cuCtxGetDevice_v2(&(CUdevice){0}, junk), CUDA_ERROR_INVALID_CONTEXT);
+    CU_MISUSE(cuCtxSynchronize_v2(junk), CUDA_ERROR_INVALID_CONTEXT);
+    CUcontext cur = NULL;
+    CU_OK(cuCtxGetCurrent(&cur));
+    CHECK(cur == g_ctx);                    /* nothing changed */
 }
 
 TEST(error_names)

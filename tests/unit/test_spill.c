@@ -24,31 +24,17 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "on_double.h"
+
 #define MiB MSH_MiB
 #define PAGE (2 * MiB)
 #define LIMIT (16 * MiB) /* 8 pages: the most any test here lets the pool hold on the device */
-
-static struct msh_device g_dev;
-static CUcontext g_ctx;
-static int g_ready;
 
 __attribute__((constructor)) static void spill_env(void)
 {
     setenv("CUDBL_CAPACITY", "1G", 0);
     setenv("CUDBL_GRANULARITY", "2M", 0);
     msh_log_level = MSH_LOG_ERROR;
-}
-
-static int device_up(void)
-{
-    if (g_ready) return g_ready > 0;
-    g_ready = -1;
-    if (msh_dev_cuda_init(&g_dev, 0)) return 0;
-    CUdevice d;
-    if (cuDeviceGet(&d, 0) != CUDA_SUCCESS || cuDevicePrimaryCtxRetain(&g_ctx, d) != CUDA_SUCCESS) return 0;
-    cuCtxSetCurrent(g_ctx);
-    g_ready = 1;
-    return 1;
 }
 
 static struct msh_pool *pool_new(size_t limit, bool spill, size_t spill_max)

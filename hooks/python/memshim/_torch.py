@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 
-from . import _boot, _epochs
+from . import _allocconf, _boot, _epochs
 from ._boot import LOG_INFO, LOG_WARN, MODE_AUTO, MODE_OFF, MODE_SEGMENT, MODE_TENSOR, log, setting
 
 
@@ -143,18 +143,52 @@ def _decide():
 
 def _decide_locked():
     mode = setting("mode")
-    if mode in (MODE_SEGMENT, MODE_OFF):
+    if mode == MODE_OFF:
         return
-    why = _why_not(mode)
-    if why:
-        state.why = why
-        log(LOG_WARN if mode == MODE_TENSOR else LOG_INFO, f"memshim stays in segment mode: {why}")
+    if mode != MODE_SEGMENT:
+        why = _why_not(mode)
+        if why:
+            state.why = why
+            log(LOG_WARN if mode == MODE_TENSOR else LOG_INFO, f"memshim stays in segment mode: {why}")
+        else:
+            try:
+                _switch()
+            except Exception as exc:  # noqa: BLE001
+                state.why = f"the switch failed ({type(exc).__name__}: {exc})"
+                log(LOG_WARN, f"memshim stays in segment mode: {state.why}")
+            else:
+                _honour_settings()
+                return
+    _segment_settings()
+
+
+def _honour_settings():
+    """Tensor mode: what PyTorch's allocator settings ask of the allocator, memshim does.
+    per_process_memory_fraction becomes every device's limit, as set_per_process_memory_fraction
+    makes it (PyTorch applies the key in its own caching allocator only)."""
+    var, value = _allocconf.pick(torch=_torch)
+    if var is None:
         return
-    try:
-        _switch()
-    except Exception as exc:  # noqa: BLE001
-        state.why = f"the switch failed ({type(exc).__name__}: {exc})"
-        log(LOG_WARN, f"memshim stays in segment mode: {state.why}")
+    f, bad = _allocconf.fraction(_allocconf.pairs(value))
+    if bad:
+        log(LOG_WARN, f"{var}: {bad}; memshim sets no limit from it (torch.cuda.set_per_process_memory_fraction "
+            "takes the same values)")
+    elif f is not None:
+        _boot.lib().memshim_torch_conf_memory_fraction(ctypes.c_double(f))
+        log(LOG_INFO, f"{var}: per_process_memory_fraction:{f:g}: each device's limit is {f:g} of its memory, as "
+            f"torch.cuda.set_per_process_memory_fraction({f:g}) sets it")
+
+
+def _segment_settings():
+    """Segment mode: PyTorch's allocator acts on its settings before memshim sees a request.
+    throw_on_cudamalloc_oom:True makes it refuse a segment that would take its reserved memory past
+    per_process_memory_fraction of the device (all of it by default) without calling cudaMalloc, so
+    MEMSHIM_SPILL=host can never serve past the device's memory."""
+    var, value = _allocconf.pick(torch=_torch)
+    if var is not None and setting("spill") > 0 and _allocconf.true(_allocconf.pairs(value), "throw_on_cudamalloc_oom"):
+        log(LOG_WARN, f"{var} sets throw_on_cudamalloc_oom:True: PyTorch refuses a segment past its memory fraction "
+            "(the whole device by default) before calling cudaMalloc, so MEMSHIM_SPILL=host cannot serve beyond the "
+            "device's memory; remove the key, or let memshim place the tensors (tensor mode)")
 
 
 # ---- the paths into CUDA that do not pass torch.cuda._lazy_init ------------------------------
@@ -258,9 +292,12 @@ def _why_not(mode):
     if state.user_choice:
         return state.user_choice
     if mode == MODE_AUTO:
-        for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-            if os.environ.get(var):
-                return f"{var} configures PyTorch's own allocator (MEMSHIM_MODE=tensor overrides)"
+        # the settings PyTorch takes; keys memshim honours (per_process_memory_fraction) or that
+        # concern the pinned host allocator do not keep it out
+        var, value = _allocconf.pick(torch=torch)
+        keys = _allocconf.blocking(_allocconf.pairs(value)) if var else []
+        if keys:
+            return f"{var} configures PyTorch's own allocator ({', '.join(keys)}; MEMSHIM_MODE=tensor overrides)"
     if torch.cuda.is_initialized():
         return "CUDA was initialized before memshim's hook could switch the allocator"
     if not setting("enabled"):

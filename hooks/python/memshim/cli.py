@@ -314,6 +314,9 @@ def doctor(where):
 
     mode = eff.get("MEMSHIM_MODE", "auto")
     drv, tor = d["driver"], d["torch"]
+    from . import _allocconf  # PyTorch's allocator settings, read in PyTorch 2.15's order (no torch here)
+    alloc_conf_var, alloc_conf_value = _allocconf.pick()
+    alloc_conf_keys = _allocconf.blocking(_allocconf.pairs(alloc_conf_value)) if alloc_conf_var else []
     why = None
     if not d["memshim"]["present"]:
         why = f"libmemshim.so is missing ({where['lib']})"
@@ -330,8 +333,9 @@ def doctor(where):
         why = f"PyTorch cannot be imported here ({tor['error']})"
     elif tor["glue_error"]:
         why = f"the PyTorch glue {tor['glue']} is {tor['glue_error']}: segment mode; rebuild it with {rebuild_hint(where)}"
-    elif mode == "auto" and (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
-        why = "PYTORCH_CUDA_ALLOC_CONF configures PyTorch's own allocator: segment mode (MEMSHIM_MODE=tensor overrides)"
+    elif mode == "auto" and alloc_conf_keys:
+        why = (f"{alloc_conf_var} configures PyTorch's own allocator ({', '.join(alloc_conf_keys)}): segment mode "
+               "(MEMSHIM_MODE=tensor overrides)")
     elif not d["python_hook"]["present"]:
         why = f"memshim's Python start-up hook is missing ({startup})"
     ok = why is None

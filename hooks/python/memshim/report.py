@@ -218,6 +218,9 @@ def parse(path, obj, warnings):
         "touched_peak": f.get("memory.touched_peak_bytes", nonneg_int, "an integer"),
         "device_total": f.get("memory.device_total_bytes", nonneg_int, "an integer"),
         "frag": f.get("fragmentation.free_extent_fragmentation", nonneg_num, "a number"),
+        # issue 26 (None in older reports): GMLake's, STAlloc's and the users' fragmentation figures
+        "peak_ratio": f.get("fragmentation.peak_allocated_over_peak_reserved", nonneg_num, "a number"),
+        "gap_at_peak": f.get("fragmentation.reserved_minus_allocated_at_peak_bytes", is_int, "an integer"),
         "maps": f.get("operations.map_ops", nonneg_int, "an integer"),
         "unmaps": f.get("operations.unmap_ops", nonneg_int, "an integer"),
         "reclaimed": f.get("operations.reclaimed_pages", nonneg_int, "an integer"),
@@ -236,6 +239,9 @@ def parse(path, obj, warnings):
     series = f.get("trend.epoch_end_allocated_bytes",
                    lambda v: isinstance(v, list) and all(nonneg_int(x) for x in v), "a list of integers")
     rec["trend_series"] = series
+    sr = f.get("fragmentation.step_allocated_over_reserved", lambda v: v is None or (
+        isinstance(v, dict) and all(nonneg_num(v.get(k)) for k in ("min", "median", "max"))), "null or {min, median, max}")
+    rec["step_ratio"] = {k: sr[k] for k in ("min", "median", "max", "steps") if k in sr} if sr else None
     rec["sites"] = parse_site_list(obj.get("sites"), "sites", f, growth=False)
     trend = obj.get("trend")
     rec["growing_sites"] = parse_site_list(trend.get("growing_sites") if isinstance(trend, dict) else None,
@@ -265,6 +271,10 @@ def parse(path, obj, warnings):
                            for k in ("requested_bytes", "live_bytes", "reserved_bytes", "device_total_bytes",
                                      "device_free_bytes", "limit_bytes", "largest_free_extent_bytes")}
         rec["last_oom"]["cause"] = f.get("last_oom.cause", s, "a string")
+        # issue 25: which case it was (reports from before it lack both keys)
+        rec["last_oom"]["case"] = f.get("last_oom.case", s, "a string") if "case" in oom else None
+        rec["last_oom"]["cached_bytes"] = (f.get("last_oom.cached_bytes", nonneg_int, "an integer")
+                                           if "cached_bytes" in oom else None)
     cfg = obj.get("config")
     rec["config"] = {}
     if isinstance(cfg, dict):
@@ -570,7 +580,9 @@ def row_json(r):
         "allocated_end_bytes": r["alloc_end"], "allocated_peak_bytes": ap,
         "reserved_end_bytes": r["resv_end"], "reserved_peak_bytes": rp,
         "reserved_over_allocated": ratio(rp, ap), "touched_peak_bytes": r["touched_peak"],
-        "fragmentation": r["frag"], "map_ops": r["maps"], "unmap_ops": r["unmaps"],
+        "fragmentation": r["frag"], "peak_allocated_over_peak_reserved": r["peak_ratio"],
+        "step_allocated_over_reserved": r["step_ratio"], "reserved_minus_allocated_at_peak_bytes": r["gap_at_peak"],
+        "map_ops": r["maps"], "unmap_ops": r["unmaps"],
         "reclaimed_pages": r["reclaimed"], "oom_events": r["ooms"],
         "latency": r["latency"], "torch_memory_stats": r["torch"], "driver_modelled_seconds": r["driver_seconds"],
         "sites": r["sites"], "last_oom": r["last_oom"],
@@ -754,7 +766,8 @@ def advise(run):
         if n_oom:
             last = lo[-1]["last_oom"] if lo else None  # recs are in time order
             fig = {"oom_events": n_oom, "last_oom": last}
-            if last and last["cause"] == "capacity" and (last["limit_bytes"] or last["device_total_bytes"]):
+            alone = last and last.get("case") in ("larger_than_device", "larger_than_limit")
+            if last and not alone and last["cause"] == "capacity" and (last["limit_bytes"] or last["device_total_bytes"]):
                 # the shortfall the MEMSHIM_SPILL=host suggestion quotes is a figure too (every number
                 # in an advice text is one of its figures)
                 cap0 = last["limit_bytes"] or last["device_total_bytes"]
@@ -770,6 +783,12 @@ def advise(run):
                 if not o:
                     return t + ": the reports do not say why (no last_oom)"
                 cap = o["limit_bytes"] or o["device_total_bytes"]
+                if o.get("case") in ("larger_than_device", "larger_than_limit"):
+                    dev = o["case"] == "larger_than_device"
+                    return t + (f": the last asked for {mib(o['requested_bytes'])} MiB, larger than "
+                                f"{'the device' if dev else 'MEMSHIM_LIMIT'} ({mib(o['device_total_bytes'] if dev else o['limit_bytes'])}"
+                                " MiB) alone: no allocator could serve it (memshim refused it before any driver work); "
+                                + ("a smaller batch or shape" if dev else "raise MEMSHIM_LIMIT, or a smaller batch or shape"))
                 t += (f": the last asked for {mib(o['requested_bytes'])} MiB with {mib(o['live_bytes'])} MiB live and "
                       f"{mib(o['reserved_bytes'])} MiB reserved of {mib(cap)} MiB "
                       f"({'MEMSHIM_LIMIT' if o['limit_bytes'] else 'the device'})")
@@ -945,7 +964,9 @@ def to_json(runs, paths, nrecs, skipped, warnings):
 CSV_COLUMNS = ["run", "file", "schema_version", "host", "pid", "rank", "device", "kind", "epoch", "oom_index",
                "reason", "mode",
                "steps", "peak_scope", "allocated_end_bytes", "allocated_peak_bytes", "reserved_end_bytes",
-               "reserved_peak_bytes", "reserved_over_allocated", "touched_peak_bytes", "fragmentation", "map_ops",
+               "reserved_peak_bytes", "reserved_over_allocated", "touched_peak_bytes", "fragmentation",
+               "peak_allocated_over_peak_reserved", "step_alloc_over_resv_min", "step_alloc_over_resv_median",
+               "step_alloc_over_resv_max", "reserved_minus_allocated_at_peak_bytes", "map_ops",
                "unmap_ops", "reclaimed_pages", "oom_events", "alloc_p50_ns", "alloc_p90_ns", "alloc_p99_ns",
                "alloc_max_ns", "free_p50_ns", "free_p90_ns", "free_p99_ns", "free_max_ns",
                "torch_allocated_peak_bytes", "torch_reserved_peak_bytes", "torch_num_alloc_retries",
@@ -970,6 +991,8 @@ def write_csv(runs, out):
             for r in s["recs"]:
                 j = row_json(r)
                 j["run"] = run["index"]
+                for q in ("min", "median", "max"):
+                    j[f"step_alloc_over_resv_{q}"] = (r["step_ratio"] or {}).get(q)
                 lat = r["latency"] or {}
                 for op, pre in (("alloc_ns", "alloc"), ("free_ns", "free")):
                     for q in ("p50", "p90", "p99", "max"):
@@ -1000,7 +1023,7 @@ def table(headers, rows, left=()):
 
 
 DETAIL_HEADERS = ["host", "pid", "rank", "dev", "kind", "epoch", "reason", "steps", "alloc_end", "alloc_peak",
-                  "resv_peak", "resv/alloc", "frag", "maps", "unmaps", "reclaim", "ooms", "a.p50us", "a.p99us",
+                  "resv_peak", "resv/alloc", "frag", "step_a/r", "gap@pk", "maps", "unmaps", "reclaim", "ooms", "a.p50us", "a.p99us",
                   "pt_alloc", "pt_resv"]
 
 
@@ -1012,9 +1035,15 @@ def detail_row(r):
     kind = f"oom#{r['oom_index']}" if r["oom_index"] is not None else r["kind"]  # which failure, as in its file name
     return [r["host"], str(r["pid"]), na(r["rank"]), str(r["device"]), kind, str(r["epoch"]), na(r["reason"]),
             na(r["steps"]), mib(r["alloc_end"]), mib(j["allocated_peak_bytes"]), mib(j["reserved_peak_bytes"]),
-            fnum(j["reserved_over_allocated"]), fnum(r["frag"]), na(r["maps"]), na(r["unmaps"]), na(r["reclaimed"]),
+            fnum(j["reserved_over_allocated"]), fnum(r["frag"]), step_ratio_text(r["step_ratio"]), mib(r["gap_at_peak"]),
+            na(r["maps"]), na(r["unmaps"]), na(r["reclaimed"]),
             na(r["ooms"]), usec(lat.get("p50")), usec(lat.get("p99")), mib(t.get("allocated_peak_bytes")),
             mib(t.get("reserved_peak_bytes"))]
+
+
+def step_ratio_text(sr):
+    """STAlloc's figure as min/median/max (n/a: no step measured, or an older report)."""
+    return "n/a" if not sr else "/".join(f"{sr[q]:.3f}" for q in ("min", "median", "max"))
 
 
 def versions_line(run):
@@ -1080,7 +1109,8 @@ def text_report(runs, args, nrecs, nfiles_skipped):
     out.append(f"{PROG}: {nrecs} report{'s' if nrecs != 1 else ''} in {len(runs)} run{'s' if len(runs) != 1 else ''}"
                f"{f', {nfiles_skipped} file(s) skipped' if nfiles_skipped else ''}")
     out.append("memory in MiB; resv/alloc: peak reserved / peak allocated; frag: 1 - largest free extent / free "
-               "bytes in mapped pages; a.p50us, a.p99us: allocation latency percentiles (us); pt_alloc, pt_resv: "
+               "bytes in mapped pages; step_a/r: each optimizer step's peak allocated / its peak reserved, "
+               "min/median/max over the epoch's steps; gap@pk: reserved - allocated at the reserved peak; a.p50us, a.p99us: allocation latency percentiles (us); pt_alloc, pt_resv: "
                "PyTorch's memory_stats() peaks; summary rows: peaks since the pool was created")
     for run in runs:
         out.append("")

@@ -519,6 +519,18 @@ void tm_reserve_add(struct tm_model *m, uint64_t bytes)
     if (m->st.reserved > m->st.peak_reserved) m->st.peak_reserved = m->st.reserved;
 }
 
+/* A block became live: the live peak, and the pair at the reserved peak (the first allocation that
+ * saw the reserve at its highest, once it holds its block: memshim's pool measures it so too). */
+static void tm_note_live(struct tm_model *m, uint64_t bytes)
+{
+    m->st.live_bytes += bytes;
+    if (m->st.live_bytes > m->st.peak_live_bytes) m->st.peak_live_bytes = m->st.live_bytes;
+    if (m->st.reserved > m->st.at_peak_reserved) {
+        m->st.at_peak_reserved = m->st.reserved;
+        m->st.at_peak_live = m->st.live_bytes;
+    }
+}
+
 /* ---- the allocator ------------------------------------------------------------------------------ */
 static struct tm_model *TM(struct msh_policy *p) { return (struct tm_model *)p; }
 
@@ -762,8 +774,7 @@ static int tm_alloc(struct msh_policy *pp, uint64_t orig, uint64_t stream, uint6
     b->allocated = 1;
     b->req = orig;
     if (live_put(m, b)) return ENOMEM;
-    m->st.live_bytes += orig;
-    if (m->st.live_bytes > m->st.peak_live_bytes) m->st.peak_live_bytes = m->st.live_bytes;
+    tm_note_live(m, orig);
     *addr = b->addr;
     return 0;
 }
@@ -800,7 +811,14 @@ static void tm_destroy(struct msh_policy *pp)
     free(m);
 }
 
-static const struct msh_policy_ops tm_ops = {tm_alloc, tm_free, tm_empty_cache, tm_stats, tm_destroy};
+static void tm_reset_peaks(struct msh_policy *pp)
+{
+    struct msh_policy_stats *st = &TM(pp)->st;
+    st->peak_reserved = st->at_peak_reserved = st->reserved;
+    st->peak_live_bytes = st->at_peak_live = st->live_bytes;
+}
+
+static const struct msh_policy_ops tm_ops = {tm_alloc, tm_free, tm_empty_cache, tm_stats, tm_destroy, tm_reset_peaks};
 
 static int tm_create(enum msh_policy_kind kind, uint64_t capacity, const struct msh_torch_conf *conf,
                      struct msh_policy **out)
@@ -895,8 +913,7 @@ int msh_torch_seed_block(struct msh_policy *pp, uint64_t addr, uint64_t bsize, u
     f->req = req;
     f->stream = stream;
     if (live_put(m, f)) return ENOMEM;
-    m->st.live_bytes += req;
-    if (m->st.live_bytes > m->st.peak_live_bytes) m->st.peak_live_bytes = m->st.live_bytes;
+    tm_note_live(m, req);
     return 0;
 }
 

@@ -66,6 +66,9 @@ struct msh_policy_stats {
      * the torch models count what PyTorch's allocator would call (docs/models.md). */
     uint64_t drv_calls[MSH_DRV_NKINDS], drv_bytes[MSH_DRV_NKINDS];
     uint64_t drv_maps[MSH_DRV_NKINDS];      /* the mappings those calls covered (drvcost.h) */
+    /* reserved and live bytes at the first allocation that saw the reserved peak, once it holds
+     * its block (docs/reports.md, fragmentation.reserved_minus_allocated_at_peak_bytes) */
+    uint64_t at_peak_reserved, at_peak_live;
 };
 
 struct msh_policy;
@@ -75,6 +78,9 @@ struct msh_policy_ops {
     void (*empty_cache)(struct msh_policy *p);
     void (*stats)(struct msh_policy *p, struct msh_policy_stats *out);
     void (*destroy)(struct msh_policy *p);
+    /* the peaks (and the pair at the reserved peak) restart at the current figures: the replay's
+     * steps, one per pass */
+    void (*reset_peaks)(struct msh_policy *p);
 };
 struct msh_policy {
     const struct msh_policy_ops *ops;
@@ -96,6 +102,7 @@ static inline int msh_policy_free(struct msh_policy *p, uint64_t addr, uint64_t 
 }
 static inline void msh_policy_empty_cache(struct msh_policy *p) { p->ops->empty_cache(p); }
 static inline void msh_policy_get_stats(struct msh_policy *p, struct msh_policy_stats *s) { p->ops->stats(p, s); }
+static inline void msh_policy_reset_peaks(struct msh_policy *p) { p->ops->reset_peaks(p); }
 static inline void msh_policy_destroy(struct msh_policy *p)
 {
     if (p) p->ops->destroy(p);

@@ -42,7 +42,8 @@ static void ms_stats(struct msh_policy *p, struct msh_policy_stats *out)
     *out = (struct msh_policy_stats){
         .reserved = s.mapped_bytes, .peak_reserved = s.peak_mapped_bytes, .live_bytes = s.live_bytes,
         .peak_live_bytes = s.peak_live_bytes, .segs_created = s.create_ops, .segs_freed = s.release_ops,
-        .map_ops = s.map_ops, .unmap_ops = s.unmap_ops, .ooms = m->ooms};
+        .map_ops = s.map_ops, .unmap_ops = s.unmap_ops, .ooms = m->ooms, .at_peak_reserved = s.at_peak_mapped_bytes,
+        .at_peak_live = s.at_peak_live_bytes};
     memcpy(out->drv_calls, s.drv_calls, sizeof out->drv_calls);
     memcpy(out->drv_bytes, s.drv_bytes, sizeof out->drv_bytes);
     memcpy(out->drv_maps, s.drv_maps, sizeof out->drv_maps);
@@ -56,7 +57,9 @@ static void ms_destroy(struct msh_policy *p)
     free(m);
 }
 
-static const struct msh_policy_ops ms_ops = {ms_alloc, ms_free, ms_empty_cache, ms_stats, ms_destroy};
+static void ms_reset_peaks(struct msh_policy *p) { msh_pool_reset_peaks(((struct ms_policy *)p)->pool); }
+
+static const struct msh_policy_ops ms_ops = {ms_alloc, ms_free, ms_empty_cache, ms_stats, ms_destroy, ms_reset_peaks};
 
 int msh_memshim_policy_create(uint64_t capacity, uint64_t granularity, uint64_t va_hint, struct msh_policy **out)
 {

@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""The GPU benchmark's driver logic without PyTorch or a GPU (tests/gpu/bench_workloads.py): the
+frontier search against workers that answer by rule, the search stopping when the budget runs out
+or a worker fails, the interleaving of throughput windows (A B C D per round) and their medians,
+a run whose budget is spent (every row present, each saying why it was skipped), the checks that
+judge a run, and the cost split of the gpt step computed by hand. Runs in tests/run.sh; the dry
+run (gpu_checks.py --dry-run) runs the same driver over real worker processes."""
+import json
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from pyharness import case, finish  # noqa: E402
+
+import bench_workloads as bw  # noqa: E402
+
+
+class FakeProc:
+    """A worker whose `fits` answer is a rule on the batch; every command is recorded."""
+
+    def __init__(self, name, limit=None, log=None, fail_at=None, ms=10.0):
+        self.allocator, self.dead, self.limit, self.log, self.fail_at, self.ms = name, None, limit, log, fail_at, ms
+        self.trials = 0
+
+    def ask(self, cmd, timeout):
+        if self.log is not None:
+            self.log.append((self.allocator, cmd["op"]))
+        if cmd["op"] == "cap":
+            return {"fraction": 0.5}
+        if cmd["op"] == "fits":
+            self.trials += 1
+            if self.fail_at is not None and self.trials == self.fail_at:
+                self.dead = "worker exited (rc -11)"
+                return {"error": self.dead}
+            ok = cmd["batch"] <= self.limit
+            return {"batch": cmd["batch"], "ok": ok, "oom": None if ok else "CUDA out of memory.",
+                    "tokens_per_s": 1000.0 * cmd["batch"] if ok else None, "ms_per_step": 5.0,
+                    "peak_reserved": 7, "peak_allocated": 5, "trial_s": 0.1}
+        if cmd["op"] == "throughput":
+            self.ms += 1.0  # 11, 12, 13 ms: the median is the second window
+            return {"tokens_per_s": 1000.0 / self.ms, "ms_per_step": self.ms, "peak_reserved": int(self.ms * 10),
+                    "peak_allocated": int(self.ms), "allocator_seen": self.allocator}
+        return {"error": f"unexpected {cmd}"}
+
+
+class Clock:
+    """Bench.left() that drops to nothing after `n` calls."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __call__(self):
+        self.n -= 1
+        return 1000.0 if self.n >= 0 else 5.0
+
+
+def spec(batch=32):
+    return {"kind": "gpt", "batch": batch, "cap_gib": 2.0, "f_steps": 4, "warm": 1, "steps": 3}
+
+
+tmp = tempfile.mkdtemp(prefix="memshim-bench-plan-")
+
+# ---- the frontier search: bracket, then bisect to 1/16 of the batch --------------------------
+for limit in (1, 5, 37, 100, 511, 1999):
+    B = bw.Bench(tmp, 1000, False)
+    p, row = FakeProc("native", limit), {}
+    f = B.frontier(p, spec(32), row)
+    lo, hi = f["largest"], f["first_failure"]
+    case(f"frontier: a worker that fits up to batch {limit}: largest {lo}, first failure {hi}, "
+         f"{len(f['trials'])} trials",
+         lo is not None and lo <= limit < hi and hi - lo <= max(1, lo // 16) and len(f["trials"]) <= 14
+         and f["tokens_per_s"] == 1000.0 * lo and f["cap_bytes"] == 2 * bw.GiB and "incomplete" not in f, f)
+B = bw.Bench(tmp, 1000, False)
+f = B.frontier(FakeProc("native", 10 ** 6), spec(32), {})
+case("frontier: no failure up to 64 times the batch: the largest tried, no first failure, a note saying so",
+     f["largest"] == 64 * 32 and f["first_failure"] is None and "no failure" in f.get("note", ""), f)
+f = B.frontier(FakeProc("native", 0), spec(32), {})
+case("frontier: not even batch 1 fits: no largest, first failure 1", f["largest"] is None and f["first_failure"] == 1, f)
+# the exact answer where the resolution allows it (the dry run relies on this)
+for limit, start in ((12, 4), (20, 8), (6, 2), (10, 4), (5, 2)):
+    f = bw.Bench(tmp, 1000, False).frontier(FakeProc("native", limit), spec(start), {})
+    case(f"frontier: from batch {start}, a limit of {limit} is found exactly", (f["largest"], f["first_failure"]) ==
+         (limit, limit + 1), f["trials"])
+
+# ---- the search stops: budget, worker failure ------------------------------------------------
+B = bw.Bench(tmp, 1000, False)
+B.left = Clock(3)
+f = B.frontier(FakeProc("native", 1000), spec(32), {})
+case("frontier: the budget runs out mid-search: stopped, marked incomplete, the largest so far kept as a lower bound",
+     "incomplete" in f and f["largest"] is not None and f["largest"] <= 1000 and len(f["trials"]) <= 3, f)
+B = bw.Bench(tmp, 1000, False)
+p = FakeProc("memshim", 1000, fail_at=3)
+f = B.frontier(p, spec(32), {})
+case("frontier: the worker dies mid-search: the error recorded, the search stopped, no trial after it",
+     f.get("error", "").startswith("worker exited") and len(f["trials"]) == 3 and "incomplete" not in f, f)
+f = B.frontier(p, spec(32), {})
+case("frontier: a dead worker is not asked again: skipped with its reason", f.get("skipped", "").startswith("worker"), f)
+
+# ---- throughput: interleaved rounds, medians --------------------------------------------------
+log = []
+procs = {a: FakeProc(a, log=log) for a in bw.ALLOCATORS}
+rows = {a: {} for a in bw.ALLOCATORS}
+bw.Bench(tmp, 1000, False).throughput(procs, spec(), rows)
+order = [a for a, op in log if op == "throughput"]
+case("throughput: one window per allocator per round, in the same order every round (A B C D x 3)",
+     order == list(bw.ALLOCATORS) * 3, order)
+case("throughput: the medians of the 3 windows (12 ms of 11, 12, 13), the highest peaks",
+     all(r["ms_per_step"] == 12.0 and abs(r["tokens_per_s"] - 1000 / 12) < 1e-9 and r["peak_reserved"] == 130
+         and len(r["repeats"]) == 3 for r in rows.values()), rows["native"])
+procs = {a: FakeProc(a) for a in bw.ALLOCATORS}
+rows = {a: {} for a in bw.ALLOCATORS}
+B = bw.Bench(tmp, 1000, False)
+B.left = Clock(1)
+bw.Bench.throughput(B, procs, spec(), rows)
+case("throughput: the budget runs out after a round: whole rounds only (one window each), one note, the figures "
+     "of what ran",
+     all(len(r["repeats"]) == 1 and r["notes"] == ["the budget ran out after 1 of 3 rounds"] and r["ms_per_step"] == 11.0
+         for r in rows.values()), rows)
+
+# ---- a run with no budget: every row, each with the reason -----------------------------------
+out = os.path.join(tmp, "spent")
+res = bw.bench(out, 0.0, False)
+rows_ok = {(r["workload"], r["allocator"]) for r in res["rows"]} == {(w, a) for w in bw.PLAN for a in bw.ALLOCATORS}
+case("bench with its budget spent: every workload x allocator row, each skipped with the budget named, "
+     "the JSON and the table written, no worker started",
+     rows_ok and all("budget" in r.get("skipped", "") for r in res["rows"])
+     and json.load(open(os.path.join(out, "gpu-bench.json")))["rows"] == res["rows"]
+     and open(os.path.join(out, "gpu-bench.md")).read().count("| gpt-small |") == 4
+     and not [n for n in os.listdir(out) if n.endswith(".log")] and bw.check_bench(res, False) == [],
+     res["rows"][:2])
+
+# ---- the checks that judge a run --------------------------------------------------------------
+bad = bw.check_bench({"rows": res["rows"][1:]}, False)
+case("check: a missing row is a failure", any("missing" in b for b in bad), bad)
+r2 = [dict(r, skipped=None) for r in res["rows"]]
+r2[0].update(error="worker exited (rc -11)")
+bad = bw.check_bench({"rows": r2}, False)
+case("check: a worker's error is a failure (GPU run)", any("rc -11" in b for b in bad), bad)
+r3 = [dict(r, skipped=None, tokens_per_s=1.0, repeats=[{}] * 3,
+           frontier={"largest": bw.WORKLOADS[r["workload"]]["dry"]["dry_cap"],
+                     "first_failure": bw.WORKLOADS[r["workload"]]["dry"]["dry_cap"] + 1}) for r in res["rows"]]
+good = bw.check_bench({"rows": r3}, True)
+r3[5] = dict(r3[5], frontier={"largest": 3, "first_failure": 4})
+bad = bw.check_bench({"rows": r3}, True)
+case("check (dry run): every frontier must sit exactly at its emulated cap", good == [] and len(bad) == 1, (good, bad))
+
+# ---- the gpt step's split, by hand --------------------------------------------------------------
+rows = {"native": {"ms_per_step": 12.0}, "memshim": {"ms_per_step": 15.0, "memshim_report": [{"x": 1}]},
+        "memshim-segment": {"ms_per_step": 12.5}}
+prof = {"native": {"top": [{"op": "aten::empty_strided", "self_cpu_us_per_step": 400.0},
+                           {"op": "aten::mm", "self_cpu_us_per_step": 3000.0}],
+                   "focus": [{"op": "aten::empty", "self_cpu_us_per_step": 100.0}], "self_cpu_us_per_step_total": 8000.0},
+        "memshim": {"top": [{"op": "aten::empty_strided", "self_cpu_us_per_step": 2400.0},
+                            {"op": "aten::mm", "self_cpu_us_per_step": 3000.0}],
+                    "focus": [{"op": "aten::empty", "self_cpu_us_per_step": 300.0}], "self_cpu_us_per_step_total": 11000.0}}
+sp = bw.split_cost(rows, prof)
+# tensor - native: 3 ms; segment - native: 0.5 ms; allocation ops: (2400+300) - (400+100) us = 2.2 ms;
+# the rest: (11000-2700) - (8000-500) us = 0.8 ms
+case("gpt split: 3 ms in all, 0.5 ms with PyTorch allocating, 2.2 ms in the allocation ops, 0.8 ms elsewhere",
+     abs(sp["tensor_minus_native_ms"] - 3.0) < 1e-9 and abs(sp["segment_minus_native_ms"] - 0.5) < 1e-9
+     and abs(sp["alloc_ops_minus_native_ms"] - 2.2) < 1e-9 and abs(sp["other_ops_minus_native_ms"] - 0.8) < 1e-9
+     and abs(sp["tensor_overhead"] - 0.25) < 1e-9, sp)
+finish()
