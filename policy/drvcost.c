@@ -2,12 +2,13 @@
  * drvcost.c: the driver cost table that turns counted driver calls into modelled seconds
  * (drvcost.h), its defaults and the reader of `memshim-replay --driver-costs FILE`.
  *
- * The defaults are published per-call measurements; docs/benchmarks.md ("Driver cost table")
- * names the source and the hardware of each and says where no published figure exists and why
- * the value was chosen. A model is only as good as its table: every figure computed from it is
- * labelled "modelled", and `memshim-replay --device` times the calls on the driver present so the
- * table can be checked. This file never calls the driver and never allocates on a hot path; the
- * reader refuses a bad file with the file name and line, it never guesses.
+ * The defaults are fitted to the H200's measured VMM calls (the GPU check of 2026-12-04, DESIGN.md
+ * section 10; scripts/fit_drvcost.py prints the fit and its residuals, docs/benchmarks.md "Driver
+ * cost table" has both and the source of every other row). A model is only as good as its table:
+ * every figure computed from it is labelled "modelled", and `memshim-replay --device` times the
+ * calls on the driver present so the table can be checked. This file never calls the driver and
+ * never allocates on a hot path; the reader refuses a bad file with the file name and line, it
+ * never guesses.
  */
 #include <ctype.h>
 #include <errno.h>
@@ -21,28 +22,48 @@
 
 #define US 1e-6
 
-/* Sources (docs/benchmarks.md): [K] kvcached's VMM benchmark (benchmarks/bench_vmm/README.md in
- * ovg-project/kvcached): A100 80 GB, one thread, 4096 handles of 2 MiB, averages. [V] velox PR
- * 6096: an event record plus a stream wait between two streams, about 3 us on device (RTX 3080).
- * [C] Cytnx PR 850: a direct cudaFree of a small buffer on an idle device, 14 us (GTX 1660 SUPER /
- * RTX 2080 Ti), the implied synchronize included. [P] PyTorch's Note [Expandable Segments]: map
- * and unmap cost follows the number of handles, not their size. Per-MiB terms are 0: no published
- * measurement separates a per-byte cost on current GPUs, and [P] says the cost is per handle. */
+/* [H] The H200 run of 2026-12-04 (NVIDIA H200, driver 580; tests/gpu/vmm_cost.c): p50 per call at
+ * handles of 2 MiB, 64 MiB and 2 GiB, and cuMemSetAccess over 8 mappings at once. Fitted by
+ * least squares of the relative residuals, terms >= 0 (scripts/fit_drvcost.py): per call, per
+ * MiB the call covers, and for cuMemSetAccess per mapping the range covers (171 us over 8 mappings
+ * of 2 MiB against 21 us over one: the grant costs per mapping, not per call). Each residual is
+ * within 27% (docs/benchmarks.md). Reserve and address-free were measured as ranges over the
+ * sizes (0.5-19 us, 0.4-5.5 us): the top of each is taken. */
+#define CREATE_CALL (7.807 * US)
+#define CREATE_MIB (0.04234 * US)
+#define MAP_CALL (0.6616 * US)
+#define MAP_MIB (0.00118 * US)
+#define ACCESS_CALL (2.784 * US)
+#define ACCESS_MIB (0.04994 * US)
+#define ACCESS_MAPPING (21.27 * US)
+#define UNMAP_CALL (15.98 * US)
+#define UNMAP_MIB (0.01398 * US)
+#define RELEASE_CALL (8.899 * US)
+#define RELEASE_MIB (0.4966 * US)
+#define RESERVE_CALL (19.0 * US)
+#define UNRESERVE_CALL (5.5 * US)
+
+/* Rows no H200 figure exists for yet (docs/benchmarks.md): [V] velox PR 6096: an event record
+ * plus a stream wait between two streams, about 3 us on device (RTX 3080). [C] Cytnx PR 850: a
+ * direct cudaFree of a small buffer on an idle device, 14 us (GTX 1660 SUPER / RTX 2080 Ti), the
+ * implied synchronize included. cudaMalloc and cudaFree are modelled as the VMM steps they stand
+ * for, host memory as device memory. */
 static const struct msh_drvcost default_table = {
     .per_call_s = {
-        [MSH_DRV_CREATE] = 193.32 * US,       /* [K] cuMemCreate, 2 MiB */
-        [MSH_DRV_RELEASE] = 25.63 * US,       /* none published: taken equal to cuMemUnmap [K] */
-        [MSH_DRV_MAP] = 1.45 * US,            /* [K] cuMemMap */
-        [MSH_DRV_UNMAP] = 25.63 * US,         /* [K] cuMemUnmap */
-        [MSH_DRV_SET_ACCESS] = 35.99 * US,    /* [K] cuMemSetAccess, one 2 MiB mapping */
+        [MSH_DRV_CREATE] = CREATE_CALL,
+        [MSH_DRV_RELEASE] = RELEASE_CALL,
+        [MSH_DRV_MAP] = MAP_CALL,
+        [MSH_DRV_UNMAP] = UNMAP_CALL,
+        [MSH_DRV_SET_ACCESS] = ACCESS_CALL,
         [MSH_DRV_EVENT_RECORD] = 1.5 * US,    /* [V] half of record + wait */
         [MSH_DRV_STREAM_WAIT] = 1.5 * US,     /* [V] half of record + wait */
         [MSH_DRV_SYNCHRONIZE] = 10.0 * US,    /* idle device; bounded by [C]'s 14 us cudaFree */
-        [MSH_DRV_MALLOC] = 249.76 * US,       /* none published: reserve + create + map + access [K] */
-        [MSH_DRV_FREE] = 70.26 * US,          /* none published: unmap + release + unreserve [K] */
-        [MSH_DRV_RESERVE] = 19.0 * US,        /* [K] cuMemAddressReserve (8 GB) */
-        [MSH_DRV_UNRESERVE] = 19.0 * US,      /* none published: taken equal to the reserve [K] */
-        [MSH_DRV_HOST_CREATE] = 193.32 * US,  /* none published for host memory: taken equal to create [K] */
+        /* reserve + create + map + one mapping's access grant */
+        [MSH_DRV_MALLOC] = RESERVE_CALL + CREATE_CALL + MAP_CALL + ACCESS_CALL + ACCESS_MAPPING,
+        [MSH_DRV_FREE] = UNMAP_CALL + RELEASE_CALL + UNRESERVE_CALL, /* unmap + release + unreserve */
+        [MSH_DRV_RESERVE] = RESERVE_CALL,
+        [MSH_DRV_UNRESERVE] = UNRESERVE_CALL,
+        [MSH_DRV_HOST_CREATE] = CREATE_CALL,  /* none measured for host memory: taken equal to create */
         [MSH_DRV_COPY_D2H] = 10.0 * US,       /* a synchronous copy's fixed cost: taken as a synchronize */
         [MSH_DRV_COPY_H2D] = 10.0 * US,
     },
@@ -50,8 +71,19 @@ static const struct msh_drvcost default_table = {
      * host to device 57.0 GB/s [N6] (measured, nvbandwidth). Grace Hopper's NVLink-C2C instead:
      * msh_drvcost_link(MSH_LINK_C2C). Sources: docs/benchmarks.md, "Driver cost table". */
     .per_mib_s = {
+        [MSH_DRV_CREATE] = CREATE_MIB,
+        [MSH_DRV_RELEASE] = RELEASE_MIB,
+        [MSH_DRV_MAP] = MAP_MIB,
+        [MSH_DRV_UNMAP] = UNMAP_MIB,
+        [MSH_DRV_SET_ACCESS] = ACCESS_MIB,
+        [MSH_DRV_MALLOC] = CREATE_MIB + MAP_MIB + ACCESS_MIB,
+        [MSH_DRV_FREE] = UNMAP_MIB + RELEASE_MIB,
+        [MSH_DRV_HOST_CREATE] = CREATE_MIB,
         [MSH_DRV_COPY_D2H] = 1048576.0 / 52.8e9,
         [MSH_DRV_COPY_H2D] = 1048576.0 / 57.0e9,
+    },
+    .per_mapping_s = {
+        [MSH_DRV_SET_ACCESS] = ACCESS_MAPPING,
     },
 };
 
@@ -79,14 +111,20 @@ int msh_drvcost_kind(const char *name, enum msh_drv_call *k)
 }
 
 double msh_drvcost_seconds(const struct msh_drvcost *c, const uint64_t calls[MSH_DRV_NKINDS],
-                           const uint64_t bytes[MSH_DRV_NKINDS])
+                           const uint64_t bytes[MSH_DRV_NKINDS], const uint64_t maps[MSH_DRV_NKINDS])
 {
     double s = 0;
     for (int i = 0; i < MSH_DRV_NKINDS; i++) {
         s += (double)calls[i] * c->per_call_s[i];
         if (bytes) s += (double)bytes[i] / (1024.0 * 1024.0) * c->per_mib_s[i];
+        s += (double)(maps ? maps[i] : calls[i]) * c->per_mapping_s[i];
     }
     return s;
+}
+
+double msh_drvcost_call(const struct msh_drvcost *c, enum msh_drv_call k, double mib, double maps)
+{
+    return c->per_call_s[k] + mib * c->per_mib_s[k] + maps * c->per_mapping_s[k];
 }
 
 /* A time: a number, then nothing or one of s, ms, us, ns. */
@@ -142,7 +180,7 @@ int msh_drvcost_parse(const char *text, size_t len, const char *name, struct msh
         int nt = 0;
         char *save = NULL;
         for (char *w = strtok_r(buf, " \t\r\v\f", &save); w; w = strtok_r(NULL, " \t\r\v\f", &save)) {
-            if (nt == 3) return fail(err, errlen, name, lineno, "too many fields after '%s' (expected KIND PER_CALL [PER_MIB])", tok[2]);
+            if (nt == 4) return fail(err, errlen, name, lineno, "too many fields after '%s' (expected KIND PER_CALL [PER_MIB [PER_MAPPING]])", tok[3]);
             tok[nt++] = w;
         }
         if (!nt) continue;
@@ -158,20 +196,24 @@ int msh_drvcost_parse(const char *text, size_t len, const char *name, struct msh
             return fail(err, errlen, name, lineno, "%s", why);
         }
         if (seen[k]) return fail(err, errlen, name, lineno, "'%s' is given twice", tok[0]);
-        if (nt < 2) return fail(err, errlen, name, lineno, "'%s' has no time per call (expected KIND PER_CALL [PER_MIB])", tok[0]);
-        double call = 0, mib = 0;
+        if (nt < 2) return fail(err, errlen, name, lineno, "'%s' has no time per call (expected KIND PER_CALL [PER_MIB [PER_MAPPING]])", tok[0]);
+        double call = 0, mib = 0, mapping = 0;
         if (parse_time(tok[1], &call))
-            return fail(err, errlen, name, lineno, "'%.60s' is not a time (e.g. 193us, 0.5ms, 2e-6)", tok[1]);
-        if (nt == 3 && parse_time(tok[2], &mib))
-            return fail(err, errlen, name, lineno, "'%.60s' is not a time per MiB (e.g. 1.5us, 0)", tok[2]);
-        if (call < 0 || mib < 0) return fail(err, errlen, name, lineno, "negative time for '%s'", tok[0]);
-        if (call > 3600 || mib > 3600) return fail(err, errlen, name, lineno, "more than an hour per call for '%s'", tok[0]);
+            return fail(err, errlen, name, lineno, "'%.60s' is not a time (e.g. 8us, 0.5ms, 2e-6)", tok[1]);
+        if (nt >= 3 && parse_time(tok[2], &mib))
+            return fail(err, errlen, name, lineno, "'%.60s' is not a time per MiB (e.g. 0.05us, 0)", tok[2]);
+        if (nt == 4 && parse_time(tok[3], &mapping))
+            return fail(err, errlen, name, lineno, "'%.60s' is not a time per mapping (e.g. 21us, 0)", tok[3]);
+        if (call < 0 || mib < 0 || mapping < 0) return fail(err, errlen, name, lineno, "negative time for '%s'", tok[0]);
+        if (call > 3600 || mib > 3600 || mapping > 3600)
+            return fail(err, errlen, name, lineno, "more than an hour per call for '%s'", tok[0]);
         t.per_call_s[k] = call;
         t.per_mib_s[k] = mib;
+        t.per_mapping_s[k] = mapping;
         seen[k] = true;
         entries++;
     }
-    if (!entries) return fail(err, errlen, name, 0, "no cost lines (expected KIND PER_CALL [PER_MIB], e.g. 'create 193us')%s", "");
+    if (!entries) return fail(err, errlen, name, 0, "no cost lines (expected KIND PER_CALL [PER_MIB [PER_MAPPING]], e.g. 'create 8us')%s", "");
     *out = t;
     return 0;
 }
@@ -221,11 +263,44 @@ static void fmt_time(char *b, size_t n, double s)
 
 void msh_drvcost_write(FILE *f, const struct msh_drvcost *c)
 {
-    fprintf(f, "# memshim driver cost table: KIND PER_CALL [PER_MIB] (memshim-replay --driver-costs)\n");
+    fprintf(f, "# memshim driver cost table: KIND PER_CALL [PER_MIB [PER_MAPPING]] (memshim-replay --driver-costs)\n");
     for (int i = 0; i < MSH_DRV_NKINDS; i++) {
-        char a[32], b[32];
+        char a[32], b[32], m[32];
         fmt_time(a, sizeof a, c->per_call_s[i]);
         fmt_time(b, sizeof b, c->per_mib_s[i]);
-        fprintf(f, "%-13s %-12s %s\n", msh_drv_call_names[i], a, b);
+        fmt_time(m, sizeof m, c->per_mapping_s[i]);
+        fprintf(f, "%-13s %-12s %-12s %s\n", msh_drv_call_names[i], a, b, m);
     }
+}
+
+const char *msh_drvcost_function(enum msh_drv_call k)
+{
+    static const char *const fn[MSH_DRV_NKINDS] = {
+        [MSH_DRV_CREATE] = "cuMemCreate",
+        [MSH_DRV_RELEASE] = "cuMemRelease",
+        [MSH_DRV_MAP] = "cuMemMap",
+        [MSH_DRV_UNMAP] = "cuMemUnmap",
+        [MSH_DRV_SET_ACCESS] = "cuMemSetAccess",
+        [MSH_DRV_EVENT_RECORD] = "cuEventRecord",
+        [MSH_DRV_STREAM_WAIT] = "cuStreamWaitEvent",
+        [MSH_DRV_SYNCHRONIZE] = "cuCtxSynchronize",
+        [MSH_DRV_MALLOC] = "cudaMalloc",
+        [MSH_DRV_FREE] = "cudaFree",
+        [MSH_DRV_RESERVE] = "cuMemAddressReserve",
+        [MSH_DRV_UNRESERVE] = "cuMemAddressFree",
+        [MSH_DRV_HOST_CREATE] = "cuMemCreate (host memory)",
+        [MSH_DRV_COPY_D2H] = "cuMemcpy (device to host)",
+        [MSH_DRV_COPY_H2D] = "cuMemcpy (host to device)",
+    };
+    return (unsigned)k < MSH_DRV_NKINDS ? fn[k] : "?";
+}
+
+void msh_drvcost_json(FILE *f, const struct msh_drvcost *c)
+{
+    fprintf(f, "{");
+    for (int i = 0; i < MSH_DRV_NKINDS; i++)
+        fprintf(f, "%s\n \"%s\": {\"kind\": \"%s\", \"per_call_us\": %.9g, \"per_mib_us\": %.9g, \"per_mapping_us\": %.9g}",
+                i ? "," : "", msh_drvcost_function((enum msh_drv_call)i), msh_drv_call_names[i], c->per_call_s[i] * 1e6,
+                c->per_mib_s[i] * 1e6, c->per_mapping_s[i] * 1e6);
+    fprintf(f, "\n}\n");
 }

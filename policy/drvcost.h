@@ -2,7 +2,7 @@
  * drvcost.h: the driver calls an allocator makes, by kind, and what they cost (issue 10).
  *
  * The pool counts every call it makes to its device backend by kind (struct msh_pool_stats
- * drv_calls/drv_bytes); the replay's PyTorch models count the calls PyTorch's allocator would
+ * drv_calls/drv_bytes/drv_maps); the replay's PyTorch models count the calls PyTorch's allocator would
  * make. A cost table turns counts into modelled seconds, so allocators can be compared on the
  * driver work a real GPU would pay, not only on bytes. The default table and where each figure
  * comes from are in docs/benchmarks.md; `memshim-replay --driver-costs FILE` replaces it. Nothing
@@ -41,22 +41,26 @@ enum msh_drv_call { MSH_DRV_CALLS(MSH_DRV_ENUM_) MSH_DRV_NKINDS };
 extern const char *const msh_drv_call_names[MSH_DRV_NKINDS];
 
 /* ---- the cost table (policy/drvcost.c) ---------------------------------------------------------
- * Each kind costs a fixed time per call plus, where it applies, a time per MiB the call covers
- * (the drv_bytes counters). Defaults and their sources: docs/benchmarks.md, "Driver cost table". */
+ * Each kind costs a fixed time per call, plus a time per MiB the call covers (the drv_bytes
+ * counters), plus a time per mapping it covers (the drv_maps counters): cuMemSetAccess over a
+ * range of k mappings costs about k times one mapping's grant on an H200, so a call is not the
+ * unit there. Every other call covers one mapping (its per-mapping term is 0 in the defaults).
+ * Defaults and their sources: docs/benchmarks.md, "Driver cost table". */
 struct msh_drvcost {
-    double per_call_s[MSH_DRV_NKINDS]; /* seconds per call */
-    double per_mib_s[MSH_DRV_NKINDS];  /* seconds per MiB the call covers */
+    double per_call_s[MSH_DRV_NKINDS];    /* seconds per call */
+    double per_mib_s[MSH_DRV_NKINDS];     /* seconds per MiB the call covers */
+    double per_mapping_s[MSH_DRV_NKINDS]; /* seconds per mapping the call covers */
 };
-/* The built-in table (published per-call figures; see docs/benchmarks.md). */
+/* The built-in table (fitted to the H200's measured VMM calls; see docs/benchmarks.md). */
 const struct msh_drvcost *msh_drvcost_default(void);
 /* Kind by name ("create", "set_access"...): 0 and *k, or EINVAL. */
 int msh_drvcost_kind(const char *name, enum msh_drv_call *k);
 /* Parse a cost file held in memory. Format, one entry per line ('#' starts a comment):
- *     KIND  PER_CALL  [PER_MIB]
+ *     KIND  PER_CALL  [PER_MIB  [PER_MAPPING]]
  * KIND is a driver_calls key (create, map, set_access...); the times are non-negative numbers in
  * seconds, or with a unit suffix s, ms, us or ns (193us, 0.5ms, 2e-6). The table starts from the
- * defaults; a line replaces its kind's row (PER_MIB defaults to 0). Each kind at most once; at
- * least one entry. `name` is only used in messages ("FILE:LINE: reason"). Returns 0, or EINVAL
+ * defaults; a line replaces its kind's row (PER_MIB and PER_MAPPING default to 0). Each kind at
+ * most once; at least one entry. `name` is only used in messages ("FILE:LINE: reason"). Returns 0, or EINVAL
  * with the first problem in err (out is then unchanged). */
 int msh_drvcost_parse(const char *text, size_t len, const char *name, struct msh_drvcost *out, char *err,
                       size_t errlen);
@@ -67,10 +71,19 @@ int msh_drvcost_load(const char *path, struct msh_drvcost *out, char *err, size_
  * table's) or Grace Hopper's NVLink-C2C. */
 enum { MSH_LINK_PCIE5 = 0, MSH_LINK_C2C = 1 };
 void msh_drvcost_link(struct msh_drvcost *t, int link);
-/* Modelled seconds of a set of counts: sum over kinds of calls*per_call + bytes/MiB*per_mib. */
+/* Modelled seconds of a set of counts: sum over kinds of calls*per_call + bytes/MiB*per_mib +
+ * mappings*per_mapping. bytes NULL: no per-MiB terms; maps NULL: one mapping per call. */
 double msh_drvcost_seconds(const struct msh_drvcost *c, const uint64_t calls[MSH_DRV_NKINDS],
-                           const uint64_t bytes[MSH_DRV_NKINDS]);
+                           const uint64_t bytes[MSH_DRV_NKINDS], const uint64_t maps[MSH_DRV_NKINDS]);
+/* Modelled seconds of one call of kind k covering `mib` MiB in `maps` mappings. */
+double msh_drvcost_call(const struct msh_drvcost *c, enum msh_drv_call k, double mib, double maps);
 /* The table in the file format above, one line per kind (what --driver-costs reads back). */
 void msh_drvcost_write(FILE *f, const struct msh_drvcost *c);
+/* The table as one JSON object keyed by the driver function each kind stands for
+ * ({"cuMemCreate": {"kind": "create", "per_call_us": .., "per_mib_us": .., "per_mapping_us": ..},
+ * ...}; `memshim-replay --print-driver-costs`). */
+void msh_drvcost_json(FILE *f, const struct msh_drvcost *c);
+/* The driver function a kind stands for ("cuMemCreate"; host_create: "cuMemCreate (host memory)"). */
+const char *msh_drvcost_function(enum msh_drv_call k);
 
 #endif

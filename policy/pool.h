@@ -113,8 +113,9 @@ struct msh_pool_stats {
     uint64_t alloc_ns_max, free_ns_max;
     /* Every call the pool made to its device backend, by kind (drvcost.h), and the bytes those
      * calls covered (create/release/map/unmap/set_access/reserve/unreserve). A handle may
-     * cover several pages; set_access is counted once per block mapped, over its span. */
-    uint64_t drv_calls[MSH_DRV_NKINDS], drv_bytes[MSH_DRV_NKINDS];
+     * cover several pages; set_access is counted once per block mapped, over its span, and
+     * drv_maps counts the mappings (handles) each call covered: the span's, for set_access. */
+    uint64_t drv_calls[MSH_DRV_NKINDS], drv_bytes[MSH_DRV_NKINDS], drv_maps[MSH_DRV_NKINDS];
     /* Streams (docs/pool.md "Streams"): reuses of memory whose last use was on another stream;
      * events recorded at frees (on the other streams a block was used on, and markers); records
      * at reuse time, which the pool no longer makes (always 0, kept for readers of older

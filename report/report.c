@@ -451,7 +451,7 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     json_t *drv = J.object(), *calls = J.object();
     for (int k = 0; k < MSH_DRV_NKINDS; k++) set_u(calls, msh_drv_call_names[k], st->drv_calls[k]);
     J.object_set_new(drv, "calls", calls);
-    set_d(drv, "modelled_seconds", msh_drvcost_seconds(msh_drvcost_default(), st->drv_calls, st->drv_bytes));
+    set_d(drv, "modelled_seconds", msh_drvcost_seconds(msh_drvcost_default(), st->drv_calls, st->drv_bytes, st->drv_maps));
     J.object_set_new(root, "driver", drv);
 
     json_t *hist = J.array();

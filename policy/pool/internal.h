@@ -335,6 +335,7 @@ struct job {
     struct victim *vic;
     uint32_t nruns, capruns, nvic, capvic;
     uint32_t acc_p0, acc_p1;    /* grant access to these pages (when runs were mapped) */
+    uint32_t acc_maps;          /* the mappings (handles) in [acc_p0, acc_p1]: what the grant costs */
     bool sync;                  /* synchronize first: unmapping pages freed on streams, or host use */
     bool host_sync;             /* the synchronize is for a host-synchronous user */
     bool driver_enomem;         /* the driver refused a create */

@@ -899,6 +899,7 @@ void msh_pool_get_stats(struct msh_pool *pool, struct msh_pool_stats *out)
     for (int k = 0; k < MSH_DRV_NKINDS; k++) {
         out->drv_calls[k] = __atomic_load_n(&pool->st.drv_calls[k], __ATOMIC_RELAXED);
         out->drv_bytes[k] = __atomic_load_n(&pool->st.drv_bytes[k], __ATOMIC_RELAXED);
+        out->drv_maps[k] = __atomic_load_n(&pool->st.drv_maps[k], __ATOMIC_RELAXED);
     }
     pthread_mutex_unlock(&pool->lock);
 }

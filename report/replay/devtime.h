@@ -29,12 +29,14 @@ void json_timing(struct dev_timing *tm);
 void text_timing(struct dev_timing *tm);
 
 /* --device calibration: each VMM call on one handle of one page and of ten pages, and the
- * per-call/per-MiB split that fits the two medians */
+ * per-call/per-MiB split that fits the two medians; cuMemSetAccess over 8 one-page mappings for
+ * its per-mapping term */
 #define CALIB_REPS 16
 struct calib {
     bool ok;
     size_t gran;
     double med[2][MSH_DRV_NKINDS]; /* [one page, ten pages] */
+    double access8;                /* one cuMemSetAccess over 8 one-page mappings (median) */
     struct msh_drvcost fit;
 };
 void calibrate(int ordinal, const struct msh_drvcost *base, struct calib *c);

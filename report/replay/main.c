@@ -139,8 +139,19 @@ static void drv_sub(const uint64_t *a, const uint64_t *b, uint64_t *out)
     for (int k = 0; k < MSH_DRV_NKINDS; k++) out[k] = a[k] >= b[k] ? a[k] - b[k] : 0;
 }
 
-/* ,"<prefix>driver_calls":{every kind},"<prefix>driver_bytes":{...},"<prefix>driver_seconds":s */
-static void json_drv(const char *prefix, const uint64_t *calls, const uint64_t *bytes, const struct msh_drvcost *c)
+/* The three counters the cost table prices (drvcost.h), of a stats struct (pool or policy). */
+#define DRV_(s) (s).drv_calls, (s).drv_bytes, (s).drv_maps
+/* Those of the last pass: a's minus b's, into lc/lb/lm. */
+#define DRV_LAST_(a, b)                                                                            \
+    uint64_t lc[MSH_DRV_NKINDS], lb[MSH_DRV_NKINDS], lm[MSH_DRV_NKINDS];                           \
+    drv_sub((a).drv_calls, (b).drv_calls, lc);                                                     \
+    drv_sub((a).drv_bytes, (b).drv_bytes, lb);                                                     \
+    drv_sub((a).drv_maps, (b).drv_maps, lm)
+
+/* ,"<prefix>driver_calls":{every kind},"<prefix>driver_bytes":{...},"<prefix>driver_mappings":{...},
+ * "<prefix>driver_seconds":s */
+static void json_drv(const char *prefix, const uint64_t *calls, const uint64_t *bytes, const uint64_t *maps,
+                     const struct msh_drvcost *c)
 {
     printf(",\"%sdriver_calls\":{", prefix);
     for (int k = 0; k < MSH_DRV_NKINDS; k++)
@@ -148,13 +159,16 @@ static void json_drv(const char *prefix, const uint64_t *calls, const uint64_t *
     printf("},\"%sdriver_bytes\":{", prefix);
     for (int k = 0; k < MSH_DRV_NKINDS; k++)
         printf("%s\"%s\":%llu", k ? "," : "", msh_drv_call_names[k], (unsigned long long)bytes[k]);
-    printf("},\"%sdriver_seconds\":%.6f", prefix, msh_drvcost_seconds(c, calls, bytes));
+    printf("},\"%sdriver_mappings\":{", prefix);
+    for (int k = 0; k < MSH_DRV_NKINDS; k++)
+        printf("%s\"%s\":%llu", k ? "," : "", msh_drv_call_names[k], (unsigned long long)maps[k]);
+    printf("},\"%sdriver_seconds\":%.6f", prefix, msh_drvcost_seconds(c, calls, bytes, maps));
 }
 
 /* "0.123 s (create 512, map 512, ...)": the kinds that were called */
-static void text_drv(const uint64_t *calls, const uint64_t *bytes, const struct msh_drvcost *c)
+static void text_drv(const uint64_t *calls, const uint64_t *bytes, const uint64_t *maps, const struct msh_drvcost *c)
 {
-    printf("%.3f s (", msh_drvcost_seconds(c, calls, bytes));
+    printf("%.3f s (", msh_drvcost_seconds(c, calls, bytes, maps));
     bool any = false;
     for (int k = 0; k < MSH_DRV_NKINDS; k++) {
         if (!calls[k]) continue;
@@ -406,7 +420,7 @@ static void spill_fig(const struct msh_pool_stats *a, const struct msh_pool_stat
         calls[kinds[i]] = a->drv_calls[kinds[i]] - b->drv_calls[kinds[i]];
         bytes[kinds[i]] = a->drv_bytes[kinds[i]] - b->drv_bytes[kinds[i]];
     }
-    f->transfer_s = msh_drvcost_seconds(c, calls, bytes);
+    f->transfer_s = msh_drvcost_seconds(c, calls, bytes, NULL);
 }
 
 /* The least a pass pays reading spilled pages over the link: each byte at its peak once, from the
@@ -528,9 +542,9 @@ static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_t
         /* the learned step (docs/pool.md): plans switched to, allocations placed by one, plans dropped */
         printf(",\"plans_built\":%llu,\"plan_placed\":%llu,\"plan_dropped\":%llu", (unsigned long long)s->plans_built,
                (unsigned long long)s->plan_placed, (unsigned long long)s->plan_dropped);
-        json_drv("", main_run.st_pass1.drv_calls, main_run.st_pass1.drv_bytes, &o->cost);
+        json_drv("", DRV_(main_run.st_pass1), &o->cost);
         printf(",\"unlimited_driver_seconds\":%.6f",
-               msh_drvcost_seconds(&o->cost, unl.st_pass1.drv_calls, unl.st_pass1.drv_bytes));
+               msh_drvcost_seconds(&o->cost, DRV_(unl.st_pass1)));
         if (have_steady) {
             printf(",\"passes\":%d,\"steady_capacity_bytes\":%llu,\"steady_map_ops\":%llu,\"steady_unmap_ops\":%llu,"
                    "\"steady_ooms\":%llu,\"last_pass_map_ops\":%llu,\"last_pass_unmap_ops\":%llu",
@@ -548,10 +562,8 @@ static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_t
                    (unsigned long long)(steady.st.plans_built - steady.st_before_last.plans_built),
                    (unsigned long long)(steady.st.plan_placed - steady.st_before_last.plan_placed),
                    (unsigned long long)(steady.st.plan_dropped - steady.st_before_last.plan_dropped));
-            uint64_t lc[MSH_DRV_NKINDS], lb[MSH_DRV_NKINDS];
-            drv_sub(steady.st.drv_calls, steady.st_before_last.drv_calls, lc);
-            drv_sub(steady.st.drv_bytes, steady.st_before_last.drv_bytes, lb);
-            json_drv("steady_", lc, lb, &o->cost);
+            DRV_LAST_(steady.st, steady.st_before_last);
+            json_drv("steady_", lc, lb, lm, &o->cost);
         }
         if (o->spill) json_spill(&main_run, have_steady ? &steady : NULL, o);
         if (dev_timing_now) json_timing(dev_timing_now); /* the object is closed by replay_trace() after the calibration */
@@ -564,7 +576,7 @@ static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_t
                (unsigned long long)main_run.ooms, (unsigned long long)s->map_ops, (unsigned long long)s->unmap_ops,
                evps / 1e6);
         printf("    driver time, first pass (modelled): ");
-        text_drv(main_run.st_pass1.drv_calls, main_run.st_pass1.drv_bytes, &o->cost);
+        text_drv(DRV_(main_run.st_pass1), &o->cost);
         printf("\n");
         if (have_steady) {
             printf("    steady state (passes 2-%d at %llu bytes): %llu maps, %llu unmaps, %llu OOMs; last pass: %llu maps, "
@@ -575,10 +587,8 @@ static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_t
                    (unsigned long long)steady.ooms,
                    (unsigned long long)(steady.st.map_ops - steady.st_before_last.map_ops),
                    (unsigned long long)(steady.st.unmap_ops - steady.st_before_last.unmap_ops));
-            uint64_t lc[MSH_DRV_NKINDS], lb[MSH_DRV_NKINDS];
-            drv_sub(steady.st.drv_calls, steady.st_before_last.drv_calls, lc);
-            drv_sub(steady.st.drv_bytes, steady.st_before_last.drv_bytes, lb);
-            text_drv(lc, lb, &o->cost);
+            DRV_LAST_(steady.st, steady.st_before_last);
+            text_drv(lc, lb, lm, &o->cost);
             printf("\n");
         }
         if (o->spill) text_spill(&main_run, have_steady ? &steady : NULL, o);
@@ -750,18 +760,14 @@ static void json_policy_steady(const struct prun *r, const struct opts *o, uint6
            (unsigned long long)(r->st.segs_freed - r->st_pass1.segs_freed), (unsigned long long)(r->ooms - r->ooms_pass1),
            (unsigned long long)(r->st.map_ops - r->st_before_last.map_ops),
            (unsigned long long)(r->st.unmap_ops - r->st_before_last.unmap_ops));
-    uint64_t lc[MSH_DRV_NKINDS], lb[MSH_DRV_NKINDS];
-    drv_sub(r->st.drv_calls, r->st_before_last.drv_calls, lc);
-    drv_sub(r->st.drv_bytes, r->st_before_last.drv_bytes, lb);
-    json_drv("steady_", lc, lb, &o->cost);
+    DRV_LAST_(r->st, r->st_before_last);
+    json_drv("steady_", lc, lb, lm, &o->cost);
 }
 
 static double last_pass_seconds(const struct prun *r, const struct opts *o)
 {
-    uint64_t lc[MSH_DRV_NKINDS], lb[MSH_DRV_NKINDS];
-    drv_sub(r->st.drv_calls, r->st_before_last.drv_calls, lc);
-    drv_sub(r->st.drv_bytes, r->st_before_last.drv_bytes, lb);
-    return msh_drvcost_seconds(&o->cost, lc, lb);
+    DRV_LAST_(r->st, r->st_before_last);
+    return msh_drvcost_seconds(&o->cost, lc, lb, lm);
 }
 
 /* Smallest capacity (to the granularity) at which the stream replays with no OOM, by bisection
@@ -870,9 +876,9 @@ static int model_trace(const struct loaded *L, size_t di, const struct opts *o)
                (unsigned long long)main_run.ooms_pass1, (unsigned long long)main_run.st_pass1.segs_created,
                (unsigned long long)main_run.st_pass1.segs_freed, (unsigned long long)main_run.st_pass1.map_ops,
                (unsigned long long)main_run.st_pass1.unmap_ops, unl.addr_match, unl.recorded_allocs, main_run.wall, evps);
-        json_drv("", main_run.st_pass1.drv_calls, main_run.st_pass1.drv_bytes, &o->cost);
+        json_drv("", DRV_(main_run.st_pass1), &o->cost);
         printf(",\"unlimited_driver_seconds\":%.6f",
-               msh_drvcost_seconds(&o->cost, unl.st_pass1.drv_calls, unl.st_pass1.drv_bytes));
+               msh_drvcost_seconds(&o->cost, DRV_(unl.st_pass1)));
         if (o->passes > 1) json_policy_steady(&main_run, o, cap);
         if (o->validate && kept) {
             size_t nlog = 0;
@@ -921,17 +927,15 @@ static int model_trace(const struct loaded *L, size_t di, const struct opts *o)
                (unsigned long long)main_run.st_pass1.segs_created, (unsigned long long)main_run.st_pass1.segs_freed,
                evps / 1e6);
         printf("    driver time, first pass (modelled): ");
-        text_drv(main_run.st_pass1.drv_calls, main_run.st_pass1.drv_bytes, &o->cost);
+        text_drv(DRV_(main_run.st_pass1), &o->cost);
         printf("\n");
         if (o->passes > 1) {
-            uint64_t lc[MSH_DRV_NKINDS], lb[MSH_DRV_NKINDS];
-            drv_sub(main_run.st.drv_calls, main_run.st_before_last.drv_calls, lc);
-            drv_sub(main_run.st.drv_bytes, main_run.st_before_last.drv_bytes, lb);
+            DRV_LAST_(main_run.st, main_run.st_before_last);
             printf("    last of %d passes: %llu maps, %llu unmaps, %llu OOMs, driver ", o->passes,
                    (unsigned long long)(main_run.st.map_ops - main_run.st_before_last.map_ops),
                    (unsigned long long)(main_run.st.unmap_ops - main_run.st_before_last.unmap_ops),
                    (unsigned long long)(main_run.ooms - main_run.ooms_pass1));
-            text_drv(lc, lb, &o->cost);
+            text_drv(lc, lb, lm, &o->cost);
             printf("\n");
         }
     }
@@ -1029,8 +1033,8 @@ static int compare_trace(const struct loaded *L, size_t di, const struct opts *o
             }
             /* driver work: first pass at the minimum capacity (the row's other figures), and with no limit */
             const struct prun *r = &row[k].at_min, *u = &row[k].unl;
-            json_drv("", r->st_pass1.drv_calls, r->st_pass1.drv_bytes, &o->cost);
-            json_drv("unlimited_", u->st_pass1.drv_calls, u->st_pass1.drv_bytes, &o->cost);
+            json_drv("", DRV_(r->st_pass1), &o->cost);
+            json_drv("unlimited_", DRV_(u->st_pass1), &o->cost);
             if (o->passes > 1) json_policy_steady(r, o, row[k].min_cap);
             json_fragmentation(u);
             printf("}");
@@ -1053,12 +1057,12 @@ static int compare_trace(const struct loaded *L, size_t di, const struct opts *o
     printf("    driver time, first pass (modelled) at each one's minimum:");
     for (int k = 0; k < 3; k++)
         printf(" %s %.3f s%s", msh_policy_name(kinds[k]),
-               msh_drvcost_seconds(&o->cost, row[k].at_min.st_pass1.drv_calls, row[k].at_min.st_pass1.drv_bytes),
+               msh_drvcost_seconds(&o->cost, DRV_(row[k].at_min.st_pass1)),
                k < 2 ? "," : ";");
     printf(" with no limit:");
     for (int k = 0; k < 3; k++)
         printf(" %s %.3f s%s", msh_policy_name(kinds[k]),
-               msh_drvcost_seconds(&o->cost, row[k].unl.st_pass1.drv_calls, row[k].unl.st_pass1.drv_bytes),
+               msh_drvcost_seconds(&o->cost, DRV_(row[k].unl.st_pass1)),
                k < 2 ? "," : "\n");
     if (o->passes > 1) {
         printf("    last of %d passes at the minimum:", o->passes);
@@ -1153,8 +1157,11 @@ static void usage(FILE *f)
             "  --device              use the CUDA driver present instead of the simulation; times every\n"
             "                        driver call (median, p90) and fits a cost table to the driver\n"
             "  --driver-costs FILE   the cost table for modelled driver seconds: lines 'KIND PER_CALL\n"
-            "                        [PER_MIB]' (e.g. 'create 193us'); kinds not named keep the default\n"
+            "                        [PER_MIB [PER_MAPPING]]' (e.g. 'create 8us 0.04us'); kinds not\n"
+            "                        named keep the default\n"
             "  --show-driver-costs   print the cost table in force (defaults, or FILE) and exit\n"
+            "  --print-driver-costs  the same as JSON, keyed by driver function (cuMemCreate: per_call_us,\n"
+            "                        per_mib_us, per_mapping_us), and exit\n"
             "  --to-text             print the traces in memshim's text format and exit\n"
             "  --check               verify the pool's invariants during the replay (after every\n"
             "                        event of short streams; a violation exits 3)\n"
@@ -1193,7 +1200,7 @@ int main(int argc, char **argv)
 {
     struct opts o = {.gran = 2 * MSH_MiB, .small_max = MSH_MiB, .defrag = true, .passes = 1};
     o.cost = *msh_drvcost_default();
-    bool to_text = false, show_costs = false;
+    bool to_text = false, show_costs = false, print_costs = false;
     static const struct option lo[] = {
         {"policy", required_argument, 0, 'P'},   {"torch-conf", required_argument, 0, 'T'},
         {"compare", no_argument, 0, 'C'},        {"validate", no_argument, 0, 'V'},
@@ -1203,6 +1210,7 @@ int main(int argc, char **argv)
         {"small-max", required_argument, 0, 's'}, {"no-defrag", no_argument, 0, 'n'},
         {"device", no_argument, 0, 'd'},         {"to-text", no_argument, 0, 't'},
         {"driver-costs", required_argument, 0, 'D'}, {"show-driver-costs", no_argument, 0, 'W'},
+        {"print-driver-costs", no_argument, 0, 'J'},
         {"check", no_argument, 0, 'K'},        {"max-handle", required_argument, 0, 'M'},
         {"no-learn", no_argument, 0, 'L'},       {"debug", no_argument, 0, 'G'},
         {"spill", required_argument, 0, 'X'},    {"spill-max", required_argument, 0, 'Y'},
@@ -1256,6 +1264,7 @@ int main(int argc, char **argv)
             break;
         }
         case 'W': show_costs = true; break;
+        case 'J': print_costs = true; break;
         case 'C': o.compare = true; break;
         case 'V': o.validate = true; break;
         case 'p': {
@@ -1334,6 +1343,10 @@ int main(int argc, char **argv)
     }
     if (show_costs) { /* the table in force, in the format --driver-costs reads */
         msh_drvcost_write(stdout, &o.cost);
+        return 0;
+    }
+    if (print_costs) { /* the same as JSON (docs/replay.md) */
+        msh_drvcost_json(stdout, &o.cost);
         return 0;
     }
     if (optind >= argc) {

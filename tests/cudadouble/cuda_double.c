@@ -367,6 +367,10 @@ static unsigned char g_peer[MAX_DEVICES][MAX_DEVICES];
 static int g_peer_configured;
 
 static atomic_long g_calls[FN_COUNT];
+/* Bytes the VMM calls named (cudbl_call_bytes): counted as the call is made, as g_calls is, so
+ * that a caller counting its own calls by bytes (memshim's cost model) can be held to them. */
+static _Atomic unsigned long long g_call_bytes[FN_COUNT];
+#define CALL_BYTES(fn, n) atomic_fetch_add(&g_call_bytes[FN_##fn], (unsigned long long)(n))
 static atomic_long g_misuse;
 static atomic_int g_misuse_abort = 1;
 
@@ -2328,6 +2332,7 @@ static int shareable_fd_new(int dev, size_t size)
 CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                              const CUmemAllocationProp *prop, unsigned long long flags)
 {
+    CALL_BYTES(cuMemCreate, size);
     ENTER(cuMemCreate);
     if (!handle || flags != 0) return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = check_prop(prop);
@@ -2461,9 +2466,13 @@ CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *ha
 
 CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle)
 {
-    ENTER(cuMemRelease);
     pthread_mutex_lock(&g_lock);
     struct phys *p = ht_get(&g_handle_tab, handle);
+    if (p) CALL_BYTES(cuMemRelease, p->size); /* the handle's size, known before any refusal */
+    pthread_mutex_unlock(&g_lock);
+    ENTER(cuMemRelease);
+    pthread_mutex_lock(&g_lock);
+    p = ht_get(&g_handle_tab, handle);
     if (p) {
         if (--p->refs == 0) ht_del(&g_handle_tab, handle);
         phys_maybe_free_locked(p);
@@ -2475,6 +2484,7 @@ CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle)
 CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
                                      unsigned long long flags)
 {
+    CALL_BYTES(cuMemAddressReserve, size);
     ENTER(cuMemAddressReserve);
     size_t g = g_cfg.granularity;
     if (!ptr || size == 0 || flags != 0 || size % g) return CUDA_ERROR_INVALID_VALUE;
@@ -2515,6 +2525,7 @@ CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t align
 
 CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size)
 {
+    CALL_BYTES(cuMemAddressFree, size);
     ENTER(cuMemAddressFree);
     pthread_mutex_lock(&g_lock);
     struct resv **pp = &g_resvs;
@@ -2536,6 +2547,7 @@ CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size)
 CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
                           CUmemGenericAllocationHandle handle, unsigned long long flags)
 {
+    CALL_BYTES(cuMemMap, size);
     ENTER(cuMemMap);
     size_t g = g_cfg.granularity;
     if (!ptr || !size || offset != 0 || flags != 0 || ptr % g || size % g)
@@ -2576,6 +2588,7 @@ CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
 /* The range must consist of whole mappings: the driver cannot unmap part of a cuMemMap. */
 CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)
 {
+    CALL_BYTES(cuMemUnmap, size);
     ENTER(cuMemUnmap);
     if (!ptr || !size) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_lock);
@@ -2621,6 +2634,7 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)
  * device pointer from the host once some device may. */
 CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)
 {
+    CALL_BYTES(cuMemSetAccess, size);
     ENTER(cuMemSetAccess);
     if (!ptr || !size || !desc || count == 0) return CUDA_ERROR_INVALID_VALUE;
     int host_desc = 0; /* a descriptor for the host's own access (HOST_NUMA), only for host memory */
@@ -3973,6 +3987,12 @@ long cudbl_call_count(const char *name)
 {
     int fn = fn_index(name);
     return fn < 0 ? -1 : atomic_load(&g_calls[fn]);
+}
+
+long long cudbl_call_bytes(const char *name)
+{
+    int fn = fn_index(name);
+    return fn < 0 ? -1 : (long long)atomic_load(&g_call_bytes[fn]);
 }
 
 int cudbl_configure(int devices, size_t capacity, size_t granularity)

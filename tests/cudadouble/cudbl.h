@@ -144,6 +144,11 @@ void cudbl_fail_clear(void);
 /* Calls of the named function since the process started (failed and injected calls included);
  * -1 for a name the double does not know. */
 long cudbl_call_count(const char *name);
+/* Bytes the calls of the named VMM function covered since the process started, counted like
+ * cudbl_call_count (refused calls included): the size argument of cuMemCreate, cuMemMap,
+ * cuMemUnmap, cuMemSetAccess, cuMemAddressReserve and cuMemAddressFree, and the released handle's
+ * size for cuMemRelease (0 for an unknown handle). 0 for other functions, -1 for an unknown name. */
+long long cudbl_call_bytes(const char *name);
 
 /* Reconfigure the emulated machine: devices (1..16), capacity per device in bytes, VMM
  * granularity (a power of two, at least the page size). 0 keeps a value. Allowed only while no

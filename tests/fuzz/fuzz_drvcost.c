@@ -28,7 +28,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         return 0;
     }
     for (int k = 0; k < MSH_DRV_NKINDS; k++)
-        if (!isfinite(t.per_call_s[k]) || !isfinite(t.per_mib_s[k]) || t.per_call_s[k] < 0 || t.per_mib_s[k] < 0)
+        if (!isfinite(t.per_call_s[k]) || !isfinite(t.per_mib_s[k]) || !isfinite(t.per_mapping_s[k]) ||
+            t.per_call_s[k] < 0 || t.per_mib_s[k] < 0 || t.per_mapping_s[k] < 0)
             abort();
     char *buf = NULL;
     size_t len = 0;
@@ -39,7 +40,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (msh_drvcost_parse(buf, len, "written", &back, err, sizeof err)) abort();
     for (int k = 0; k < MSH_DRV_NKINDS; k++)
         if (fabs(back.per_call_s[k] - t.per_call_s[k]) > 1e-5 * t.per_call_s[k] + 1e-300 ||
-            fabs(back.per_mib_s[k] - t.per_mib_s[k]) > 1e-5 * t.per_mib_s[k] + 1e-300)
+            fabs(back.per_mib_s[k] - t.per_mib_s[k]) > 1e-5 * t.per_mib_s[k] + 1e-300 ||
+            fabs(back.per_mapping_s[k] - t.per_mapping_s[k]) > 1e-5 * t.per_mapping_s[k] + 1e-300)
             abort();
     free(buf);
     return 0;

@@ -15,7 +15,8 @@ tests/gpu/run_gpu_checks.sh:
               a typo (default budget 900 s: no device time is spent).
 
 Steps, in order: machine (nvidia-smi, PyTorch, CUDA), vmm-costs (build-gpu/gpu-vmm-cost: probes the
-VMM calls, then times them at 2 MiB and larger handles against policy/drvcost.c's table), glue
+VMM calls, then times them at 2 MiB and larger handles against policy/drvcost.c's table, and
+measures the device memory the driver keeps per handle: 10 GiB as 2 MiB against 20 MiB handles), glue
 (the carried glue is for this checkout's PyTorch; for another version `memshim build-glue`
 rebuilds it there, with the machine's g++ and CUDA headers), doctor (`python3 -m memshim doctor
 --json`), demo (the C training-loop workload on the real driver under LD_PRELOAD, reports without
@@ -212,8 +213,14 @@ class Run:
             summary[f"{sz['handle_mib']:g} MiB"] = {k: {"p50_us": v["p50_us"], "table_us": v["table_us"],
                                                         "p50_over_table": v["p50_over_table"]}
                                                     for k, v in sz["calls"].items()}
+        # what the driver keeps per handle: 2 MiB against 20 MiB handles of the same bytes (issue 24)
+        ho = d.get("handle_overhead") or {}
+        over = {f"{x['handle_mib']:g} MiB x {x['handles']}": {k: x.get(k) for k in
+                                                              ("failed", "beyond_bytes", "beyond_per_handle_bytes")}
+                for x in ho.get("sets", [])} or ho
         return d.get("vmm_ok") and rc == 0, {"file": path, "vmm_ok": d.get("vmm_ok"), "failed": d.get("failed"),
-                                             "granularity_bytes": d.get("granularity_bytes"), "by_size": summary}
+                                             "granularity_bytes": d.get("granularity_bytes"), "by_size": summary,
+                                             "handle_overhead": over}
 
     def doctor_json(self, limit):
         rc, out, err, s, to = sh(self.memshim_cmd("doctor", "--json"), limit, self.memshim_env())

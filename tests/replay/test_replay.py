@@ -193,9 +193,44 @@ with tempfile.TemporaryDirectory() as tmp:
                 return float(tok[:-len(suf)]) * mul
         return float(tok)
 
-    def modelled(calls, nbytes, tab):
+    def modelled(calls, nbytes, maps, tab):
         return sum(calls[k] * secs(tab[k][0]) + nbytes[k] / 2**20 * (secs(tab[k][1]) if len(tab[k]) > 1 else 0)
-                   for k in KINDS)
+                   + maps[k] * (secs(tab[k][2]) if len(tab[k]) > 2 else 0) for k in KINDS)
+
+    # --print-driver-costs: the table as JSON, checked against the H200's measured points it was
+    # fitted to (scripts/drvcost_h200.json; docs/benchmarks.md gives the fit and its residuals):
+    # every point within 30%, the 2 MiB handles (the pool's page) and the 8-mapping grants within 20%
+    rc, out, err = run("--print-driver-costs")
+    try:
+        pj = json.loads(out)
+        by_kind = {v["kind"]: v for v in pj.values()}
+        case("--print-driver-costs: every kind, keyed by driver function, three terms each",
+             rc == 0 and sorted(by_kind) == sorted(KINDS) and "cuMemCreate" in pj and "cuMemSetAccess" in pj
+             and all(sorted(v) == ["kind", "per_call_us", "per_mapping_us", "per_mib_us"] for v in pj.values()), out[:300])
+        case("--print-driver-costs is the table --show-driver-costs prints",
+             all(abs(by_kind[k]["per_call_us"] * 1e-6 - secs(table[k][0])) <= 1e-6 * secs(table[k][0]) + 1e-15 and
+                 abs(by_kind[k]["per_mib_us"] * 1e-6 - secs(table[k][1])) <= 1e-6 * secs(table[k][1]) + 1e-15 and
+                 abs(by_kind[k]["per_mapping_us"] * 1e-6 - secs(table[k][2])) <= 1e-6 * secs(table[k][2]) + 1e-15
+                 for k in KINDS), (by_kind.get("create"), table.get("create")))
+        h200 = json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts",
+                                           "drvcost_h200.json")))
+        bad = []
+        for kind, pts in h200["points"].items():
+            v = by_kind[kind]
+            for maps, mib, us in pts:
+                model = v["per_call_us"] + v["per_mib_us"] * mib + v["per_mapping_us"] * maps
+                tol = 0.2 if (mib == 2 or maps > 1) else 0.3
+                if abs(model - us) > tol * us:
+                    bad.append((kind, maps, mib, us, round(model, 2)))
+        case("the default table is within 30% of every H200 point (20% at 2 MiB and over 8 mappings)", not bad, bad)
+        one, eight = (by_kind["set_access"]["per_call_us"] + by_kind["set_access"]["per_mib_us"] * m * 2
+                      + by_kind["set_access"]["per_mapping_us"] * m for m in (1, 8))
+        case("an access grant over 8 mappings costs about 8 of one (per mapping, not per call)", 6 < eight / one <= 8,
+             (one, eight))
+    except (ValueError, KeyError, OSError) as e:
+        case("--print-driver-costs parses", False, f"{e}: {out[:300]!r} {err!r}")
+    rc2, out2, err2 = run("--print-driver-costs", "--driver-costs", os.path.join(tmp, "none.txt"))
+    case("--print-driver-costs with a bad --driver-costs: exit 2", rc2 == 2 and out2 == "", err2)
 
     rc, out, err = run("--json", "--passes", "3", good)
     try:
@@ -209,9 +244,14 @@ with tempfile.TemporaryDirectory() as tmp:
              and dc["reserve"] >= 1 and dc["malloc"] == 0
              and d["driver_bytes"]["create"] % (2 * 2**20) == 0
              and d["driver_bytes"]["create"] >= 2 * 2**20 * dc["create"], dc)
+        dm = d["driver_mappings"]
         case("--json: driver_seconds is the cost table applied to the counts",
-             abs(d["driver_seconds"] - modelled(dc, d["driver_bytes"], table)) < 1e-5 and d["driver_seconds"] > 0,
-             f"{d['driver_seconds']} vs {modelled(dc, d['driver_bytes'], table)}")
+             abs(d["driver_seconds"] - modelled(dc, d["driver_bytes"], dm, table)) < 1e-5 and d["driver_seconds"] > 0,
+             f"{d['driver_seconds']} vs {modelled(dc, d['driver_bytes'], dm, table)}")
+        # one mapping per call, but a grant covers every handle of its span (at least one each)
+        case("--json: driver_mappings, one per call but an access grant's span",
+             all(dm[k] == dc[k] for k in KINDS if k != "set_access")
+             and dc["set_access"] <= dm["set_access"] <= dc["map"], (dc, dm))
         case("--json: unlimited_driver_seconds (no capacity given: the same run)",
              abs(d["unlimited_driver_seconds"] - d["driver_seconds"]) < 1e-9, d.get("unlimited_driver_seconds"))
         case("--json --passes 3: the last pass's driver work (steady state)",
@@ -229,8 +269,8 @@ with tempfile.TemporaryDirectory() as tmp:
     rc2, out2, err2 = run("--json", "--driver-costs", costs, good)
     try:
         d2 = json.loads(out2.splitlines()[0])
-        tab2 = dict(table, create=["1s", "0"], map=["0", "1ms"])
-        want = modelled(d2["driver_calls"], d2["driver_bytes"], tab2)
+        tab2 = dict(table, create=["1s", "0", "0"], map=["0", "1ms", "0"])
+        want = modelled(d2["driver_calls"], d2["driver_bytes"], d2["driver_mappings"], tab2)
         case("--driver-costs FILE replaces the kinds it names, keeps the others",
              rc2 == 0 and abs(d2["driver_seconds"] - want) < 1e-5 and d2["driver_seconds"] > d2["driver_calls"]["create"],
              f"{d2['driver_seconds']} vs {want}")

@@ -2,7 +2,8 @@
  * report_spy.c: libreport-spy.so, the ground-truth side of tests/reports/test_report_truth.py.
  * Preloaded next to libmemshim.so over the driver double, it wraps rename(): memshim writes every
  * report to a temp file and renames it into place, so right after a report named memshim-*.json
- * appears it reads the DOUBLE's own figures (cudbl_get_bytes, cudbl_get_counts, call counts) and
+ * appears it reads the DOUBLE's own figures (cudbl_get_bytes, cudbl_get_counts, call counts and the
+ * bytes they covered, access grants) and
  * appends one line "NAME key=value ..." to $REPORT_SPY_LOG. An epoch report also starts a new
  * peak window, so *_mark_peak is the driver's own peak over exactly that epoch; OOM and summary
  * reports leave the window alone. memshim's figures in a report can then be held against what
@@ -50,7 +51,7 @@ static void record(const char *path)
     struct cudbl_counts c;
     cudbl_get_bytes(&b, strstr(base, "-epoch") != NULL);
     cudbl_get_counts(&c);
-    char line[2048];
+    char line[4096];
     int k = snprintf(line, sizeof line,
                      "%s handle=%zu handle_mark_peak=%zu handle_peak=%zu mapped=%zu mapped_mark_peak=%zu "
                      "mapped_peak=%zu va=%zu bytes_in_use=%zu allocs=%ld handles=%ld mappings=%ld unmapped_total=%zu "
@@ -59,7 +60,11 @@ static void record(const char *path)
                      b.mapped_peak, b.reserved_va_bytes, c.bytes_in_use, c.allocs, c.handles, c.mappings,
                      b.unmapped_total, b.released_total);
     for (size_t i = 0; i < sizeof calls / sizeof calls[0] && k > 0 && (size_t)k < sizeof line; i++)
-        k += snprintf(line + k, sizeof line - (size_t)k, " calls_%s=%ld", calls[i], cudbl_call_count(calls[i]));
+        k += snprintf(line + k, sizeof line - (size_t)k, " calls_%s=%ld bytes_%s=%lld", calls[i],
+                      cudbl_call_count(calls[i]), calls[i], cudbl_call_bytes(calls[i]));
+    /* the mappings cuMemSetAccess granted device 0 (what the cost model prices per mapping) */
+    if (k > 0 && (size_t)k < sizeof line)
+        k += snprintf(line + k, sizeof line - (size_t)k, " access_grants=%ld", cudbl_access_grants(0));
     if (k <= 0 || (size_t)k >= sizeof line - 1) return;
     /* the mappings held now (each one whole handle), so the test can tell a handle no live block
      * touches (the pool could give it back) from free pages inside a handle still in use */

@@ -510,7 +510,7 @@ def last_oom_same_list(c, v, idx):
 
 def cost_table():
     """The driver cost table in force (memshim-replay --show-driver-costs): kind -> (s per call,
-    s per MiB). Read once; the formula is restated here."""
+    s per MiB, s per mapping). Read once; the formula is restated here."""
     if "table" in COSTS:
         return COSTS["table"]
     unit = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "": 1.0}
@@ -522,10 +522,10 @@ def cost_table():
         if not f or f[0].startswith("#"):
             continue
         vals = []
-        for x in f[1:3]:
+        for x in f[1:4]:
             m = re.match(r"^([0-9.eE+-]+)([a-z]*)$", x)
             vals.append(float(m.group(1)) * unit[m.group(2)] if m else float("nan"))
-        table[f[0]] = (vals[0], vals[1] if len(vals) > 1 else 0.0)
+        table[f[0]] = (vals[0], vals[1] if len(vals) > 1 else 0.0, vals[2] if len(vals) > 2 else 0.0)
     COSTS["table"] = table
     return table
 
@@ -567,15 +567,22 @@ def check_driver_calls(kind):
 
 
 def check_modelled_seconds(c, v, idx):
+    # the report's calls, with the bytes and the mappings they covered as the DRIVER saw them (the
+    # pool is the only VMM caller here; its cuMemSetAccess mappings are the double's grants)
     table, calls = cost_table(), c.r["driver"]["calls"]
-    page_kinds = ("create", "release", "map", "unmap", "set_access")
     total = 0.0
     for k, n in calls.items():
         if k not in table:
             return f"driver kind '{k}' is not in the cost table"
-        nbytes = n * GRAN if k in page_kinds else c.s["va"] if k == "reserve" else 0
-        total += n * table[k][0] + nbytes / MiB * table[k][1]
+        fn = DRIVER_CALLS.get(k, (None,))[0]
+        nbytes = c.s.get(f"bytes_{fn}", 0) if fn in VMM_FNS else 0
+        maps = c.s["access_grants"] if k == "set_access" else n
+        total += n * table[k][0] + nbytes / MiB * table[k][1] + maps * table[k][2]
     return close(v, total, "calls x the cost table (memshim-replay --show-driver-costs)", tol=1e-6)
+
+
+VMM_FNS = ("cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAccess", "cuMemAddressReserve",
+           "cuMemAddressFree")
 
 
 def check_latency(which):

@@ -436,6 +436,36 @@ TEST(data_survives_unmap_and_remap_elsewhere)
     CHECK(counts_zero());
 }
 
+/* cudbl_call_bytes: what each VMM call covered, refused calls included (as callers count them) */
+TEST(call_bytes_count_what_each_vmm_call_covered)
+{
+    REQUIRE(setup() == 0);
+    size_t g = gran();
+    static const char *const fns[] = {"cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease",
+                                      "cuMemAddressReserve", "cuMemAddressFree"};
+    long long b0[7];
+    for (int i = 0; i < 7; i++) b0[i] = cudbl_call_bytes(fns[i]);
+    long grants0 = cudbl_access_grants(0);
+    CUdeviceptr va = reserve(4 * g);
+    CUmemGenericAllocationHandle h1 = create(g), h3 = create(3 * g);
+    REQUIRE(va && h1 && h3);
+    CU_OK(cuMemMap(va, g, 0, h1, 0));
+    CU_OK(cuMemMap(va + g, 3 * g, 0, h3, 0));
+    CU_IS(cuMemMap(va, g, 0, h1, 0), CUDA_ERROR_INVALID_VALUE); /* refused: counted all the same */
+    CU_OK(grant(va, 4 * g));                                     /* one grant over two mappings */
+    CHECK(cudbl_access_grants(0) == grants0 + 2);
+    CU_OK(cuMemUnmap(va, 4 * g));
+    CU_OK(cuMemRelease(h1));
+    CU_OK(cuMemRelease(h3));
+    CU_OK(cuMemAddressFree(va, 4 * g));
+    long long want[7] = {4 * (long long)g, 5 * (long long)g, 4 * (long long)g, 4 * (long long)g, 4 * (long long)g,
+                         4 * (long long)g, 4 * (long long)g};
+    for (int i = 0; i < 7; i++)
+        CHECKF(cudbl_call_bytes(fns[i]) - b0[i] == want[i], "%s: %lld", fns[i], cudbl_call_bytes(fns[i]) - b0[i]);
+    CHECK(cudbl_call_bytes("cuInit") == 0 && cudbl_call_bytes("cuNoSuchFunction") == -1);
+    CHECK(counts_zero());
+}
+
 TEST(release_while_mapped_keeps_memory_until_unmap)
 {
     REQUIRE(setup() == 0);

@@ -18,39 +18,57 @@ static int parse(const char *text, struct msh_drvcost *out, char *err, size_t er
     return msh_drvcost_parse(text, strlen(text), "costs.txt", out, err, errlen);
 }
 
-TEST(defaults_are_the_published_figures)
+TEST(defaults_are_the_h200_fit)
 {
     const struct msh_drvcost *d = msh_drvcost_default();
-    /* kvcached's VMM benchmark, A100, 2 MiB handles (docs/benchmarks.md) */
-    CHECK(NEAR(d->per_call_s[MSH_DRV_CREATE], 193.32e-6));
-    CHECK(NEAR(d->per_call_s[MSH_DRV_MAP], 1.45e-6));
-    CHECK(NEAR(d->per_call_s[MSH_DRV_SET_ACCESS], 35.99e-6));
-    CHECK(NEAR(d->per_call_s[MSH_DRV_UNMAP], 25.63e-6));
+    /* fitted to the H200 run of 2026-12-04 (scripts/fit_drvcost.py, docs/benchmarks.md) */
+    CHECK(NEAR(d->per_call_s[MSH_DRV_CREATE], 7.807e-6) && NEAR(d->per_mib_s[MSH_DRV_CREATE], 0.04234e-6));
+    CHECK(NEAR(d->per_call_s[MSH_DRV_MAP], 0.6616e-6));
+    CHECK(NEAR(d->per_call_s[MSH_DRV_SET_ACCESS], 2.784e-6) && NEAR(d->per_mapping_s[MSH_DRV_SET_ACCESS], 21.27e-6));
+    CHECK(NEAR(d->per_call_s[MSH_DRV_UNMAP], 15.98e-6));
+    CHECK(NEAR(d->per_call_s[MSH_DRV_RELEASE], 8.899e-6) && NEAR(d->per_mib_s[MSH_DRV_RELEASE], 0.4966e-6));
     CHECK(NEAR(d->per_call_s[MSH_DRV_RESERVE], 19e-6));
     for (int k = 0; k < MSH_DRV_NKINDS; k++) {
         CHECKF(d->per_call_s[k] > 0 && d->per_call_s[k] < 1e-2, "%s: %g", msh_drv_call_names[k], d->per_call_s[k]);
-        CHECK(d->per_mib_s[k] >= 0);
+        CHECK(d->per_mib_s[k] >= 0 && d->per_mapping_s[k] >= 0);
+        /* only an access grant covers several mappings */
+        CHECKF(k == MSH_DRV_SET_ACCESS || d->per_mapping_s[k] == 0, "%s", msh_drv_call_names[k]);
     }
-    /* a cudaFree is dearer than its synchronize alone; a create is the dearest VMM call */
-    CHECK(d->per_call_s[MSH_DRV_FREE] > d->per_call_s[MSH_DRV_SYNCHRONIZE]);
-    CHECK(d->per_call_s[MSH_DRV_CREATE] > d->per_call_s[MSH_DRV_SET_ACCESS]);
+    /* cudaMalloc and cudaFree are the VMM steps they stand for */
+    CHECK(NEAR(d->per_call_s[MSH_DRV_MALLOC], d->per_call_s[MSH_DRV_RESERVE] + d->per_call_s[MSH_DRV_CREATE] +
+                                                  d->per_call_s[MSH_DRV_MAP] + d->per_call_s[MSH_DRV_SET_ACCESS] +
+                                                  d->per_mapping_s[MSH_DRV_SET_ACCESS]));
+    CHECK(NEAR(d->per_call_s[MSH_DRV_FREE], d->per_call_s[MSH_DRV_UNMAP] + d->per_call_s[MSH_DRV_RELEASE] +
+                                                d->per_call_s[MSH_DRV_UNRESERVE]));
+    /* measured: 171 us for one grant over 8 mappings of 2 MiB, 21 us over one (within 20%) */
+    double one = msh_drvcost_call(d, MSH_DRV_SET_ACCESS, 2, 1), eight = msh_drvcost_call(d, MSH_DRV_SET_ACCESS, 16, 8);
+    CHECKF(fabs(one - 21e-6) < 0.2 * 21e-6 && fabs(eight - 171e-6) < 0.2 * 171e-6, "%g %g", one, eight);
 }
 
-TEST(seconds_add_per_call_and_per_mib_terms)
+TEST(seconds_add_per_call_per_mib_and_per_mapping_terms)
 {
-    uint64_t calls[MSH_DRV_NKINDS] = {0}, bytes[MSH_DRV_NKINDS] = {0};
-    const struct msh_drvcost *d = msh_drvcost_default();
-    CHECK(msh_drvcost_seconds(d, calls, bytes) == 0);
+    uint64_t calls[MSH_DRV_NKINDS] = {0}, bytes[MSH_DRV_NKINDS] = {0}, maps[MSH_DRV_NKINDS] = {0};
+    struct msh_drvcost t = {0};
+    t.per_call_s[MSH_DRV_CREATE] = 10e-6;
+    t.per_mib_s[MSH_DRV_CREATE] = 1e-6;
+    t.per_call_s[MSH_DRV_SET_ACCESS] = 3e-6;
+    t.per_mapping_s[MSH_DRV_SET_ACCESS] = 20e-6;
+    CHECK(msh_drvcost_seconds(&t, calls, bytes, maps) == 0);
+    /* 1 GiB in 2 MiB handles, one grant over all 512 mappings */
     calls[MSH_DRV_CREATE] = 512;
-    calls[MSH_DRV_MAP] = 512;
-    calls[MSH_DRV_SET_ACCESS] = 512;
+    maps[MSH_DRV_CREATE] = 512;
     bytes[MSH_DRV_CREATE] = 1ull << 30;
-    /* 1 GiB in 2 MiB pages: ~0.118 s of driver calls */
-    CHECK(NEAR(msh_drvcost_seconds(d, calls, bytes), 512 * (193.32e-6 + 1.45e-6 + 35.99e-6)));
-    struct msh_drvcost t = *d;
-    t.per_mib_s[MSH_DRV_CREATE] = 2e-6;
-    CHECK(NEAR(msh_drvcost_seconds(&t, calls, bytes), 512 * (193.32e-6 + 1.45e-6 + 35.99e-6) + 1024 * 2e-6));
-    CHECK(NEAR(msh_drvcost_seconds(&t, calls, NULL), 512 * (193.32e-6 + 1.45e-6 + 35.99e-6)));
+    calls[MSH_DRV_SET_ACCESS] = 1;
+    maps[MSH_DRV_SET_ACCESS] = 512;
+    double want = 512 * 10e-6 + 1024 * 1e-6 + 3e-6 + 512 * 20e-6;
+    CHECK(NEAR(msh_drvcost_seconds(&t, calls, bytes, maps), want));
+    /* no bytes: no per-MiB terms; no mappings: one mapping per call */
+    CHECK(NEAR(msh_drvcost_seconds(&t, calls, NULL, maps), want - 1024 * 1e-6));
+    CHECK(NEAR(msh_drvcost_seconds(&t, calls, bytes, NULL), want - 511 * 20e-6));
+    CHECK(NEAR(msh_drvcost_call(&t, MSH_DRV_SET_ACCESS, 16, 8), 3e-6 + 8 * 20e-6));
+    /* the same bytes in 20 MiB handles: a tenth of the mappings, a tenth of the grant */
+    maps[MSH_DRV_SET_ACCESS] = 52;
+    CHECK(msh_drvcost_seconds(&t, calls, bytes, maps) < want - 400 * 20e-6);
 }
 
 TEST(kind_names)
@@ -68,6 +86,7 @@ TEST(parse_good_files)
     char err[512];
     const char *text = "# measured on an H100\n"
                        "create 100us 2us   # per call, per MiB\n"
+                       "set_access 1us 0 25us  # per call, per MiB, per mapping\n"
                        "\n"
                        "  map\t1e-6\n"
                        "free 0.5ms\n"
@@ -79,8 +98,10 @@ TEST(parse_good_files)
     CHECK(NEAR(t.per_call_s[MSH_DRV_FREE], 0.5e-3));
     CHECK(NEAR(t.per_call_s[MSH_DRV_SYNCHRONIZE], 3e-6));
     CHECK(NEAR(t.per_call_s[MSH_DRV_UNMAP], 20e-6)); /* last line without a newline */
+    CHECK(NEAR(t.per_call_s[MSH_DRV_SET_ACCESS], 1e-6) && NEAR(t.per_mapping_s[MSH_DRV_SET_ACCESS], 25e-6));
+    CHECK(t.per_mapping_s[MSH_DRV_CREATE] == 0); /* not given: 0 */
     /* kinds the file does not name keep their default */
-    CHECK(NEAR(t.per_call_s[MSH_DRV_SET_ACCESS], msh_drvcost_default()->per_call_s[MSH_DRV_SET_ACCESS]));
+    CHECK(NEAR(t.per_call_s[MSH_DRV_RELEASE], msh_drvcost_default()->per_call_s[MSH_DRV_RELEASE]));
     CHECK(parse("create 0\r\n", &t, err, sizeof err) == 0 && t.per_call_s[MSH_DRV_CREATE] == 0);
 }
 
@@ -93,7 +114,9 @@ TEST(parse_bad_files_name_the_line_and_change_nothing)
         {"map 1us lots\n", "costs.txt:1: 'lots' is not a time per MiB"},
         {"# c\nmap -1us\n", "costs.txt:2: negative time"},
         {"map 1us\nmap 2us\n", "costs.txt:2: 'map' is given twice"},
-        {"map 1us 2us 3us\n", "costs.txt:1: too many fields"},
+        {"map 1us 2us 3us 4us\n", "costs.txt:1: too many fields"},
+        {"map 1us 2us lots\n", "costs.txt:1: 'lots' is not a time per mapping"},
+        {"map 1us 0 -1us\n", "costs.txt:1: negative time"},
         {"map\n", "costs.txt:1: 'map' has no time per call"},
         {"map nan\n", "costs.txt:1: 'nan' is not a time"},
         {"map 1e400\n", "costs.txt:1: '1e400' is not a time"},
@@ -149,6 +172,7 @@ TEST(write_reads_back)
     t.per_mib_s[MSH_DRV_MALLOC] = 3.25e-6;
     t.per_call_s[MSH_DRV_SYNCHRONIZE] = 2.5;
     t.per_call_s[MSH_DRV_MAP] = 7e-9;
+    t.per_mapping_s[MSH_DRV_UNMAP] = 1.5e-5;
     char *buf = NULL;
     size_t len = 0;
     FILE *f = open_memstream(&buf, &len);
@@ -161,6 +185,27 @@ TEST(write_reads_back)
     for (int k = 0; k < MSH_DRV_NKINDS; k++) {
         CHECKF(fabs(back.per_call_s[k] - t.per_call_s[k]) <= 1e-6 * t.per_call_s[k], "%s", msh_drv_call_names[k]);
         CHECKF(fabs(back.per_mib_s[k] - t.per_mib_s[k]) <= 1e-6 * t.per_mib_s[k], "%s", msh_drv_call_names[k]);
+        CHECKF(fabs(back.per_mapping_s[k] - t.per_mapping_s[k]) <= 1e-6 * t.per_mapping_s[k], "%s", msh_drv_call_names[k]);
+    }
+    free(buf);
+}
+
+TEST(json_names_each_driver_function)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    REQUIRE(f);
+    msh_drvcost_json(f, msh_drvcost_default());
+    fclose(f);
+    CHECK(strstr(buf, "\"cuMemCreate\": {\"kind\": \"create\", \"per_call_us\": 7.807, \"per_mib_us\": 0.04234, "
+                      "\"per_mapping_us\": 0}") != NULL);
+    CHECK(strstr(buf, "\"cuMemSetAccess\": {\"kind\": \"set_access\", \"per_call_us\": 2.784") != NULL);
+    CHECK(strstr(buf, "\"per_mapping_us\": 21.27}") != NULL);
+    for (int k = 0; k < MSH_DRV_NKINDS; k++) {
+        char key[64];
+        snprintf(key, sizeof key, "\"%s\": {", msh_drvcost_function((enum msh_drv_call)k));
+        CHECKF(strstr(buf, key) != NULL, "%s", key);
     }
     free(buf);
 }

@@ -81,11 +81,12 @@ void tm_pool_insert(struct tm_model *m, struct tm_pool *p, struct tm_block *b); 
 size_t tm_try_merge(struct tm_model *m, struct tm_block *dst, struct tm_block *src, struct tm_pool *p);
 void tm_log(struct tm_model *m, uint8_t op, uint64_t addr, uint64_t size, uint64_t stream);
 void tm_reserve_add(struct tm_model *m, uint64_t bytes);
-/* Count driver calls PyTorch's allocator would make (drvcost.h). */
+/* Count driver calls PyTorch's allocator would make (drvcost.h), each over one mapping. */
 static inline void tm_drv(struct tm_model *m, enum msh_drv_call k, uint64_t calls, uint64_t bytes)
 {
     m->st.drv_calls[k] += calls;
     m->st.drv_bytes[k] += bytes;
+    m->st.drv_maps[k] += calls;
 }
 static inline struct tm_pool *tm_pool_of(struct tm_model *m, const struct tm_block *b)
 {

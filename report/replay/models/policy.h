@@ -65,6 +65,7 @@ struct msh_policy_stats {
     /* Driver calls by kind (drvcost.h) and the bytes they covered: memshim's pool counts its own;
      * the torch models count what PyTorch's allocator would call (docs/models.md). */
     uint64_t drv_calls[MSH_DRV_NKINDS], drv_bytes[MSH_DRV_NKINDS];
+    uint64_t drv_maps[MSH_DRV_NKINDS];      /* the mappings those calls covered (drvcost.h) */
     /* reserved and live bytes at the first allocation that saw the reserved peak, once it holds
      * its block (docs/reports.md, fragmentation.reserved_minus_allocated_at_peak_bytes) */
     uint64_t at_peak_reserved, at_peak_live;

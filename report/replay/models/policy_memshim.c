@@ -46,6 +46,7 @@ static void ms_stats(struct msh_policy *p, struct msh_policy_stats *out)
         .at_peak_live = s.at_peak_live_bytes};
     memcpy(out->drv_calls, s.drv_calls, sizeof out->drv_calls);
     memcpy(out->drv_bytes, s.drv_bytes, sizeof out->drv_bytes);
+    memcpy(out->drv_maps, s.drv_maps, sizeof out->drv_maps);
 }
 
 static void ms_destroy(struct msh_policy *p)
