@@ -429,25 +429,17 @@ int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap)
     bool far = !limit_now(pool) && !pool->driver_oom &&
                (pool->held + (p1 - p0 + 1) + pool->chunk_pages) * pool->gran < pool->device_total / 4 * 3;
     bool relaxed = far && pool->chunk_pages > 1;
-    /* Near the limit, one handle per page (issue 15): a handle goes back to the driver whole, so
-     * a page can be reclaimed alone only if it is a handle alone. Multi-page handles near a limit
+    /* At the limit, one handle per page (issue 15): a handle goes back to the driver whole, so a
+     * page can be reclaimed alone only if it is a handle alone. Multi-page handles under a limit
      * cost capacity however they are cut: a split keeps pieces that need room (split_drop), and
      * the learned step had to share handles across blocks to switch to its plan without
      * re-partitioning them, so that a plan given up in mid-step left free pages pinned by one
      * live page (SYNTHETIC 10-stream offload traces: up to 3.8% above the page model's minimum
-     * capacity). With pages, the plan switches mapping nothing, as the page model does, and the
-     * minimum capacity is the page model's.
-     * Under a limit with room (issue 24: this pool and what b adds within 3/4 of it), the pages b
-     * covers whole share one handle, as far from any limit: on an H200 a page costs about 56 us of
-     * driver calls over its life (access grants are paid per mapping), so one handle per page
-     * made the first pass at the minimum capacity 7-9x PyTorch's expandable segments' (20 MiB
-     * handles). Such a handle is touched by b alone, and when a block later covers part of it
-     * once cached it is split as before, so capacity is kept (the minimum capacity is unchanged
-     * on every trace of docs/benchmarks.md); a step packed across it re-cuts it once, in the
-     * pass that switches to the plan. */
-    bool roomy = !far && limit_now(pool) && !pool->driver_oom && cap != SIZE_MAX &&
-                 (pool->held + (p1 - p0 + 1)) * 4 <= cap * 3;
-    uint32_t maxh = (far || roomy) ? pool->max_handle_pages : 1;
+     * capacity); re-partitioning instead cost thousands of map+unmap in the pass that switched
+     * (cs336 medium_1024: 4794 at C+0.5%), because the first pass had cut its handles for
+     * best-fit blocks. With pages, the plan switches mapping nothing, as the page model does,
+     * and the minimum capacity is the page model's. Far from any limit the savings stay. */
+    uint32_t maxh = far ? pool->max_handle_pages : 1;
     uint32_t hi0 = r->hi_page;
     for (uint32_t p = p0; p <= p1 && !relaxed;) {
         uint32_t h = pg_head(&r->pages[p]);
@@ -493,15 +485,10 @@ int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap)
     }
 #undef MISSING_
     /* a split handle keeps its other pages mapped, as handles of their own (before and after b):
-     * they stay cached, and the next time the same blocks come the handles fit them. Not under a
-     * limit with room: there they are given back with the handle. Mapping them again costs a
-     * create, a map and a grant for pages no block uses, and the next block placed beside b
-     * splits the rest again (a free range filled block by block re-created its remainder at each
-     * block: 8 GiB of creates for the 1 GiB small_forward trace); a block that needs them maps
-     * them then, within the room. */
+     * they stay cached, and the next time the same blocks come the handles fit them */
     uint32_t piece0 = j->nruns;
     size_t pieces = 0;
-    for (uint32_t i = 0, nsplit = roomy ? 0 : j->nvic; i < nsplit; i++) {
+    for (uint32_t i = 0, nsplit = j->nvic; i < nsplit; i++) {
         const struct victim *v = &j->vic[i];
         if (v->head < p0) {
             if (!job_add_run(j, v->head, p0 - v->head)) goto fail_touched;
@@ -562,23 +549,6 @@ int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap)
         }
     }
     if (!held_reserve(pool, need)) goto fail_touched;
-    /* A split handle's pages beside b that no run maps again (given back with room, or left out
-     * by split_drop) stay in progress until the job publishes, which unmaps them: each as a page
-     * of its own, so that the page table stays whole and no other claim maps them while the old
-     * handle is still mapped there (it waits for the publish). The runs below take theirs over. */
-    for (uint32_t i = 0; i < j->nvic; i++) {
-        const struct victim *v = &j->vic[i];
-        if (v->kind != V_SPLIT) continue;
-        for (uint32_t q = v->head; q < v->head + v->n; q++) {
-            if (q >= p0 && q <= p1) continue;
-            struct page *g = &r->pages[q];
-            g->hd = q + 1;
-            g->npages = 1;
-            g->nlive = 0;
-            g->state = PG_UNMAPPING;
-            g->handle = 0;
-        }
-    }
     for (uint32_t i = 0; i < j->nruns; i++) {
         struct run *ru = &j->runs[i];
         uint8_t plan = 0;
