@@ -750,6 +750,11 @@ static int stream_capturing(void *stream)
     if (capture_query_override) return capture_query_override(stream);
     /* The legacy default stream cannot capture; PyTorch's default stream is that stream. */
     if (!stream) return 0;
+    /* No capture open in the process (memshim sees every begin and end: PyTorch's pool window and
+     * the runtime's and the driver's capture calls, shim/capture.h): no stream can be capturing,
+     * and a side-stream allocation asks the driver nothing (issue 24: cuStreamIsCapturing cost a
+     * driver call on every allocation off the default stream). */
+    if (!msh_capture_any()) return 0;
     pthread_once(&capq_once, capq_resolve);
     if (!is_capturing) return -1;
     CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;

@@ -55,4 +55,39 @@ TEST(reuse_on_a_capturing_stream_keeps_the_capture_valid)
     cudaStreamDestroy(cap);
 }
 
+/* Through memshim's hooks, as PyTorch's glue calls it: with no capture open, an allocation on a side
+ * stream asks the driver nothing (issue 24: every one called cuStreamIsCapturing); once the runtime
+ * begins a capture on that stream (the hook opens the window), an allocation there goes to a
+ * capture pool, not to the block the main pool just took back, and the capture stays valid. */
+TEST(side_stream_allocations_ask_the_driver_nothing_until_a_capture_begins)
+{
+    void *(*t_alloc)(ssize_t, int, memshim_stream_t) =
+        (void *(*)(ssize_t, int, memshim_stream_t))dlsym(RTLD_DEFAULT, "memshim_torch_alloc");
+    void (*t_free)(void *, ssize_t, int, memshim_stream_t) =
+        (void (*)(void *, ssize_t, int, memshim_stream_t))dlsym(RTLD_DEFAULT, "memshim_torch_free");
+    REQUIRE(t_alloc && t_free && cudaFree(NULL) == cudaSuccess);
+    cudaStream_t s;
+    REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+    long q0 = cudbl_call_count("cuStreamIsCapturing");
+    void *m = NULL;
+    for (int i = 0; i < 200; i++) {
+        m = t_alloc(SZ, 0, s);
+        REQUIRE(m);
+        t_free(m, SZ, 0, s);
+    }
+    long q = cudbl_call_count("cuStreamIsCapturing") - q0;
+    printf("    200 side-stream alloc+free pairs with no capture open: %ld cuStreamIsCapturing\n", q);
+    CHECK(q == 0);
+    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    void *c = t_alloc(SZ, 0, s);
+    cudaGraph_t g = NULL;
+    cudaError_t end = cudaStreamEndCapture(s, &g);
+    CHECK(c != NULL && c != m); /* m: the main pool's freed block, which it would hand out again */
+    CHECK(end == cudaSuccess && g != NULL);
+    if (g) cudaGraphDestroy(g);
+    if (c) t_free(c, SZ, 0, s);
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+}
+
 TEST_MAIN()
