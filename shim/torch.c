@@ -726,7 +726,11 @@ static void capq_resolve(void)
  * to restore (or -1). */
 static int relaxed_begin(void)
 {
-    if (!atomic_load_explicit(&caps_alive, memory_order_relaxed)) return -1;
+    /* Only while a capture is open (shim/capture.h), not while capture pools merely exist: a job
+     * that replays its graphs keeps them for good, and two cuThreadExchangeStreamCaptureMode per
+     * allocation cost driver calls on the cached path (issue 24). PyTorch opens its pool window
+     * before it begins the capture, so the window is open before the driver could refuse. */
+    if (!msh_capture_any()) return -1;
     pthread_once(&capq_once, capq_resolve);
     if (!exchange_capture_mode) return -1;
     CUstreamCaptureMode m = CU_STREAM_CAPTURE_MODE_RELAXED;

@@ -63,7 +63,10 @@ TEST(capture_pool_memory_stays_in_its_pool)
     REQUIRE(a && b);
     memshim_torch_end_allocate_to_pool(0, 7, 0);
     memshim_torch_free(a, 4 * MiB, 0, S_CAPTURING); /* freed, but the graph may replay into it */
-    /* Outside the pool: never a byte of a. */
+    /* Outside the pool: never a byte of a. And with the pool alive but no capture open (a job that
+     * replays its graph), an allocation asks the driver nothing: no capture-mode exchange (issue
+     * 24: two per allocation while any capture pool existed). */
+    long x0 = cudbl_call_count("cuThreadExchangeStreamCaptureMode");
     void *m[8];
     for (int i = 0; i < 8; i++) {
         m[i] = memshim_torch_alloc(4 * MiB, 0, S_OTHER);
@@ -71,6 +74,8 @@ TEST(capture_pool_memory_stays_in_its_pool)
         CHECKF(!overlaps((uintptr_t)m[i], 4 * MiB, (uintptr_t)a, 4 * MiB), "main alloc %p reuses capture block %p",
                m[i], a);
     }
+    CHECKF(cudbl_call_count("cuThreadExchangeStreamCaptureMode") == x0, "%ld capture-mode exchanges for 8 allocations "
+           "with a capture pool alive and no capture open", cudbl_call_count("cuThreadExchangeStreamCaptureMode") - x0);
     /* Inside the pool (the next capture into it): reused. */
     memshim_torch_begin_allocate_to_pool(0, 7, 0, NULL);
     void *a2 = memshim_torch_alloc_in_pool(4 * MiB, 0, S_CAPTURING, 7, 0);
