@@ -20,6 +20,7 @@
 
 #include "core.h"
 #include "cuda_real.h"
+#include "drvlog.h"
 #include "hooks.h"
 #include "memshim.h"
 #include "msh.h"
@@ -169,7 +170,7 @@ int msh_hooks_drv_missing(_Atomic int *reported, const char *name)
 static int current_device(void)
 {
     CUdevice d;
-    if (msh_cu.cuCtxGetDevice && msh_cu.cuCtxGetDevice(&d) == CUDA_SUCCESS) return (int)d;
+    if (msh_cu.cuCtxGetDevice && MSH_DRV(cuCtxGetDevice, &d) == CUDA_SUCCESS) return (int)d;
     return -1;
 }
 
@@ -578,7 +579,7 @@ void msh_hooks_capture_close(uint64_t stream, bool force)
     if (!force && msh_cu.cuStreamIsCapturing) {
         CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
         /* an end on a stream that is not the capture's origin leaves the capture going */
-        if (msh_cu.cuStreamIsCapturing((CUstream)(uintptr_t)stream, &st) == CUDA_SUCCESS &&
+        if (MSH_DRV(cuStreamIsCapturing, (CUstream)(uintptr_t)stream, &st) == CUDA_SUCCESS &&
             st == CU_STREAM_CAPTURE_STATUS_ACTIVE)
             return;
     }
@@ -593,7 +594,7 @@ void msh_hooks_peer_enabled(int accessor, int owner)
 static int drv_current_device(void)
 {
     CUdevice d = -1;
-    if (!msh_cu.cuCtxGetDevice || msh_cu.cuCtxGetDevice(&d) != CUDA_SUCCESS) return -1;
+    if (!msh_cu.cuCtxGetDevice || MSH_DRV(cuCtxGetDevice, &d) != CUDA_SUCCESS) return -1;
     return (int)d;
 }
 
@@ -608,9 +609,9 @@ static CUresult hk_cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Fla
     if (r == CUDA_SUCCESS || r == CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) {
         int accessor = drv_current_device(), owner = -1;
         CUcontext prev = NULL;
-        if (msh_cu.cuCtxPushCurrent && msh_cu.cuCtxPushCurrent(peerContext) == CUDA_SUCCESS) {
+        if (msh_cu.cuCtxPushCurrent && MSH_DRV(cuCtxPushCurrent, peerContext) == CUDA_SUCCESS) {
             owner = drv_current_device();
-            msh_cu.cuCtxPopCurrent(&prev);
+            MSH_DRV(cuCtxPopCurrent, &prev);
         }
         if (accessor >= 0 && owner >= 0) msh_hooks_peer_enabled(accessor, owner);
     }

@@ -17,6 +17,7 @@
 
 #include "core.h"
 #include "cuda_real.h"
+#include "drvlog.h"
 #include "hooks.h"
 #include "msh.h"
 
@@ -97,7 +98,7 @@ static void build_subst(void)
 
     lookup_v2_fn lookup = (lookup_v2_fn)msh_cu.cuGetProcAddress_v2;
     int ver = 0;
-    if (!lookup || !msh_cu.cuDriverGetVersion || msh_cu.cuDriverGetVersion(&ver) != CUDA_SUCCESS)
+    if (!lookup || !msh_cu.cuDriverGetVersion || MSH_DRV(cuDriverGetVersion, &ver) != CUDA_SUCCESS)
         return;
     /* Each hook with the ABI it stands in for (hooks/driver.c checks each hook's type against
      * cudaTypedefs.h's for that ABI): the name asked for at that ABI's version returns exactly that

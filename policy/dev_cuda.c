@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "cuda_real.h"
+#include "drvlog.h"
 #include "device.h"
 #include "msh.h"
 
@@ -44,18 +45,18 @@ static int to_errno(CUresult r, const char *what)
 #define WITH_CTX(d, call, what)                                                     \
     ({                                                                              \
         CUcontext prev_ = NULL;                                                     \
-        msh_cu.cuCtxGetCurrent(&prev_);                                             \
+        MSH_DRV(cuCtxGetCurrent, &prev_);                                             \
         bool push_ = prev_ != C(d)->ctx;                                            \
         /* a failed push must not be followed by a pop of the caller's context */   \
-        if (push_ && msh_cu.cuCtxPushCurrent(C(d)->ctx) != CUDA_SUCCESS) push_ = false; \
+        if (push_ && MSH_DRV(cuCtxPushCurrent, C(d)->ctx) != CUDA_SUCCESS) push_ = false; \
         CUresult r_ = (call);                                                       \
-        if (push_) msh_cu.cuCtxPopCurrent(&prev_);                                  \
+        if (push_) MSH_DRV(cuCtxPopCurrent, &prev_);                                  \
         to_errno(r_, what);                                                         \
     })
 
 static int cu_mem_info(struct msh_device *d, size_t *f, size_t *t)
 {
-    return WITH_CTX(d, msh_cu.cuMemGetInfo(f, t), "cuMemGetInfo");
+    return WITH_CTX(d, MSH_DRV(cuMemGetInfo, f, t), "cuMemGetInfo");
 }
 
 static int cu_granularity(struct msh_device *d, size_t *g)
@@ -67,20 +68,20 @@ static int cu_granularity(struct msh_device *d, size_t *g)
 static int cu_reserve(struct msh_device *d, size_t size, size_t align, uint64_t *va)
 {
     CUdeviceptr p = 0;
-    int rc = WITH_CTX(d, msh_cu.cuMemAddressReserve(&p, size, align, 0, 0), "cuMemAddressReserve");
+    int rc = WITH_CTX(d, MSH_DRV(cuMemAddressReserve, &p, size, align, 0, 0), "cuMemAddressReserve");
     *va = (uint64_t)p;
     return rc;
 }
 
 static int cu_unreserve(struct msh_device *d, uint64_t va, size_t size)
 {
-    return WITH_CTX(d, msh_cu.cuMemAddressFree((CUdeviceptr)va, size), "cuMemAddressFree");
+    return WITH_CTX(d, MSH_DRV(cuMemAddressFree, (CUdeviceptr)va, size), "cuMemAddressFree");
 }
 
 static int cu_create(struct msh_device *d, size_t size, uint64_t *h)
 {
     CUmemGenericAllocationHandle hh = 0;
-    int rc = WITH_CTX(d, msh_cu.cuMemCreate(&hh, size, &C(d)->prop, 0), "cuMemCreate");
+    int rc = WITH_CTX(d, MSH_DRV(cuMemCreate, &hh, size, &C(d)->prop, 0), "cuMemCreate");
     *h = (uint64_t)hh;
     return rc;
 }
@@ -88,7 +89,7 @@ static int cu_create(struct msh_device *d, size_t size, uint64_t *h)
 static int cu_release(struct msh_device *d, uint64_t h, size_t size)
 {
     (void)size;
-    return WITH_CTX(d, msh_cu.cuMemRelease((CUmemGenericAllocationHandle)h), "cuMemRelease");
+    return WITH_CTX(d, MSH_DRV(cuMemRelease, (CUmemGenericAllocationHandle)h), "cuMemRelease");
 }
 
 /* Peer access (docs/pool.md "Peers"): cudaDeviceEnablePeerAccess / cuCtxEnablePeerAccess do not
@@ -115,7 +116,7 @@ static int cu_add_access(struct msh_device *d, int peer)
     if (peer < 0 || peer >= MSH_MAX_DEVICES) return EINVAL;
     if (peer == (int)c->dev) return EEXIST;
     int can = 0;
-    if (!msh_cu.cuDeviceCanAccessPeer || msh_cu.cuDeviceCanAccessPeer(&can, peer, c->dev) != CUDA_SUCCESS || !can)
+    if (!msh_cu.cuDeviceCanAccessPeer || MSH_DRV(cuDeviceCanAccessPeer, &can, peer, c->dev) != CUDA_SUCCESS || !can)
         return ENODEV;
     pthread_mutex_lock(&c->access_lock);
     size_t n = __atomic_load_n(&c->naccess, __ATOMIC_ACQUIRE);
@@ -144,7 +145,7 @@ static size_t cu_access_descs(struct msh_device *d, const CUmemAccessDesc **out)
 
 static int cu_map(struct msh_device *d, uint64_t va, size_t size, uint64_t h)
 {
-    return WITH_CTX(d, msh_cu.cuMemMap((CUdeviceptr)va, size, 0, (CUmemGenericAllocationHandle)h, 0), "cuMemMap");
+    return WITH_CTX(d, MSH_DRV(cuMemMap, (CUdeviceptr)va, size, 0, (CUmemGenericAllocationHandle)h, 0), "cuMemMap");
 }
 
 /* A mapping is unusable until access is granted (CUDA VMM rule), to the owner and its peers (the
@@ -154,12 +155,12 @@ static int cu_set_access(struct msh_device *d, uint64_t va, size_t size)
 {
     const CUmemAccessDesc *acc;
     size_t nacc = cu_access_descs(d, &acc);
-    return WITH_CTX(d, msh_cu.cuMemSetAccess((CUdeviceptr)va, size, acc, nacc), "cuMemSetAccess");
+    return WITH_CTX(d, MSH_DRV(cuMemSetAccess, (CUdeviceptr)va, size, acc, nacc), "cuMemSetAccess");
 }
 
 static int cu_unmap(struct msh_device *d, uint64_t va, size_t size)
 {
-    return WITH_CTX(d, msh_cu.cuMemUnmap((CUdeviceptr)va, size), "cuMemUnmap");
+    return WITH_CTX(d, MSH_DRV(cuMemUnmap, (CUdeviceptr)va, size), "cuMemUnmap");
 }
 
 /* The context a stream belongs to (0: this device's own). The default streams (NULL, legacy,
@@ -170,7 +171,7 @@ static int cu_stream_home(struct msh_device *d, uint64_t stream, uint64_t *home)
     CUstream s = (CUstream)(uintptr_t)stream;
     if (!s || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD || !msh_cu.cuStreamGetCtx) return 0;
     CUcontext ctx = NULL;
-    int rc = WITH_CTX(d, msh_cu.cuStreamGetCtx(s, &ctx), "cuStreamGetCtx");
+    int rc = WITH_CTX(d, MSH_DRV(cuStreamGetCtx, s, &ctx), "cuStreamGetCtx");
     if (!rc && ctx && ctx != C(d)->ctx) *home = (uint64_t)(uintptr_t)ctx;
     return rc;
 }
@@ -182,9 +183,9 @@ static int cu_event_create_on(struct msh_device *d, uint64_t home, uint64_t *ev)
     (void)d;
     CUevent e = NULL;
     CUcontext prev = NULL;
-    if (msh_cu.cuCtxPushCurrent((CUcontext)(uintptr_t)home) != CUDA_SUCCESS) return EIO;
-    int rc = to_errno(msh_cu.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-    msh_cu.cuCtxPopCurrent(&prev);
+    if (MSH_DRV(cuCtxPushCurrent, (CUcontext)(uintptr_t)home) != CUDA_SUCCESS) return EIO;
+    int rc = to_errno(MSH_DRV(cuEventCreate, &e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    MSH_DRV(cuCtxPopCurrent, &prev);
     *ev = (uint64_t)(uintptr_t)e;
     return rc;
 }
@@ -192,30 +193,30 @@ static int cu_event_create_on(struct msh_device *d, uint64_t home, uint64_t *ev)
 static int cu_stream_sync(struct msh_device *d, uint64_t stream)
 {
     if (!msh_cu.cuStreamSynchronize) return ENOSYS;
-    return WITH_CTX(d, msh_cu.cuStreamSynchronize((CUstream)(uintptr_t)stream), "cuStreamSynchronize");
+    return WITH_CTX(d, MSH_DRV(cuStreamSynchronize, (CUstream)(uintptr_t)stream), "cuStreamSynchronize");
 }
 
 static int cu_event_create(struct msh_device *d, uint64_t *ev)
 {
     CUevent e = NULL;
-    int rc = WITH_CTX(d, msh_cu.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    int rc = WITH_CTX(d, MSH_DRV(cuEventCreate, &e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
     *ev = (uint64_t)(uintptr_t)e;
     return rc;
 }
 
 static int cu_event_record(struct msh_device *d, uint64_t ev, uint64_t stream)
 {
-    return WITH_CTX(d, msh_cu.cuEventRecord((CUevent)(uintptr_t)ev, (CUstream)(uintptr_t)stream), "cuEventRecord");
+    return WITH_CTX(d, MSH_DRV(cuEventRecord, (CUevent)(uintptr_t)ev, (CUstream)(uintptr_t)stream), "cuEventRecord");
 }
 
 static int cu_event_query(struct msh_device *d, uint64_t ev)
 {
-    return WITH_CTX(d, msh_cu.cuEventQuery((CUevent)(uintptr_t)ev), "cuEventQuery");
+    return WITH_CTX(d, MSH_DRV(cuEventQuery, (CUevent)(uintptr_t)ev), "cuEventQuery");
 }
 
 static int cu_event_release(struct msh_device *d, uint64_t ev)
 {
-    return WITH_CTX(d, msh_cu.cuEventDestroy((CUevent)(uintptr_t)ev), "cuEventDestroy");
+    return WITH_CTX(d, MSH_DRV(cuEventDestroy, (CUevent)(uintptr_t)ev), "cuEventDestroy");
 }
 
 /* A capturing stream (CUDA graph capture) cannot wait on an event recorded outside its capture:
@@ -226,16 +227,16 @@ static int cu_stream_wait(struct msh_device *d, uint64_t stream, uint64_t ev)
 {
     CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
     if (msh_cu.cuStreamIsCapturing && msh_cu.cuEventSynchronize &&
-        WITH_CTX(d, msh_cu.cuStreamIsCapturing((CUstream)(uintptr_t)stream, &st), "cuStreamIsCapturing") == 0 &&
+        WITH_CTX(d, MSH_DRV(cuStreamIsCapturing, (CUstream)(uintptr_t)stream, &st), "cuStreamIsCapturing") == 0 &&
         st != CU_STREAM_CAPTURE_STATUS_NONE)
-        return WITH_CTX(d, msh_cu.cuEventSynchronize((CUevent)(uintptr_t)ev), "cuEventSynchronize");
-    return WITH_CTX(d, msh_cu.cuStreamWaitEvent((CUstream)(uintptr_t)stream, (CUevent)(uintptr_t)ev, 0),
+        return WITH_CTX(d, MSH_DRV(cuEventSynchronize, (CUevent)(uintptr_t)ev), "cuEventSynchronize");
+    return WITH_CTX(d, MSH_DRV(cuStreamWaitEvent, (CUstream)(uintptr_t)stream, (CUevent)(uintptr_t)ev, 0),
                     "cuStreamWaitEvent");
 }
 
 static int cu_synchronize(struct msh_device *d)
 {
-    return WITH_CTX(d, msh_cu.cuCtxSynchronize(), "cuCtxSynchronize");
+    return WITH_CTX(d, MSH_DRV(cuCtxSynchronize), "cuCtxSynchronize");
 }
 
 /* Host memory through VMM (CUDA 12.2 and later drivers): a HOST_NUMA location on the device's
@@ -245,17 +246,17 @@ static void cu_host_init(struct cuda_dev *c)
 {
     memset(&c->host_prop, 0, sizeof c->host_prop);
     int numa = 0, host = 0, node = -1;
-    if (msh_cu.cuDeviceGetAttribute(&numa, CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, c->dev) !=
+    if (MSH_DRV(cuDeviceGetAttribute, &numa, CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, c->dev) !=
         CUDA_SUCCESS)
         numa = 0; /* an older driver does not know the attribute */
-    if (msh_cu.cuDeviceGetAttribute(&host, CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, c->dev) !=
+    if (MSH_DRV(cuDeviceGetAttribute, &host, CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, c->dev) !=
         CUDA_SUCCESS)
         host = 0;
     CUmemAllocationProp p;
     memset(&p, 0, sizeof p);
     p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     if (numa) {
-        if (msh_cu.cuDeviceGetAttribute(&node, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, c->dev) != CUDA_SUCCESS || node < 0)
+        if (MSH_DRV(cuDeviceGetAttribute, &node, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, c->dev) != CUDA_SUCCESS || node < 0)
             node = 0; /* "on systems where NUMA is not available the id must be set to 0" */
         p.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
         p.location.id = node;
@@ -265,7 +266,7 @@ static void cu_host_init(struct cuda_dev *c)
         return;
     }
     size_t g = 0;
-    if (msh_cu.cuMemGetAllocationGranularity(&g, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS || !g ||
+    if (MSH_DRV(cuMemGetAllocationGranularity, &g, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS || !g ||
         c->gran % g) {
         msh_debug("device %d: host memory through VMM has granularity %zu, which does not divide %zu: no spill",
                   (int)c->dev, g, c->gran);
@@ -278,7 +279,7 @@ static int cu_host_create(struct msh_device *d, size_t size, uint64_t *h)
 {
     if (!C(d)->host_prop.location.type) return ENOTSUP;
     CUmemGenericAllocationHandle hh = 0;
-    int rc = WITH_CTX(d, msh_cu.cuMemCreate(&hh, size, &C(d)->host_prop, 0), "cuMemCreate (host)");
+    int rc = WITH_CTX(d, MSH_DRV(cuMemCreate, &hh, size, &C(d)->host_prop, 0), "cuMemCreate (host)");
     *h = (uint64_t)hh;
     return rc;
 }
@@ -287,7 +288,7 @@ static int cu_host_create(struct msh_device *d, size_t size, uint64_t *h)
 static int cu_copy(struct msh_device *d, uint64_t dst, uint64_t src, size_t size)
 {
     if (!msh_cu.cuMemcpyDtoD) return ENOTSUP;
-    int rc = WITH_CTX(d, msh_cu.cuMemcpyDtoD((CUdeviceptr)dst, (CUdeviceptr)src, size), "cuMemcpyDtoD");
+    int rc = WITH_CTX(d, MSH_DRV(cuMemcpyDtoD, (CUdeviceptr)dst, (CUdeviceptr)src, size), "cuMemcpyDtoD");
     if (!rc) rc = cu_synchronize(d);
     return rc;
 }
@@ -321,7 +322,7 @@ void msh_dev_cuda_fini(struct msh_device *d)
 {
     struct cuda_dev *c = d && d->ops == &cuda_ops ? d->impl : NULL;
     if (!c) return;
-    if (msh_cu.cuDevicePrimaryCtxRelease) msh_cu.cuDevicePrimaryCtxRelease(c->dev);
+    if (msh_cu.cuDevicePrimaryCtxRelease) MSH_DRV(cuDevicePrimaryCtxRelease, c->dev);
     free(c);
     d->impl = NULL;
     d->ops = NULL;
@@ -337,16 +338,16 @@ int msh_dev_cuda_init(struct msh_device *d, int ordinal)
     }
     struct cuda_dev *c = calloc(1, sizeof *c);
     if (!c) return ENOMEM;
-    CUresult r = msh_cu.cuDeviceGet(&c->dev, ordinal);
+    CUresult r = MSH_DRV(cuDeviceGet, &c->dev, ordinal);
     int vmm = 0;
     if (r == CUDA_SUCCESS)
-        r = msh_cu.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, c->dev);
+        r = MSH_DRV(cuDeviceGetAttribute, &vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, c->dev);
     if (r == CUDA_SUCCESS && !vmm) {
         msh_warn("device %d does not support virtual memory management; passing through", ordinal);
         free(c);
         return ENODEV;
     }
-    if (r == CUDA_SUCCESS) r = msh_cu.cuDevicePrimaryCtxRetain(&c->ctx, c->dev);
+    if (r == CUDA_SUCCESS) r = MSH_DRV(cuDevicePrimaryCtxRetain, &c->ctx, c->dev);
     if (r != CUDA_SUCCESS) {
         msh_warn("device %d: cannot use the driver (%s); passing through", ordinal, msh_cuda_errname(r));
         free(c);
@@ -359,12 +360,12 @@ int msh_dev_cuda_init(struct msh_device *d, int ordinal)
     d->ops = &cuda_ops;
     d->ordinal = ordinal;
     d->impl = c;
-    int rc = WITH_CTX(d, msh_cu.cuMemGetAllocationGranularity(&c->gran, &c->prop,
+    int rc = WITH_CTX(d, MSH_DRV(cuMemGetAllocationGranularity, &c->gran, &c->prop,
                                                                CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
                       "cuMemGetAllocationGranularity");
     if (rc || !c->gran) {
         msh_warn("device %d: no allocation granularity (error %d); passing through", ordinal, rc);
-        if (msh_cu.cuDevicePrimaryCtxRelease) msh_cu.cuDevicePrimaryCtxRelease(c->dev);
+        if (msh_cu.cuDevicePrimaryCtxRelease) MSH_DRV(cuDevicePrimaryCtxRelease, c->dev);
         free(c);
         d->impl = NULL;
         return ENODEV;

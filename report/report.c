@@ -38,6 +38,7 @@
 #include <unistd.h>
 
 #include "drvcost.h"
+#include "drvlog.h"
 #include "msh.h"
 
 static struct {
@@ -289,6 +290,67 @@ static json_t *latency_json(const struct msh_report *r, const struct msh_report_
     return l;
 }
 
+/* ---- memshim's own cost (issue 24) ------------------------------------------------------------
+ * Every driver function memshim called itself (policy/base/drvlog.h: exact counts, measured
+ * seconds), the synchronizes among them by kind, and memshim's time on its allocation and free
+ * paths (sampled: policy/base/hotclock.h) against the wall time the report covers. The ledger is
+ * the process's; an epoch report shows what changed since the device's previous epoch report. */
+static struct msh_drvlog_snap dl_prev[MSH_MAX_DEVICES];
+static uint64_t path_prev[MSH_MAX_DEVICES][2];
+
+static json_t *count_seconds(uint64_t n, double sec)
+{
+    json_t *o = J.object();
+    set_u(o, "count", n);
+    set_d(o, "seconds", sec > 0 ? sec : 0);
+    return o;
+}
+
+static json_t *overhead_json(const struct msh_report *r, const struct msh_report_device *d)
+{
+    bool epoch = !strcmp(r->kind, "epoch");
+    int dev = d->device >= 0 && d->device < MSH_MAX_DEVICES ? d->device : 0;
+    struct msh_drvlog_snap now, delta;
+    msh_drvlog_read(&now);
+    for (int f = 0; f < MSH_DL_N; f++) {
+        delta.count[f] = now.count[f] - (epoch ? dl_prev[dev].count[f] : 0);
+        delta.seconds[f] = now.seconds[f] - (epoch ? dl_prev[dev].seconds[f] : 0);
+    }
+    json_t *o = J.object();
+    set_s(o, "covers", epoch ? "epoch" : "run");
+    set_s(o, "scope", "process");
+    json_t *calls = J.object();
+    double drv_s = 0;
+    for (int f = 0; f < MSH_DL_N; f++) {
+        if (!delta.count[f]) continue;
+        J.object_set_new(calls, msh_drvlog_names[f], count_seconds(delta.count[f], delta.seconds[f]));
+        drv_s += delta.seconds[f] > 0 ? delta.seconds[f] : 0;
+    }
+    J.object_set_new(o, "driver_calls", calls);
+    set_d(o, "driver_seconds", drv_s);
+    json_t *sync = J.object();
+    for (int k = 0; k < MSH_SYNC_NKINDS; k++) {
+        int f = msh_sync_kind_fn(k);
+        J.object_set_new(sync, msh_sync_kind_names[k], f < 0 ? count_seconds(0, 0) : count_seconds(delta.count[f], delta.seconds[f]));
+    }
+    J.object_set_new(o, "synchronizes", sync);
+    const struct msh_pool_stats *st = &d->st;
+    J.object_set_new(o, "alloc_path_ns", percentiles(st->alloc_lat, epoch ? lat_prev[dev][0] : NULL, st->alloc_ns_max));
+    J.object_set_new(o, "free_path_ns", percentiles(st->free_lat, epoch ? lat_prev[dev][1] : NULL, st->free_ns_max));
+    uint64_t path_ns = st->alloc_ns_total + st->free_ns_total;
+    uint64_t path_d = path_ns - (epoch ? path_prev[dev][0] : 0);
+    /* an epoch covers its interval; a summary or OOM report the run (times count from start-up) */
+    double wall = epoch ? r->t_end - r->t_start : r->t_end;
+    set_d(o, "path_seconds", (double)path_d * 1e-9);
+    if (wall > 0) set_d(o, "share_of_wall", (double)path_d * 1e-9 / wall);
+    else J.object_set_new(o, "share_of_wall", J.null());
+    if (epoch) {
+        dl_prev[dev] = now;
+        path_prev[dev][0] = path_ns;
+    }
+    return o;
+}
+
 /* ---- sites -------------------------------------------------------------------------------------- */
 
 static json_t *site_json(const char *file, int line, const char *function)
@@ -444,6 +506,7 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_d(ops, "alloc_mean_ns", st->allocs ? (double)st->alloc_ns_total / (double)st->allocs : 0.0);
     set_d(ops, "free_mean_ns", st->frees ? (double)st->free_ns_total / (double)st->frees : 0.0);
     J.object_set_new(root, "operations", ops);
+    J.object_set_new(root, "memshim_overhead", overhead_json(r, d)); /* before latency: it reads lat_prev */
     J.object_set_new(root, "latency", latency_json(r, d));
 
     /* Every call the pool made to the driver, by kind, and what they cost by the default cost

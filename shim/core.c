@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "cuda_real.h"
+#include "drvlog.h"
 #include "device.h"
 #include "history.h"
 #include "hotclock.h"
@@ -748,6 +749,14 @@ void msh_core_finish(bool interrupted, int signo)
                      r.dev[i].device, (unsigned long long)r.dev[i].st.allocs, r.dev[i].st.peak_live_bytes / 1048576.0,
                      r.dev[i].st.peak_mapped_bytes / 1048576.0, (unsigned long long)r.dev[i].st.map_ops,
                      (unsigned long long)r.dev[i].st.unmap_ops, (unsigned long long)r.dev[i].st.oom_events);
+        if (msh_log_level >= MSH_LOG_INFO) {
+            /* issue 24: what memshim cost this process in driver calls, the three largest first */
+            struct msh_drvlog_snap dl;
+            char top[256];
+            msh_drvlog_read(&dl);
+            msh_drvlog_top3(&dl, top, sizeof top);
+            msh_info("exit: memshim's driver calls, largest costs: %s", top[0] ? top : "none");
+        }
     }
     atomic_store(&finish_state, 2);
     msh_in_hook--;

@@ -17,6 +17,7 @@
 
 #include "core.h"
 #include "cuda_real.h"
+#include "drvlog.h"
 #include "memshim.h"
 #include "msh.h"
 #include "report.h"
@@ -53,7 +54,7 @@ static void read_versions(int device)
     if (!versions_read) {
         versions_read = true;
         int v = 0;
-        if (msh_cu.cuDriverGetVersion && msh_cu.cuDriverGetVersion(&v) == CUDA_SUCCESS && v > 0)
+        if (msh_cu.cuDriverGetVersion && MSH_DRV(cuDriverGetVersion, &v) == CUDA_SUCCESS && v > 0)
             cuda_version_text(v, driver_version, sizeof driver_version);
         char path[PATH_MAX] = "";
         if (dl_iterate_phdr(find_cudart, path) && path[0]) {
@@ -68,8 +69,8 @@ static void read_versions(int device)
         msh_cu.cuDeviceGetName) {
         CUdevice dev;
         char name[128];
-        if (msh_cu.cuDeviceGet(&dev, device) == CUDA_SUCCESS &&
-            msh_cu.cuDeviceGetName(name, (int)sizeof name, dev) == CUDA_SUCCESS) {
+        if (MSH_DRV(cuDeviceGet, &dev, device) == CUDA_SUCCESS &&
+            MSH_DRV(cuDeviceGetName, name, (int)sizeof name, dev) == CUDA_SUCCESS) {
             name[sizeof name - 1] = 0;
             memcpy(device_names[device], name, sizeof name);
         }

@@ -25,6 +25,7 @@
 #include "capture.h"
 #include "core.h"
 #include "cuda_real.h"
+#include "drvlog.h"
 #include "device.h"
 #include "memshim.h"
 #include "msh.h"
@@ -734,14 +735,19 @@ static int relaxed_begin(void)
     pthread_once(&capq_once, capq_resolve);
     if (!exchange_capture_mode) return -1;
     CUstreamCaptureMode m = CU_STREAM_CAPTURE_MODE_RELAXED;
-    return exchange_capture_mode(&m) == CUDA_SUCCESS ? (int)m : -1;
+    uint64_t t0 = msh_ticks();
+    CUresult r = exchange_capture_mode(&m);
+    msh_drvlog_add(MSH_DL_cuThreadExchangeStreamCaptureMode, t0);
+    return r == CUDA_SUCCESS ? (int)m : -1;
 }
 
 static void relaxed_end(int saved)
 {
     if (saved < 0 || !exchange_capture_mode) return;
     CUstreamCaptureMode m = (CUstreamCaptureMode)saved;
+    uint64_t t0 = msh_ticks();
     exchange_capture_mode(&m);
+    msh_drvlog_add(MSH_DL_cuThreadExchangeStreamCaptureMode, t0);
 }
 
 void msh_torch_set_capture_query(int (*fn)(void *stream))
@@ -762,7 +768,10 @@ static int stream_capturing(void *stream)
     pthread_once(&capq_once, capq_resolve);
     if (!is_capturing) return -1;
     CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
-    if (is_capturing((CUstream)stream, &st) != CUDA_SUCCESS) return -1;
+    uint64_t t0 = msh_ticks();
+    CUresult r = is_capturing((CUstream)stream, &st);
+    msh_drvlog_add(MSH_DL_cuStreamIsCapturing, t0);
+    if (r != CUDA_SUCCESS) return -1;
     return st != CU_STREAM_CAPTURE_STATUS_NONE;
 }
 

@@ -7,6 +7,7 @@
  * inherited LD_PRELOAD) gets ENODEV and memshim stays out of the way.
  */
 #include "cuda_real.h"
+#include "drvlog.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -94,7 +95,7 @@ static void load_driver(void)
         load_rc = ENODEV;
         return;
     }
-    CUresult r = msh_cu.cuInit(0);
+    CUresult r = MSH_DRV(cuInit, 0);
     if (r != CUDA_SUCCESS) {
         msh_info("cuInit failed (%s): no usable GPU in this process; passing through",
                  msh_cuda_errname(r));

@@ -173,6 +173,49 @@ def torch_stat(stats, dotted):
     return v if nonneg_num(v) else None
 
 
+def _count_seconds(v):
+    return isinstance(v, dict) and nonneg_int(v.get("count")) and nonneg_num(v.get("seconds"))
+
+
+def parse_overhead(f):
+    """memshim_overhead (issue 24; reports written before it lack it: None): what memshim cost the
+    process in driver calls and synchronizes, and its own time on the allocation and free paths."""
+    o = f.get("memshim_overhead", lambda v: isinstance(v, dict), "an object")
+    if o is None:
+        return None
+    calls = f.get("memshim_overhead.driver_calls",
+                  lambda v: isinstance(v, dict) and all(_count_seconds(x) for x in v.values()),
+                  "an object of {count, seconds}") or {}
+    sync = f.get("memshim_overhead.synchronizes",
+                 lambda v: isinstance(v, dict) and all(_count_seconds(x) for x in v.values()),
+                 "an object of {count, seconds}") or {}
+    return {
+        "covers": f.get("memshim_overhead.covers", lambda v: v in ("epoch", "run"), "epoch or run"),
+        "driver_calls": {k: {"count": v["count"], "seconds": v["seconds"]} for k, v in calls.items()},
+        "driver_seconds": f.get("memshim_overhead.driver_seconds", nonneg_num, "a number"),
+        "synchronizes": {k: {"count": v["count"], "seconds": v["seconds"]} for k, v in sync.items()},
+        "alloc_path_ns": {q: f.get(f"memshim_overhead.alloc_path_ns.{q}", nonneg_num, "a number") for q in ("p50", "p99")},
+        "free_path_ns": {q: f.get(f"memshim_overhead.free_path_ns.{q}", nonneg_num, "a number") for q in ("p50", "p99")},
+        "path_seconds": f.get("memshim_overhead.path_seconds", nonneg_num, "a number"),
+        "share_of_wall": f.get("memshim_overhead.share_of_wall", nonneg_num, "a number"),
+    }
+
+
+def overhead_text(o):
+    """One line: the three largest driver costs, the synchronizes, memshim's path time and share."""
+    if not o:
+        return "n/a (reports written before memshim measured itself)"
+    top = sorted(o["driver_calls"].items(), key=lambda kv: -kv[1]["seconds"])[:3]
+    calls = ", ".join(f"{k} {v['count']} x {v['seconds'] * 1e3:.3f} ms" for k, v in top) or "none"
+    ns = sum(v["count"] for v in o["synchronizes"].values())
+    ss = sum(v["seconds"] for v in o["synchronizes"].values())
+    a, fr = o["alloc_path_ns"], o["free_path_ns"]
+    share = "n/a" if o["share_of_wall"] is None else f"{o['share_of_wall'] * 100:.3f}%"
+    return (f"driver {calls}; synchronizes {ns} ({ss * 1e3:.3f} ms blocked); alloc path p50/p99 "
+            f"{usec(a['p50'])}/{usec(a['p99'])} us, free {usec(fr['p50'])}/{usec(fr['p99'])} us; "
+            f"memshim's path time {share} of the wall time")
+
+
 def parse(path, obj, warnings):
     """Check one decoded file and return the record the rest of the tool works from."""
     if not isinstance(obj, dict):
@@ -251,6 +294,7 @@ def parse(path, obj, warnings):
     if lat is not None:
         rec["latency"] = {op: {q: f.get(f"latency.{op}.{q}", nonneg_num, "a number")
                                for q in ("p50", "p90", "p99", "max")} for op in ("alloc_ns", "free_ns")}
+    rec["overhead"] = parse_overhead(f)
     ver = f.get("versions", lambda v: isinstance(v, dict), "an object")
     rec["versions"] = None
     if ver is not None:
@@ -585,7 +629,7 @@ def row_json(r):
         "map_ops": r["maps"], "unmap_ops": r["unmaps"],
         "reclaimed_pages": r["reclaimed"], "oom_events": r["ooms"],
         "latency": r["latency"], "torch_memory_stats": r["torch"], "driver_modelled_seconds": r["driver_seconds"],
-        "sites": r["sites"], "last_oom": r["last_oom"],
+        "sites": r["sites"], "last_oom": r["last_oom"], "memshim_overhead": r["overhead"],
     }
 
 
@@ -1165,6 +1209,11 @@ def text_report(runs, args, nrecs, nfiles_skipped):
             s = run["streams"][0]
             out.append(f"trend: {trend_text(s)}")
             out.append(f"growing sites: {growing_sites_text(s)}")
+        for s in run["streams"]:  # issue 24: what memshim cost, from the stream's last report
+            last = s["recs"][-1] if s["recs"] else None
+            if last is not None and (last["overhead"] or not multi):
+                scope = "" if not multi else f" ({who(s, run)})"
+                out.append(f"memshim's own cost{scope}, {last['kind']} report: {overhead_text(last['overhead'])}")
         out.append("")
         h = run["highest"]
         out += sites_lines(h, f" of {who(h, run)}" if multi else "")
