@@ -237,7 +237,7 @@ enum { RUN_NONE = 0, RUN_RELEASED, RUN_ORPHANED };
 
 void job_init(struct job *j)
 {
-    memset(j, 0, offsetof(struct job, runs_inl));
+    memset(j, 0, offsetof(struct job, waits)); /* the arrays after it are read below their counts */
     j->runs = j->runs_inl;
     j->vic = j->vic_inl;
     j->capruns = j->capvic = JOB_INL;
@@ -627,6 +627,9 @@ static void claim_release(struct msh_pool *pool, struct job *j, size_t max_keep,
     for (int i = 0; i < pool->norphans; i++) {
         j->orph[j->norph].h = pool->orphans[i].h;
         j->orph[j->norph].pages = pool->orphans[i].pages;
+        /* not released until job_run says so: a job that stops before (a synchronize refused)
+         * puts it back on the pool's list instead of counting it released */
+        j->orph[j->norph].rc = EAGAIN;
         j->norph++;
     }
     pool->norphans = 0;

@@ -466,4 +466,37 @@ TEST(a_doubling_batch_finder_costs_the_driver_only_its_served_steps_under_a_limi
     finder_case(CAPACITY / 2);
 }
 
+/* A handle whose release the driver refused waits on the pool's orphan list and goes with the next
+ * job that releases. When that job stops before its driver work (its synchronize refused), the
+ * orphan was never released and must stay on the list: it used to be counted released and
+ * forgotten, a handle left on the device for good (found with issue 24's job_init change). */
+TEST(an_orphan_stays_listed_when_its_job_stops_before_releasing_it)
+{
+    if (!device_up()) SKIP("the driver double did not start");
+    struct cudbl_counts c0, c1;
+    cudbl_get_counts(&c0);
+    CUstream s;
+    REQUIRE(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+    struct msh_pool *pool = pool_new(64 * MiB, false);
+    REQUIRE(pool);
+    uint64_t a = 0, b = 0;
+    REQUIRE(msh_pool_alloc(pool, 2 * MiB, (uint64_t)(uintptr_t)s, &a) == 0);
+    REQUIRE(msh_pool_free(pool, a, (uint64_t)(uintptr_t)s) == 0);
+    cudbl_fail_nth("cuMemRelease", 1, CUDA_ERROR_UNKNOWN);
+    msh_pool_empty_cache(pool); /* unmapped; its release refused: an orphan */
+    cudbl_fail_clear();
+    REQUIRE(msh_pool_alloc(pool, 4 * MiB, (uint64_t)(uintptr_t)s, &b) == 0);
+    REQUIRE(msh_pool_free(pool, b, (uint64_t)(uintptr_t)s) == 0);
+    cudbl_fail_nth("cuCtxSynchronize", 1, CUDA_ERROR_UNKNOWN);
+    msh_pool_empty_cache(pool); /* pages freed on a stream: the job synchronizes first, refused */
+    cudbl_fail_clear();
+    CHECK(pool_ok(pool));
+    msh_pool_empty_cache(pool);
+    msh_pool_destroy(pool);
+    cuStreamDestroy(s);
+    cudbl_get_counts(&c1);
+    CHECKF(c1.handles == c0.handles, "%ld handles left on the device after the pool was destroyed",
+           c1.handles - c0.handles);
+}
+
 TEST_MAIN()
