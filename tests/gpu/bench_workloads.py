@@ -1066,6 +1066,20 @@ def gpt_markdown(res):
                      f"{reps or r.get('error', '')} |")
     sp = res["split"]
     lines += ["", "split: " + json.dumps({k: v for k, v in sp.items() if k != "ms_per_step"}), ""]
+    for r in res["rows"]:  # issue 24: what memshim says it cost, per timed window
+        for i, rep in enumerate(r.get("memshim_report") or []):
+            o = (rep or {}).get("memshim_overhead")
+            if not o:
+                continue
+            top = sorted((o.get("driver_calls") or {}).items(), key=lambda kv: -kv[1]["seconds"])[:3]
+            calls = ", ".join(f"{k} {v['count']} x {v['seconds'] * 1e3:.2f} ms" for k, v in top) or "none"
+            sync = sum(v["count"] for v in (o.get("synchronizes") or {}).values())
+            share = o.get("share_of_wall")
+            lines.append(f"memshim_overhead {r['allocator']} window {i + 1}: driver {calls}; synchronizes {sync}; "
+                         f"alloc p50/p99 {(o.get('alloc_path_ns') or {}).get('p50')}/"
+                         f"{(o.get('alloc_path_ns') or {}).get('p99')} ns; share of wall "
+                         f"{'n/a' if share is None else f'{share * 100:.2f}%'}")
+    lines.append("")
     for a, p in res["profile"].items():
         if not p or p.get("error") or p.get("skipped"):
             lines.append(f"profile {a}: {p and (p.get('error') or p.get('skipped'))}")

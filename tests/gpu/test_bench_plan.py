@@ -163,4 +163,23 @@ case("gpt split: 3 ms in all, 0.5 ms with PyTorch allocating, 2.2 ms in the allo
      abs(sp["tensor_minus_native_ms"] - 3.0) < 1e-9 and abs(sp["segment_minus_native_ms"] - 0.5) < 1e-9
      and abs(sp["alloc_ops_minus_native_ms"] - 2.2) < 1e-9 and abs(sp["other_ops_minus_native_ms"] - 0.8) < 1e-9
      and abs(sp["tensor_overhead"] - 0.25) < 1e-9, sp)
+# ---- the gpt step's markdown names memshim's own costs (issue 24) -------------------------------
+res = {"dry_run": False, "date_utc": "2026-12-05 00:00", "gpu": "GPU", "commit": "abc", "split": {},
+       "profile": {}, "rows": [
+           {"allocator": "native", "tokens_per_s": 1.0, "ms_per_step": 12.0, "repeats": []},
+           {"allocator": "memshim", "tokens_per_s": 1.0, "ms_per_step": 13.0, "repeats": [], "memshim_report": [
+               {"memshim_overhead": {"driver_calls": {"cuMemCreate": {"count": 44, "seconds": 0.0004},
+                                                      "cuEventRecord": {"count": 3, "seconds": 0.00001},
+                                                      "cuMemMap": {"count": 44, "seconds": 0.0001},
+                                                      "cuCtxGetCurrent": {"count": 300, "seconds": 0.00002}},
+                                     "synchronizes": {"context": {"count": 2, "seconds": 0.001}},
+                                     "alloc_path_ns": {"p50": 639, "p99": 6143}, "share_of_wall": 0.019}},
+               None]}]}
+md = bw.gpt_markdown(res)
+line = [ln for ln in md.splitlines() if ln.startswith("memshim_overhead memshim window 1:")]
+case("gpt markdown: a line per memshim window with its three largest driver costs, largest first, its "
+     "synchronizes, alloc p50/p99 and share of the wall time; none for a window without a report",
+     len(line) == 1 and "cuMemCreate 44 x 0.40 ms, cuMemMap 44 x 0.10 ms, cuCtxGetCurrent 300 x 0.02 ms" in line[0]
+     and "synchronizes 2" in line[0] and "639/6143 ns" in line[0] and "1.90%" in line[0]
+     and "window 2" not in md, md)
 finish()
