@@ -29,6 +29,7 @@ have python3 || need+=(python3)
 [ -f /usr/include/jansson.h ] || need+=(libjansson-dev)
 [ -f /usr/include/zlib.h ] || need+=(zlib1g-dev)
 dpkg -s libclang-rt-14-dev >/dev/null 2>&1 || need+=(libclang-rt-14-dev)
+have strace || need+=(strace)   # the preload suite counts system calls on the allocation path
 
 if [ ${#need[@]} -gt 0 ]; then
     echo "setup: installing ${need[*]}"

@@ -179,6 +179,29 @@ ENV_EXTRA=(MEMSHIM_GC=threshold)
 run_prog gc_threshold_cost gc_threshold_cost
 ENV_EXTRA=()
 run_prog capture_reuse capture_reuse
+# issue 24: a warm training step's driver calls, reports and the snapshot ring on
+mkdir -p "$TMP/step-reports"
+ENV_EXTRA=(MEMSHIM_REPORT_DIR="$TMP/step-reports" MEMSHIM_SNAPSHOT="$TMP/step-snapshot.pickle")
+run_prog step_costs step_costs
+# ... and its system calls: none between the markers step_costs makes around its warm steps (two
+# getppid calls on the allocating thread), with reports and the snapshot ring on
+if command -v strace >/dev/null 2>&1 && strace -f -o /dev/null true >/dev/null 2>&1; then
+    timeout "$TIMEOUT" env LD_PRELOAD="$PRELOAD" LD_LIBRARY_PATH="$DBL" MEMSHIM_REPORT_DIR="$TMP/step-reports" \
+        MEMSHIM_SNAPSHOT="$TMP/step-snapshot.pickle" strace -f -o "$TMP/step.strace" "$BIN/step_costs" >/dev/null 2>&1
+    counts=$(awk '/ getppid\(\)/ { if (!(($1) in open)) { open[$1] = 1; n[$1] = 0; next }
+                                    printf "%d ", n[$1]; delete open[$1]; next }
+                 { for (p in open) if ($1 == p) n[p]++ }' "$TMP/step.strace")
+    if [ "$(echo $counts | wc -w)" -ne 2 ]; then
+        fail "step_costs_strace" "expected two marked windows, found: '$counts'"
+    elif [ "$counts" = "0 0 " ]; then
+        ok "step_costs_strace (no system call on the allocating thread in 40 warm steps, 1760 allocations and frees)"
+    else
+        fail "step_costs_strace" "system calls in the marked windows (no capture pool, capture pool alive): $counts"
+        grep -v getppid "$TMP/step.strace" | tail -5 | sed 's/^/    | /'
+    fi
+else
+    echo "skip step_costs_strace (strace missing or not permitted here)"
+fi
 mkdir -p "$TMP/epoch-reports"
 ENV_EXTRA=(MEMSHIM_EPOCH=seconds MEMSHIM_EPOCH_SECONDS=0.5 MEMSHIM_REPORT_DIR="$TMP/epoch-reports"
            REPORTS="$TMP/epoch-reports")
