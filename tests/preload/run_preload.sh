@@ -134,6 +134,25 @@ ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=0.5 EXPECT_TOTAL_MIB=1024)
 run_prog meminfo_limit_fraction meminfo_limit
 ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=100G EXPECT_TOTAL_MIB=2048)
 run_prog meminfo_limit_above_device meminfo_limit
+# issue 27: what free says can be allocated, and (under a limit) no more, in every combination
+# of defragmentation, empty-cache policy, limit, spill and mode, on a 1 GiB device
+for lim in none 256M 0.25; do
+    for defrag in 1 0; do
+        for ec in oom never; do
+            for spill in off host; do
+                for mode in segment tensor; do
+                    ENV_EXTRA=(CUDBL_CAPACITY=1G MEMSHIM_DEFRAG=$defrag MEMSHIM_EMPTY_CACHE=$ec MEMSHIM_SPILL=$spill
+                               MEMSHIM_LOG=error EXPECT_TOTAL_MIB=1024)
+                    [ "$lim" != none ] && ENV_EXTRA+=(MEMSHIM_LIMIT=$lim LIMITED=1 EXPECT_TOTAL_MIB=256)
+                    [ "$defrag" = 0 ] && [ "$ec" = never ] && ENV_EXTRA+=(CACHE_NOT_COUNTED=1)
+                    [ "$mode" = tensor ] && ENV_EXTRA+=(TENSOR_MODE=1)
+                    [ "$spill" = host ] && ENV_EXTRA+=(SPILL_ON=1)
+                    run_prog "meminfo_truth_limit-${lim}_defrag-${defrag}_ec-${ec}_spill-${spill}_${mode}" meminfo_truth
+                done
+            done
+        done
+    done
+done
 # issue 25: with no MEMSHIM_LIMIT, a memory fraction alone caps what cudaMemGetInfo reports
 ENV_EXTRA=(CUDBL_CAPACITY=2G)
 run_prog meminfo_fraction_only meminfo_limit
