@@ -3983,6 +3983,11 @@ void cudbl_fail_clear(void)
     pthread_mutex_unlock(&g_fault_lock);
 }
 
+int cudbl_ctx_depth(void)
+{
+    return tls_ctx_depth;
+}
+
 long cudbl_call_count(const char *name)
 {
     int fn = fn_index(name);

@@ -144,6 +144,9 @@ void cudbl_fail_clear(void);
 /* Calls of the named function since the process started (failed and injected calls included);
  * -1 for a name the double does not know. */
 long cudbl_call_count(const char *name);
+/* The calling thread's context stack depth (cuCtxPushCurrent adds one, cuCtxPopCurrent takes one;
+ * cuCtxSetCurrent replaces the top, or makes a stack of one): what a caller's state includes. */
+int cudbl_ctx_depth(void);
 /* Bytes the calls of the named VMM function covered since the process started, counted like
  * cudbl_call_count (refused calls included): the size argument of cuMemCreate, cuMemMap,
  * cuMemUnmap, cuMemSetAccess, cuMemAddressReserve and cuMemAddressFree, and the released handle's

@@ -127,6 +127,11 @@ ENV_EXTRA=(MEMSHIM_MODE=off EXPECT_OFF=1)
 run_prog lookups_off lookups
 run_prog offmode offmode
 
+# ---- issue 27: every entry point leaves the caller's device, context, stack, capture mode and
+# last error as they were, from four thread states, on two devices
+ENV_EXTRA=(CUDBL_DEVICES=2)
+run_prog caller_state caller_state
+
 # ---- MEMSHIM_LIMIT as seen by cudaMemGetInfo / cuMemGetInfo_v2 -------------------------------
 ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=256M EXPECT_TOTAL_MIB=256)
 run_prog meminfo_limit_bytes meminfo_limit
