@@ -202,7 +202,7 @@ echo
 echo "### 5. Cached-path latency (pool over the simulated device vs glibc, same sizes, same process)"
 echo
 if [ -f tests/bench/bench_latency.c ]; then
-    gcc -O2 -std=c11 -D_GNU_SOURCE -pthread -Ishim -Ipolicy -Ipolicy/base tests/bench/bench_latency.c "$BUILD/libmemshim_core.a" -ldl -lm -o "$BUILD/bench_latency"
+    gcc -O2 -std=c11 -D_GNU_SOURCE -pthread -Ishim -Ipolicy -Ipolicy/base -I"${CUDA_HOME:-/usr/local/cuda}/include" tests/bench/bench_latency.c "$BUILD/libmemshim_core.a" -ldl -lm -o "$BUILD/bench_latency"
     "$BUILD/bench_latency"
 else
     echo "(tests/bench/bench_latency.c missing)"
