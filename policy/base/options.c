@@ -161,7 +161,8 @@ static const struct enum_val log_vals[] = {
     {"warn", MSH_LOG_WARN, "Errors and warnings (bad settings, fallbacks, OOM diagnoses)."},
     {"info", MSH_LOG_INFO,
      "Also every setting that is not at its default (`MEMSHIM_LIMIT set by environment to "
-     "40G`, like `NCCL_DEBUG=INFO`) and what the policies do."},
+     "40G`, like `NCCL_DEBUG=INFO`), what the policies do, and at exit the three largest costs of "
+     "memshim's own driver calls (the report's `memshim_overhead`)."},
     {"debug", MSH_LOG_DEBUG, "Also per-event detail for debugging memshim itself; verbose."},
     {NULL, 0, NULL},
 };

@@ -205,8 +205,19 @@ ENV_EXTRA=()
 run_prog capture_reuse capture_reuse
 # issue 24: a warm training step's driver calls, reports and the snapshot ring on
 mkdir -p "$TMP/step-reports"
-ENV_EXTRA=(MEMSHIM_REPORT_DIR="$TMP/step-reports" MEMSHIM_SNAPSHOT="$TMP/step-snapshot.pickle")
+ENV_EXTRA=(MEMSHIM_REPORT_DIR="$TMP/step-reports" MEMSHIM_SNAPSHOT="$TMP/step-snapshot.pickle" MEMSHIM_LOG=info)
 run_prog step_costs step_costs
+# MEMSHIM_LOG=info: one line at exit with the three largest costs of memshim's own driver calls,
+# and the summary report carries them (memshim_overhead)
+if grep -qE "info: exit: memshim's driver calls, largest costs: cu[A-Za-z]+ [0-9]+ calls [0-9.]+ ms" "$TMP/step_costs.err" &&
+    python3 -c 'import json,glob,sys; r=[json.load(open(f)) for f in glob.glob(sys.argv[1] + "/*summary*.json")]; \
+sys.exit(0 if r and all(x["memshim_overhead"]["driver_calls"].get("cuEventRecord", {}).get("count", 0) >= 20 for x in r) else 1)' \
+        "$TMP/step-reports"; then
+    ok "step_costs_overhead_line (MEMSHIM_LOG=info names the largest driver costs; the summary counts the event records)"
+else
+    fail "step_costs_overhead_line" "no cost line at exit, or no memshim_overhead in the summary report"
+    grep "exit:" "$TMP/step_costs.err" | sed 's/^/    | /'
+fi
 # ... and its system calls: none between the markers step_costs makes around its warm steps (two
 # getppid calls on the allocating thread), with reports and the snapshot ring on
 if command -v strace >/dev/null 2>&1 && strace -f -o /dev/null true >/dev/null 2>&1; then

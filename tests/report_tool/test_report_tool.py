@@ -1007,7 +1007,8 @@ def check_bad_input(tmp, steady):
     open(os.path.join(d, "memshim-binary.json"), "wb").write(b"\xff\xfe\x00\x81")
     os.makedirs(os.path.join(d, "memshim-adir.json"))
     shutil.copy(good[0], os.path.join(d, "memshim-copy-of-first.json"))
-    odd = dict(base, schema_version=2, sites="oops", latency={"alloc_ns": {"p50": "fast"}})
+    odd = dict(base, schema_version=2, sites="oops", latency={"alloc_ns": {"p50": "fast"}},
+               memshim_overhead={"driver_calls": {"cuMemCreate": 5}, "share_of_wall": "x"})
     odd["epoch"] = 77
     open(os.path.join(d, "memshim-oddfields.json"), "w").write(json.dumps(odd))
     t = tool(d)
@@ -1022,9 +1023,14 @@ def check_bad_input(tmp, steady):
     case("a report with malformed optional fields is kept, the fields named and shown n/a",
          "memshim-oddfields.json: field sites ignored: not a list" in t.stderr
          and "field latency.alloc_ns.p50 ignored: not a number" in t.stderr
+         and "field memshim_overhead.driver_calls ignored: not an object of {count, seconds}" in t.stderr
+         and "field memshim_overhead.share_of_wall ignored: not a number" in t.stderr
          and any(re.search(r"\sepoch\s+77\s", ln) and ln.split()[-4:-2] == ["n/a", "n/a"]
                  for ln in t.stdout.splitlines()),
          t.stderr[-600:])
+    case("memshim's own cost: one line per process from its last report, its largest driver cost named (issue 24)",
+         any(re.match(r"memshim's own cost, \w+ report: driver cu[A-Za-z]+ \d+ x [\d.]+ ms", ln)
+             for ln in t.stdout.splitlines()), t.stdout[-1200:])
     j = tool(d, "--json")
     rep = json.loads(j.stdout)
     case("--json lists the skipped files with reasons", len(rep["skipped"]) == len(bad) + 2
