@@ -296,7 +296,7 @@ static json_t *latency_json(const struct msh_report *r, const struct msh_report_
  * paths (sampled: policy/base/hotclock.h) against the wall time the report covers. The ledger is
  * the process's; an epoch report shows what changed since the device's previous epoch report. */
 static struct msh_drvlog_snap dl_prev[MSH_MAX_DEVICES];
-static uint64_t path_prev[MSH_MAX_DEVICES][2];
+static uint64_t path_prev[MSH_MAX_DEVICES]; /* alloc + free ns at the device's last epoch report */
 
 static json_t *count_seconds(uint64_t n, double sec)
 {
@@ -312,10 +312,7 @@ static json_t *overhead_json(const struct msh_report *r, const struct msh_report
     int dev = d->device >= 0 && d->device < MSH_MAX_DEVICES ? d->device : 0;
     struct msh_drvlog_snap now, delta;
     msh_drvlog_read(&now);
-    for (int f = 0; f < MSH_DL_N; f++) {
-        delta.count[f] = now.count[f] - (epoch ? dl_prev[dev].count[f] : 0);
-        delta.seconds[f] = now.seconds[f] - (epoch ? dl_prev[dev].seconds[f] : 0);
-    }
+    msh_drvlog_diff(&now, epoch ? &dl_prev[dev] : NULL, &delta);
     json_t *o = J.object();
     set_s(o, "covers", epoch ? "epoch" : "run");
     set_s(o, "scope", "process");
@@ -324,7 +321,7 @@ static json_t *overhead_json(const struct msh_report *r, const struct msh_report
     for (int f = 0; f < MSH_DL_N; f++) {
         if (!delta.count[f]) continue;
         J.object_set_new(calls, msh_drvlog_names[f], count_seconds(delta.count[f], delta.seconds[f]));
-        drv_s += delta.seconds[f] > 0 ? delta.seconds[f] : 0;
+        drv_s += delta.seconds[f];
     }
     J.object_set_new(o, "driver_calls", calls);
     set_d(o, "driver_seconds", drv_s);
@@ -338,7 +335,7 @@ static json_t *overhead_json(const struct msh_report *r, const struct msh_report
     J.object_set_new(o, "alloc_path_ns", percentiles(st->alloc_lat, epoch ? lat_prev[dev][0] : NULL, st->alloc_ns_max));
     J.object_set_new(o, "free_path_ns", percentiles(st->free_lat, epoch ? lat_prev[dev][1] : NULL, st->free_ns_max));
     uint64_t path_ns = st->alloc_ns_total + st->free_ns_total;
-    uint64_t path_d = path_ns - (epoch ? path_prev[dev][0] : 0);
+    uint64_t path_d = path_ns - (epoch ? path_prev[dev] : 0);
     /* an epoch covers its interval; a summary or OOM report the run (times count from start-up) */
     double wall = epoch ? r->t_end - r->t_start : r->t_end;
     set_d(o, "path_seconds", (double)path_d * 1e-9);
@@ -346,7 +343,7 @@ static json_t *overhead_json(const struct msh_report *r, const struct msh_report
     else J.object_set_new(o, "share_of_wall", J.null());
     if (epoch) {
         dl_prev[dev] = now;
-        path_prev[dev][0] = path_ns;
+        path_prev[dev] = path_ns;
     }
     return o;
 }

@@ -18,8 +18,21 @@ void msh_drvlog_read(struct msh_drvlog_snap *s)
 {
     double ns = msh_ticks_ns_per_tick();
     for (int f = 0; f < MSH_DL_N; f++) {
+        s->ticks[f] = atomic_load_explicit(&msh_drvlog[f].ticks, memory_order_acquire);
         s->count[f] = atomic_load_explicit(&msh_drvlog[f].count, memory_order_relaxed);
-        s->seconds[f] = (double)atomic_load_explicit(&msh_drvlog[f].ticks, memory_order_relaxed) * ns * 1e-9;
+        s->seconds[f] = (double)s->ticks[f] * ns * 1e-9;
+    }
+}
+
+void msh_drvlog_diff(const struct msh_drvlog_snap *now, const struct msh_drvlog_snap *prev,
+                     struct msh_drvlog_snap *out)
+{
+    double ns = msh_ticks_ns_per_tick();
+    for (int f = 0; f < MSH_DL_N; f++) {
+        uint64_t c0 = prev ? prev->count[f] : 0, t0 = prev ? prev->ticks[f] : 0;
+        out->count[f] = now->count[f] > c0 ? now->count[f] - c0 : 0;
+        out->ticks[f] = now->ticks[f] > t0 ? now->ticks[f] - t0 : 0;
+        out->seconds[f] = (double)out->ticks[f] * ns * 1e-9;
     }
 }
 

@@ -57,8 +57,10 @@ extern struct msh_drvlog_cell msh_drvlog[MSH_DL_N];
 static inline void msh_drvlog_add(enum msh_drvlog_fn f, uint64_t t0)
 {
     uint64_t t1 = msh_ticks();
+    /* count first, ticks released after it: a reader that sees a call's ticks sees its count too
+     * (msh_drvlog_read loads the ticks first), so no figure shows time without a call */
     atomic_fetch_add_explicit(&msh_drvlog[f].count, 1, memory_order_relaxed);
-    atomic_fetch_add_explicit(&msh_drvlog[f].ticks, t1 > t0 ? t1 - t0 : 0, memory_order_relaxed);
+    atomic_fetch_add_explicit(&msh_drvlog[f].ticks, t1 > t0 ? t1 - t0 : 0, memory_order_release);
 }
 
 /* Call msh_cu.fn(...), counted and timed; evaluates to its CUresult. */
@@ -70,12 +72,18 @@ static inline void msh_drvlog_add(enum msh_drvlog_fn f, uint64_t t0)
         msh_dl_r_;                                                                                 \
     })
 
-/* What the ledger holds now: counts and seconds per function. */
+/* What the ledger holds now: counts, ticks and seconds per function. */
 struct msh_drvlog_snap {
     uint64_t count[MSH_DL_N];
+    uint64_t ticks[MSH_DL_N];
     double seconds[MSH_DL_N];
 };
 void msh_drvlog_read(struct msh_drvlog_snap *s);
+/* now - prev (prev NULL: now itself). The seconds come from the ticks' difference at today's tick
+ * rate: the rate is refined as the process runs, so two converted totals must not be subtracted
+ * (a function not called in between would show a few picoseconds, or less than zero). */
+void msh_drvlog_diff(const struct msh_drvlog_snap *now, const struct msh_drvlog_snap *prev,
+                     struct msh_drvlog_snap *out);
 
 /* The synchronizes among them, by what they wait for. memshim never synchronizes a whole device
  * (cudaDeviceSynchronize); its device-wide wait is cuCtxSynchronize on the device's primary
