@@ -704,22 +704,8 @@ MSH_EXPORT int memshim_torch_pool_uses(int device, unsigned long long id0, unsig
     return n;
 }
 
-/* Whether `stream` is capturing: the driver's cuStreamIsCapturing (resolved once), or a test's. */
+/* Whether `stream` is capturing: the driver's cuStreamIsCapturing (msh_cu), or a test's. */
 static int (*capture_query_override)(void *stream);
-static CUresult (*is_capturing)(CUstream, CUstreamCaptureStatus *);
-static pthread_once_t capq_once = PTHREAD_ONCE_INIT;
-
-static CUresult (*exchange_capture_mode)(CUstreamCaptureMode *);
-
-static void capq_resolve(void)
-{
-    if (msh_cuda_load() || !msh_cu.handle) return;
-    MSH_ABI_ASSERT(is_capturing, PFN_cuStreamIsCapturing_v10000, "cuStreamIsCapturing");
-    MSH_ABI_ASSERT(exchange_capture_mode, PFN_cuThreadExchangeStreamCaptureMode_v10010,
-                   "cuThreadExchangeStreamCaptureMode");
-    *(void **)&is_capturing = dlsym(msh_cu.handle, "cuStreamIsCapturing");
-    *(void **)&exchange_capture_mode = dlsym(msh_cu.handle, "cuThreadExchangeStreamCaptureMode");
-}
 
 /* While a graph is being captured, the driver refuses "unsafe" calls (memory creation and
  * mapping among them) from any thread in the default global capture mode. Like PyTorch's own
@@ -732,22 +718,16 @@ static int relaxed_begin(void)
      * allocation cost driver calls on the cached path (issue 24). PyTorch opens its pool window
      * before it begins the capture, so the window is open before the driver could refuse. */
     if (!msh_capture_any()) return -1;
-    pthread_once(&capq_once, capq_resolve);
-    if (!exchange_capture_mode) return -1;
+    if (msh_cuda_load() || !msh_cu.cuThreadExchangeStreamCaptureMode) return -1;
     CUstreamCaptureMode m = CU_STREAM_CAPTURE_MODE_RELAXED;
-    uint64_t t0 = msh_ticks();
-    CUresult r = exchange_capture_mode(&m);
-    msh_drvlog_add(MSH_DL_cuThreadExchangeStreamCaptureMode, t0);
-    return r == CUDA_SUCCESS ? (int)m : -1;
+    return MSH_DRV(cuThreadExchangeStreamCaptureMode, &m) == CUDA_SUCCESS ? (int)m : -1;
 }
 
 static void relaxed_end(int saved)
 {
-    if (saved < 0 || !exchange_capture_mode) return;
+    if (saved < 0) return; /* a mode was saved: the driver has the call */
     CUstreamCaptureMode m = (CUstreamCaptureMode)saved;
-    uint64_t t0 = msh_ticks();
-    exchange_capture_mode(&m);
-    msh_drvlog_add(MSH_DL_cuThreadExchangeStreamCaptureMode, t0);
+    MSH_DRV(cuThreadExchangeStreamCaptureMode, &m);
 }
 
 void msh_torch_set_capture_query(int (*fn)(void *stream))
@@ -765,13 +745,9 @@ static int stream_capturing(void *stream)
      * and a side-stream allocation asks the driver nothing (issue 24: cuStreamIsCapturing cost a
      * driver call on every allocation off the default stream). */
     if (!msh_capture_any()) return 0;
-    pthread_once(&capq_once, capq_resolve);
-    if (!is_capturing) return -1;
+    if (msh_cuda_load() || !msh_cu.cuStreamIsCapturing) return -1;
     CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
-    uint64_t t0 = msh_ticks();
-    CUresult r = is_capturing((CUstream)stream, &st);
-    msh_drvlog_add(MSH_DL_cuStreamIsCapturing, t0);
-    if (r != CUDA_SUCCESS) return -1;
+    if (MSH_DRV(cuStreamIsCapturing, (CUstream)stream, &st) != CUDA_SUCCESS) return -1;
     return st != CU_STREAM_CAPTURE_STATUS_NONE;
 }
 

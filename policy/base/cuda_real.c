@@ -81,6 +81,8 @@ static void load_driver(void)
     RESOLVE(cuPointerGetAttributes, "cuPointerGetAttributes", PFN_cuPointerGetAttributes_v7000);
     RESOLVE(cuIpcGetMemHandle, "cuIpcGetMemHandle", PFN_cuIpcGetMemHandle_v4010);
     RESOLVE(cuStreamIsCapturing, "cuStreamIsCapturing", PFN_cuStreamIsCapturing_v10000);
+    RESOLVE(cuThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode",
+            PFN_cuThreadExchangeStreamCaptureMode_v10010);
     RESOLVE(cuStreamGetCtx, "cuStreamGetCtx", PFN_cuStreamGetCtx_v9020);
     RESOLVE(cuStreamSynchronize, "cuStreamSynchronize", PFN_cuStreamSynchronize_v2000);
     RESOLVE(cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess", PFN_cuCtxEnablePeerAccess_v4000);

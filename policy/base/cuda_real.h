@@ -69,6 +69,7 @@ struct msh_cuda_driver {
     CUresult (*cuPointerGetAttributes)(unsigned int, CUpointer_attribute *, void **, CUdeviceptr);
     CUresult (*cuIpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
     CUresult (*cuStreamIsCapturing)(CUstream, CUstreamCaptureStatus *);
+    CUresult (*cuThreadExchangeStreamCaptureMode)(CUstreamCaptureMode *);
     CUresult (*cuStreamGetCtx)(CUstream, CUcontext *);
     CUresult (*cuStreamSynchronize)(CUstream);
     CUresult (*cuCtxEnablePeerAccess)(CUcontext, unsigned int);
