@@ -307,7 +307,7 @@ static CUresult hk_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     if (r == CUDA_SUCCESS && dptr && *dptr)
         msh_ext_track(MSH_EXT_TABLE_PTR, (uint64_t)*dptr, bytesize, current_device(),
                       MSH_EXT_MALLOC);
-    msh_core_tick();
+    msh_core_count(bytesize);
     msh_in_hook = 0;
     return r;
 }
@@ -356,7 +356,7 @@ static CUresult async_alloc(CUresult (*real)(CUdeviceptr *, size_t, CUstream), C
     if (r == CUDA_SUCCESS && dptr && *dptr)
         msh_ext_track(MSH_EXT_TABLE_PTR, (uint64_t)*dptr, bytesize, current_device(),
                       MSH_EXT_ASYNC);
-    msh_core_tick();
+    msh_core_count(bytesize);
     msh_in_hook = 0;
     return r;
 }
@@ -429,7 +429,7 @@ static CUresult hk_cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size
         int dev = prop && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE ? prop->location.id : -1;
         msh_ext_track(MSH_EXT_TABLE_HANDLE, (uint64_t)*handle, size, dev, MSH_EXT_VMM);
     }
-    msh_core_tick();
+    msh_core_count(size);
     msh_in_hook = 0;
     return r;
 }

@@ -239,7 +239,7 @@ MSH_EXPORT cudaError_t cudaMalloc(void **devPtr, size_t size)
          * serves it and the bytes are accounted as "other". */
         r = rt_passthrough_alloc(real, devPtr, size, dev, MSH_EXT_MALLOC);
     }
-    msh_core_tick();
+    msh_core_count(size);
     msh_in_hook = 0;
     return r;
 }
@@ -298,7 +298,7 @@ static cudaError_t rt_malloc_async(malloc_async_fn real, void **devPtr, size_t s
     if (r == cudaSuccess && devPtr && *devPtr)
         msh_ext_track(MSH_EXT_TABLE_PTR, (uint64_t)(uintptr_t)*devPtr, size,
                       rt_current_device(), MSH_EXT_ASYNC);
-    msh_core_tick();
+    msh_core_count(size);
     msh_in_hook = 0;
     return r;
 }

@@ -80,6 +80,12 @@ struct msh_pool_params {
      * spill_max_bytes caps host bytes (0: what the host gives). */
     bool spill;
     size_t spill_max_bytes;
+    /* The front end (docs/pool.md "The front end"): a freed block used on its own stream only is
+     * kept in a bin of its (stream, size) and handed to the next request of that size on that
+     * stream, without search, page work or event; drained before any driver work it could spare,
+     * first in the OOM rescue, on empty-cache and trim, at step marks for bins not used since
+     * the last. Off for capture pools (an allocation on a capturing stream never touches it). */
+    bool front;
 };
 /* Read and written with __atomic builtins by every pool that shares it. */
 struct msh_pool_share {
@@ -147,6 +153,46 @@ struct msh_pool_stats {
      * epoch's highest reserved figure, since the last reset_peaks: reserved minus allocated at the
      * reserved peak (fragmentation.reserved_minus_allocated_at_peak_bytes). */
     size_t at_peak_mapped_bytes, at_peak_live_bytes;
+    /* The front end: allocations served from a bin (hits) and by the general path while the
+     * front end was on (misses); frees kept in a bin (puts); drains and the blocks they gave back
+     * to the VA line (a drain of one block counts one); bytes and blocks binned now (reserved and
+     * inactive) and the most binned;
+     * frees of a block that was already freed (refused: EALREADY). */
+    uint64_t front_hits, front_misses, front_puts, front_drains, front_drained;
+    size_t binned_bytes, binned_blocks, peak_binned_bytes;
+    /* bytes the pool grew by for requests while blocks were binned, without draining them (two
+     * sizes taking turns in one place): at most 1/16 of what it holds plus two chunks (2 x 20 MiB
+     * far from a limit) */
+    size_t front_grown_aside;
+    uint64_t front_kept;          /* requests that did driver work with blocks binned, within that allowance */
+    uint64_t front_cooled;        /* times the front end stepped out for churn */
+    int front_state;              /* enum msh_front_state: what the front end does now */
+    /* Threads with a timed call (the latency figures) since the last reset_peaks, and over the
+     * pool's life: memshim_overhead.share_of_wall divides by the threads' wall time. */
+    uint64_t timed_threads, timed_threads_run;
+    uint64_t double_frees;
+};
+
+/* The front end now (msh_pool_stats.front_state): serving; off (params.front false:
+ * MEMSHIM_FRONT=0, a capture pool); waiting (under a limit, the first 8192 allocations); aside
+ * (the pool had to reclaim at this limit: the learned step's regime); plan (a learned step is in
+ * use or being packed); churn (the bins' blocks went back for other sizes more than they served
+ * their own: out for 32768 allocations, then it tries again). */
+enum msh_front_state { MSH_FRONT_ON = 0, MSH_FRONT_OFF, MSH_FRONT_WAITING, MSH_FRONT_ASIDE, MSH_FRONT_PLAN, MSH_FRONT_CHURN };
+const char *msh_front_state_name(int state);
+
+/* The callers' counters: what PyTorch's memory_allocated() and memory_stats() count, for every
+ * allocation and free of the pool, front end or not, as plain fields under the pool lock (no
+ * atomics, exact). [0] all, [1] large (over 1 MiB, PyTorch's large pool), [2] small. bytes: the
+ * requested size rounded to the pool's 512-byte blocks; req: as requested; count: blocks.
+ * Allocations other pools of the device serve (CUDA-graph capture pools, shim/torch.c) are
+ * counted into the device's main pool with msh_pool_caller_note. */
+struct msh_caller_count {
+    uint64_t cur, peak, allocated, freed;
+};
+struct msh_pool_caller {
+    struct msh_caller_count bytes[3], req[3], count[3];
+    size_t reserved_peak; /* handle bytes of every pool sharing the limit (or this one), at their most */
 };
 
 /* Why the last request failed (filled on every failure, read by the report). */
@@ -197,8 +243,17 @@ void msh_pool_destroy(struct msh_pool *pool);
  * size; EIO when the driver failed otherwise (a map or synchronize error): callers may fall
  * back to another allocator. */
 int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t *addr);
+/* The same with flags: MSH_PA_COUNTED, counted in the callers' counters (struct
+ * msh_pool_caller) until it is freed (the tensor-mode entry's allocations: PyTorch's
+ * memory_allocated counts those only); MSH_PA_TIMED, the caller times the call itself (from its
+ * own entry to its return, msh_pool_note_latency) and the pool does not. */
+#define MSH_PA_COUNTED 1u
+#define MSH_PA_TIMED 2u
+int msh_pool_alloc_ex(struct msh_pool *pool, size_t size, uint64_t stream, unsigned flags, uint64_t *addr);
+int msh_pool_free_ex(struct msh_pool *pool, uint64_t addr, uint64_t stream, unsigned flags);
 /* Free a block. `stream` is where its last use was enqueued (MSH_STREAM_COMPLETED when known
- * done). Returns EINVAL for an address the pool did not hand out (nothing changes). */
+ * done). Returns EINVAL for an address the pool did not hand out, EALREADY for a block freed
+ * already and not handed out again (a double free): nothing changes, the caller warns. */
 int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream);
 /* Marks on live blocks (memshim_malloc's allocation sites, shim/sites.c): a block placed while
  * this thread's msh_pool_tags.next is set keeps that value; a successful msh_pool_free leaves the
@@ -223,6 +278,8 @@ void msh_pool_release_events(struct msh_pool *pool);
  * threshold that have not been reused for the quiet period. Returns the bytes released. */
 size_t msh_pool_trim(struct msh_pool *pool);
 void msh_pool_set_gc(struct msh_pool *pool, msh_pool_gc_fn fn, void *arg);
+/* Allocations and frees served so far (under the lock): whether the job is busy (idle release). */
+uint64_t msh_pool_activity(struct msh_pool *pool);
 /* Physical bytes held now, without the lock (a racy but cheap read for policies). */
 size_t msh_pool_mapped_bytes(struct msh_pool *pool);
 void msh_pool_get_stats(struct msh_pool *pool, struct msh_pool_stats *out);
@@ -237,8 +294,26 @@ void msh_pool_last_oom(struct msh_pool *pool, struct msh_pool_oom *out);
 void msh_pool_for_each_live(struct msh_pool *pool,
                             void (*fn)(void *arg, uint64_t addr, size_t size, uint64_t stream),
                             void *arg);
-/* Turn on per-call latency accounting (two clock reads per call). */
+/* Turn on per-call latency accounting inside the pool (two CPU-counter reads per sampled call). */
 void msh_pool_set_timing(struct msh_pool *pool, bool on);
+/* A call timed by its caller, from its entry to its return (tensor mode times memshim's whole
+ * path, shim/core.c): `ns` of one call standing for `weight` calls (hotclock.h). */
+void msh_pool_note_latency(struct msh_pool *pool, bool alloc, uint64_t ns, uint32_t weight);
+
+/* The callers' counters (struct msh_pool_caller), read under the lock. */
+void msh_pool_caller_stats(struct msh_pool *pool, struct msh_pool_caller *out);
+/* An allocation (bytes > 0: `size` requested) or a free (alloc false) another pool of the device
+ * served, counted here; also raises reserved_peak to the shared handle bytes. */
+void msh_pool_caller_note(struct msh_pool *pool, size_t size, bool alloc);
+/* reset_peak_memory_stats: peaks to the current values. reset_accumulated: allocated and freed to 0. */
+void msh_pool_caller_reset(struct msh_pool *pool, bool peaks, bool accumulated);
+
+/* An optimizer step ended: bins of the front end that served nothing since the last step give
+ * most of their blocks back to the VA line (sizes that stopped recurring stop pinning pages). */
+void msh_pool_step(struct msh_pool *pool);
+/* Give every binned block back to the VA line now (what a snapshot of the pool wants to see);
+ * returns the bytes drained. */
+size_t msh_pool_drain_front(struct msh_pool *pool);
 
 /* ---- issue 8's entry points (their semantics, re-implemented over this pool's handles) ---- */
 

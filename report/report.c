@@ -336,10 +336,15 @@ static json_t *overhead_json(const struct msh_report *r, const struct msh_report
     J.object_set_new(o, "free_path_ns", percentiles(st->free_lat, epoch ? lat_prev[dev][1] : NULL, st->free_ns_max));
     uint64_t path_ns = st->alloc_ns_total + st->free_ns_total;
     uint64_t path_d = path_ns - (epoch ? path_prev[dev] : 0);
-    /* an epoch covers its interval; a summary or OOM report the run (times count from start-up) */
+    /* an epoch covers its interval; a summary or OOM report the run (times count from start-up).
+     * Several threads' paths add up: the share is of the allocating threads' wall time (each
+     * thread with a timed call in what the report covers counts its whole wall), so it stays
+     * within 0..1 however many threads allocate. */
     double wall = epoch ? r->t_end - r->t_start : r->t_end;
+    uint64_t threads = epoch ? st->timed_threads : st->timed_threads_run;
     set_d(o, "path_seconds", (double)path_d * 1e-9);
-    if (wall > 0) set_d(o, "share_of_wall", (double)path_d * 1e-9 / wall);
+    set_u(o, "threads", threads);
+    if (wall > 0) set_d(o, "share_of_wall", (double)path_d * 1e-9 / (wall * (double)(threads ? threads : 1)));
     else J.object_set_new(o, "share_of_wall", J.null());
     if (epoch) {
         dl_prev[dev] = now;
@@ -503,6 +508,22 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_d(ops, "alloc_mean_ns", st->allocs ? (double)st->alloc_ns_total / (double)st->allocs : 0.0);
     set_d(ops, "free_mean_ns", st->frees ? (double)st->free_ns_total / (double)st->frees : 0.0);
     J.object_set_new(root, "operations", ops);
+    /* the front end (issue 30, docs/pool.md): cumulative like operations; binned bytes now and
+     * at their most in the epoch (reserved and inactive, never allocated) */
+    json_t *fe = J.object();
+    set_s(fe, "state", msh_front_state_name(st->front_state));
+    set_u(fe, "hits", st->front_hits);
+    set_u(fe, "misses", st->front_misses);
+    set_u(fe, "puts", st->front_puts);
+    set_u(fe, "drains", st->front_drains);
+    set_u(fe, "drained_blocks", st->front_drained);
+    set_u(fe, "grown_instead_of_draining", st->front_kept);
+    set_u(fe, "grown_instead_of_draining_bytes", st->front_grown_aside);
+    set_u(fe, "double_frees", st->double_frees);
+    set_u(fe, "binned_bytes", st->binned_bytes);
+    set_u(fe, "binned_blocks", st->binned_blocks);
+    set_u(fe, "peak_binned_bytes", st->peak_binned_bytes);
+    J.object_set_new(root, "front", fe);
     J.object_set_new(root, "memshim_overhead", overhead_json(r, d)); /* before latency: it reads lat_prev */
     J.object_set_new(root, "latency", latency_json(r, d));
 

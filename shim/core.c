@@ -54,7 +54,8 @@ static _Atomic int64_t external[MSH_MAX_DEVICES][MSH_EXT_NKINDS];
 static pthread_mutex_t epoch_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t epoch_index, epoch_start_ns, steps_in_epoch, steps_total;
 static bool steps_close_claimed;           /* a thread is closing the steps epoch (epoch_lock) */
-static _Atomic uint64_t last_activity_ns;
+__thread int64_t msh_tick_left;
+static bool lat_on; /* reports on: tensor mode's entries time sampled calls (msh_core_alloc) */
 static uint64_t ec_runs, ec_bytes, gc_runs;
 static uint64_t trim_base[MSH_MAX_DEVICES][2]; /* pool trim_runs/trim_bytes at the epoch's start */
 static uint64_t trend_live[MSH_MAX_DEVICES][MSH_TREND_MAX]; /* under epoch_lock */
@@ -74,7 +75,7 @@ static _Atomic int finish_state;
 static pthread_mutex_t trace_lock = PTHREAD_MUTEX_INITIALIZER;
 static int trace_fd = -1;
 /* trace_fd >= 0, readable without trace_lock: the hot paths skip all trace work when off */
-static _Atomic bool tracing;
+_Atomic bool msh_core_tracing_on; /* MEMSHIM_TRACE_FILE is written (core.h msh_core_trace) */
 static char trace_buf[64 * 1024];
 static size_t trace_len;
 static uint64_t trace_committed; /* bytes of whole lines in the file */
@@ -109,7 +110,7 @@ static void trace_flush_locked(void)
                      cut == 0 ? " of whole lines" : " (the last line may be cut)");
             close(trace_fd);
             trace_fd = -1;
-            atomic_store(&tracing, false);
+            atomic_store(&msh_core_tracing_on, false);
             break;
         }
         off += (size_t)w;
@@ -160,7 +161,7 @@ static void trace_open(void)
     int fl = fcntl(fd, F_GETFL);
     if (fl >= 0) fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
     trace_fd = fd;
-    atomic_store(&tracing, true);
+    atomic_store(&msh_core_tracing_on, true);
     trace_committed = 0;
     static const char hdr[] = "# memshim-trace 1\n";
     memcpy(trace_buf, hdr, sizeof hdr - 1);
@@ -169,13 +170,13 @@ static void trace_open(void)
 
 bool msh_core_tracing(void)
 {
-    return atomic_load_explicit(&tracing, memory_order_relaxed) || msh_history_recording();
+    return atomic_load_explicit(&msh_core_tracing_on, memory_order_relaxed) || msh_history_recording();
 }
 
-void msh_core_trace(char op, int device, uint64_t stream, uint64_t addr, uint64_t size)
+void msh_core_trace_slow(char op, int device, uint64_t stream, uint64_t addr, uint64_t size)
 {
     if (msh_history_recording()) msh_history_note(op, device, stream, addr, size); /* snapshot ring */
-    if (!atomic_load_explicit(&tracing, memory_order_relaxed)) return;
+    if (!atomic_load_explicit(&msh_core_tracing_on, memory_order_relaxed)) return;
     char line[128];
     int n = snprintf(line, sizeof line, "%c %d 0x%llx 0x%llx %llu %llu\n", op, device, (unsigned long long)stream,
                      (unsigned long long)addr, (unsigned long long)size,
@@ -336,9 +337,11 @@ static size_t gc_bridge(void *arg)
 
 struct msh_pool *msh_core_pool(int device)
 {
-    if (device < 0 || device >= MSH_MAX_DEVICES || !msh_core_init()) return NULL;
+    if (device < 0 || device >= MSH_MAX_DEVICES) return NULL;
+    /* a pool exists only once memshim started (a fork child's are gone): no init call per request */
     struct msh_pool *p = atomic_load_explicit(&pools[device], memory_order_acquire);
     if (MSH_LIKELY(p != NULL)) return p;
+    if (!msh_core_init()) return NULL;
     pthread_mutex_lock(&pools_lock);
     p = atomic_load(&pools[device]);
     if (!p && !pool_failed[device]) {
@@ -355,6 +358,7 @@ struct msh_pool *msh_core_pool(int device)
             if (prm.limit_bytes && t && prm.limit_bytes > t) prm.limit_bytes = t;
             prm.small_max = msh_cfg.small_max;
             prm.defrag = msh_cfg.defrag;
+            prm.front = msh_cfg.front;
             if (msh_cfg.empty_cache == MSH_EC_THRESHOLD) prm.release_threshold = msh_cfg.empty_cache_threshold;
             prm.no_release_on_oom = msh_cfg.empty_cache == MSH_EC_NEVER;
             gc_cap[device] = msh_cfg.limit_bytes ? msh_cfg.limit_bytes
@@ -364,7 +368,10 @@ struct msh_pool *msh_core_pool(int device)
         }
         if (rc == 0) {
             msh_pool_set_gc(p, gc_bridge, NULL);
-            msh_pool_set_timing(p, msh_report_init()); /* latency figures serve the reports only */
+            /* Latency figures serve the reports only; tensor mode times its calls from entry to
+             * return (msh_core_alloc), the pool times the other callers' (the hooks). */
+            msh_pool_set_timing(p, msh_report_init());
+            lat_on = msh_report_init();
             atomic_store_explicit(&pools[device], p, memory_order_release);
             msh_info("device %d: pool ready", device);
             msh_peers_apply(device); /* peers the program enabled before this device's first allocation */
@@ -569,12 +576,13 @@ static void close_epoch(const char *reason, bool may_gc, bool policies, const ch
     msh_in_hook--;
 }
 
-/* Every allocation passes here: the coarse clock (a few ns, one scheduler tick of resolution)
- * does for idle detection, the seconds epoch and the once-a-second GC check. */
+/* Reached through msh_core_count (core.h): at most every MSH_TICK_BYTES of a thread's
+ * allocations (or MSH_TICK_BYTES / MSH_TICK_CALL_BYTES calls), or at once when an epoch is due.
+ * Idle detection reads the pools' own counters instead (idle_thread). */
 void msh_core_tick(void)
 {
-    uint64_t now = msh_coarse_ns();
-    atomic_store_explicit(&last_activity_ns, now, memory_order_relaxed);
+    msh_tick_left = MSH_TICK_BYTES;
+    uint64_t now = msh_now_ns(); /* rare enough for the precise clock: a due epoch is never missed */
     /* A time or signal epoch that is due ends here, between two allocations; the watcher thread
      * closes it when no allocation comes (shim/watch.c). */
     const char *due = msh_watch_poll(now);
@@ -598,17 +606,34 @@ void msh_core_tick(void)
     }
 }
 
+/* The allocations and frees every pool has served: what tells the idle thread the job is busy
+ * (no clock is read on the allocation path for it). */
+static uint64_t pools_activity(void)
+{
+    uint64_t n = 0;
+    for (int d = 0; d < MSH_MAX_DEVICES; d++) {
+        struct msh_pool *p = atomic_load(&pools[d]);
+        if (p) n += msh_pool_activity(p);
+    }
+    return n;
+}
+
 static void *idle_thread(void *arg)
 {
     (void)arg;
     msh_in_hook = 1; /* this thread never serves hooks */
     bool released = false;
+    uint64_t seen = 0, last = 0;
     for (;;) {
         struct timespec ts = {0, 250 * 1000 * 1000};
         nanosleep(&ts, NULL);
-        uint64_t last = atomic_load_explicit(&last_activity_ns, memory_order_relaxed);
-        if (!last) continue;
-        uint64_t idle = msh_now_ns() - last;
+        uint64_t act = pools_activity(), now = msh_now_ns();
+        if (act != seen || !last) { /* busy since the last look (or the first look) */
+            seen = act;
+            last = now;
+        }
+        if (!act) continue; /* nothing allocated yet */
+        uint64_t idle = now - last;
         if (idle < (uint64_t)(msh_cfg.empty_cache_idle_s * 1e9)) {
             released = false;
             continue;
@@ -667,7 +692,7 @@ static void fork_child(void)
     trace_len = 0;
     if (trace_fd >= 0) close(trace_fd);
     trace_fd = -1;
-    atomic_store(&tracing, false);
+    atomic_store(&msh_core_tracing_on, false);
     pthread_mutex_unlock(&trace_lock);
     pthread_mutex_unlock(&epoch_lock);
     pthread_mutex_unlock(&pools_lock);
@@ -726,7 +751,7 @@ void msh_core_finish(bool interrupted, int signo)
         trace_flush_locked();
         if (trace_fd >= 0) close(trace_fd);
         trace_fd = -1;
-        atomic_store(&tracing, false);
+        atomic_store(&msh_core_tracing_on, false);
     }
     pthread_mutex_unlock(&trace_lock);
     if (any) {
@@ -836,15 +861,32 @@ static void spill_mark_all(void)
 
 /* ---- public API (memshim.h) ---------------------------------------------------------------------- */
 
-MSH_EXPORT void *memshim_malloc(ssize_t size, int device, memshim_stream_t stream)
+/* Latency for the reports (memshim_overhead's path figures): sampled calls (hotclock.h: the
+ * first MSH_LAT_EXACT of a thread, then one in MEMSHIM_LATENCY_SAMPLE) timed with the CPU counter
+ * from the entry point to its return, the whole path the caller sees. */
+static inline uint32_t lat_begin(uint64_t *t0)
+{
+    uint32_t w = MSH_UNLIKELY(lat_on) ? msh_lat_sample() : 0;
+    *t0 = w ? msh_ticks() : 0;
+    return w;
+}
+static void lat_end(struct msh_pool *p, bool alloc, uint32_t w, uint64_t t0)
+{
+    uint64_t ns = (uint64_t)((double)(msh_ticks() - t0) * msh_ticks_ns_per_tick());
+    if (p) msh_pool_note_latency(p, alloc, ns, w);
+}
+
+void *msh_core_alloc(ssize_t size, int device, void *stream, bool counted)
 {
     if (size < 0) return NULL;
+    uint64_t t0;
+    uint32_t lw = lat_begin(&t0);
     msh_in_hook++;
-    /* Being called here means PyTorch's pluggable allocator is memshim: that is tensor mode. */
-    /* init first: when this is memshim's first call, mode_eff is only set by it */
-    if (msh_core_init() && MSH_UNLIKELY(mode_eff == MSH_MODE_SEGMENT) && msh_cfg.mode == MSH_MODE_AUTO)
-        mode_eff = MSH_MODE_TENSOR;
+    /* init first (msh_core_pool): when this is memshim's first call, mode_eff is only set by it.
+     * Being called here means PyTorch's pluggable allocator is memshim: that is tensor mode. */
     struct msh_pool *p = msh_core_pool(device);
+    if (MSH_UNLIKELY(mode_eff == MSH_MODE_SEGMENT) && msh_cfg.mode == MSH_MODE_AUTO && enabled)
+        mode_eff = MSH_MODE_TENSOR;
     void *out = NULL;
     if (!p) {
         msh_error("memshim_malloc: no pool for device %d (is memshim off, or the driver unusable?)", device);
@@ -857,33 +899,40 @@ MSH_EXPORT void *memshim_malloc(ssize_t size, int device, memshim_stream_t strea
         if (MSH_UNLIKELY(msh_cfg.spill == MSH_SPILL_HOST) && !atomic_load_explicit(&spill_on[device], memory_order_relaxed))
             spill_enable(device, p);
         in_tensor_alloc = 1;
-        int arc = msh_pool_alloc(p, (size_t)size, (uint64_t)(uintptr_t)stream, &a);
-        in_tensor_alloc = 0;
+        int arc = msh_pool_alloc_ex(p, (size_t)size, (uint64_t)(uintptr_t)stream,
+                                    MSH_PA_TIMED | (counted ? MSH_PA_COUNTED : 0), &a);
         msh_pool_tags.next = outer;
-        if (arc == 0) {
+        if (MSH_LIKELY(arc == 0)) {
             out = (void *)(uintptr_t)a;
             msh_sites_alloc(device, tag, (size_t)size);
             msh_core_trace('a', device, (uint64_t)(uintptr_t)stream, a, (uint64_t)size);
         } else {
             msh_core_note_oom(device);
         }
-        in_tensor_alloc = 1;
-        msh_core_tick();
+        msh_core_count((size_t)size); /* in_tensor_alloc still 1: a GC threshold may collect here */
         in_tensor_alloc = 0;
     }
     msh_in_hook--;
+    if (lw && out) lat_end(p, true, lw, t0); /* served calls only, as the pool's own figures */
     return out;
+}
+
+MSH_EXPORT void *memshim_malloc(ssize_t size, int device, memshim_stream_t stream)
+{
+    return msh_core_alloc(size, device, stream, false);
 }
 
 MSH_EXPORT void memshim_free(void *ptr, ssize_t size, int device, memshim_stream_t stream)
 {
     if (!ptr) return;
+    uint64_t t0;
+    uint32_t lw = lat_begin(&t0);
     msh_in_hook++;
     struct msh_pool *p = device >= 0 && device < MSH_MAX_DEVICES ? atomic_load(&pools[device]) : NULL;
     /* The trace line goes out before the block can be reused by another thread, so a trace
      * never shows the reuse before the free. */
     bool owned = p != NULL;
-    bool file = atomic_load_explicit(&tracing, memory_order_relaxed);
+    bool file = atomic_load_explicit(&msh_core_tracing_on, memory_order_relaxed);
     if (p && !file && size >= 0 && msh_history_recording()) /* the snapshot ring: the caller's size will do */
         msh_history_note('f', device, (uint64_t)(uintptr_t)stream, (uint64_t)(uintptr_t)ptr, (uint64_t)size);
     else if (p && msh_core_tracing()) { /* two extra lookups, paid only while tracing */
@@ -895,13 +944,18 @@ MSH_EXPORT void memshim_free(void *ptr, ssize_t size, int device, memshim_stream
     int d = device;
     msh_pool_tags.freed = 0; /* the pool leaves the block's mark and size here */
     msh_pool_tags.freed_req = 0;
-    if (!owned || msh_pool_free(p, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream)) {
+    int rc = owned ? msh_pool_free_ex(p, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream, MSH_PA_TIMED) : EINVAL;
+    if (MSH_UNLIKELY(rc == EINVAL)) { /* another device's block? */
         struct msh_pool *q = msh_core_pool_owning((uint64_t)(uintptr_t)ptr, &d);
-        if (q) msh_pool_free(q, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream);
-        else msh_warn("memshim_free: %p was not allocated by memshim (device %d); ignored", ptr, device);
+        rc = q ? msh_pool_free(q, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream) : EINVAL;
+        if (rc == EINVAL) msh_warn("memshim_free: %p was not allocated by memshim (device %d); ignored", ptr, device);
     }
+    if (MSH_UNLIKELY(rc == EALREADY))
+        msh_warn("memshim_free: %p was freed already and not allocated again (a double free, device %d); ignored", ptr,
+                 device);
     msh_sites_free(d, msh_pool_tags.freed, msh_pool_tags.freed_req);
     msh_in_hook--;
+    if (lw && rc == 0) lat_end(d == device ? p : msh_core_pool_get(d), false, lw, t0);
 }
 
 MSH_EXPORT void memshim_record_stream(void *ptr, memshim_stream_t stream)
@@ -966,6 +1020,7 @@ static void note_step_peaks(void)
         struct msh_pool *p = atomic_load(&pools[d]);
         if (!p) continue;
         size_t live, reserved;
+        msh_pool_step(p); /* the front end's bins that served nothing this step give back (pool.h) */
         msh_pool_take_step_peaks(p, &live, &reserved);
         if (!reserved) continue; /* nothing held: no figure */
         if (!step_ratio[d] && !(step_ratio[d] = calloc(1, sizeof *step_ratio[d]))) continue;

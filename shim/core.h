@@ -6,9 +6,12 @@
 #ifndef MSH_CORE_H
 #define MSH_CORE_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <sys/types.h>
 
+#include "msh.h"
 #include "pool.h"
 
 /* Re-entry guard: set while a hook or memshim itself is working on this thread. A hook that
@@ -46,14 +49,40 @@ int msh_core_sync_device(int device);
 /* Memory that memshim does not serve but accounts ("other" in reports). */
 enum msh_ext_kind { MSH_EXT_MALLOC, MSH_EXT_ASYNC, MSH_EXT_VMM, MSH_EXT_NKINDS };
 void msh_core_note_external(int device, int kind, int64_t delta_bytes);
-/* Append one event to MEMSHIM_TRACE_FILE (op 'a' alloc, 'f' free); a no-op when tracing is off. */
-void msh_core_trace(char op, int device, uint64_t stream, uint64_t addr, uint64_t size);
+/* Append one event to MEMSHIM_TRACE_FILE (op 'a' alloc, 'f' free) and to the snapshot's history
+ * ring; two loads when neither is on. */
+void msh_core_trace_slow(char op, int device, uint64_t stream, uint64_t addr, uint64_t size);
+extern _Atomic bool msh_core_tracing_on;
+extern _Atomic int msh_history_on;
+static inline void msh_core_trace(char op, int device, uint64_t stream, uint64_t addr, uint64_t size)
+{
+    if (MSH_UNLIKELY(atomic_load_explicit(&msh_core_tracing_on, memory_order_relaxed) ||
+                     atomic_load_explicit(&msh_history_on, memory_order_relaxed)))
+        msh_core_trace_slow(op, device, stream, addr, size);
+}
 /* Whether MEMSHIM_TRACE_FILE is being written (callers skip trace-only work when not). */
 bool msh_core_tracing(void);
 /* A request failed after the whole rescue chain: write an OOM report (capped). */
 void msh_core_note_oom(int device);
-/* Called on each allocation: epoch timers, signals and idle/threshold policies. Cheap. */
+/* What runs now and then on the allocation path, not per call (issue 30): a due time or
+ * signal epoch closed between two allocations, the GC threshold checked. The allocating threads
+ * reach it through msh_core_count: a per-thread countdown of bytes (each call counts
+ * MSH_TICK_CALL_BYTES more, so that small requests get there too), or at once when the watcher
+ * thread raised msh_watch_flag (an epoch is due). No clock and no shared counter per call. */
 void msh_core_tick(void);
+#define MSH_TICK_BYTES ((int64_t)64 << 20)
+#define MSH_TICK_CALL_BYTES ((int64_t)64 << 10)
+extern __thread int64_t msh_tick_left;
+extern _Atomic int msh_watch_flag;
+static inline void msh_core_count(size_t bytes)
+{
+    msh_tick_left -= (int64_t)bytes + MSH_TICK_CALL_BYTES;
+    if (MSH_UNLIKELY(msh_tick_left <= 0 || atomic_load_explicit(&msh_watch_flag, memory_order_relaxed)))
+        msh_core_tick();
+}
+/* Tensor mode's allocation (memshim_malloc; memshim_torch_alloc with counted: PyTorch's
+ * memory_allocated() counts it). */
+void *msh_core_alloc(ssize_t size, int device, void *stream, bool counted);
 /* Close the current epoch with `reason` (a static string) from memshim's watcher thread
  * (seconds, signal): nothing once memshim has not started or the run is ending. */
 void msh_core_close_epoch(const char *reason);

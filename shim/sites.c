@@ -109,8 +109,8 @@ static void py_resolve(void)
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 static _Atomic bool sites_wanted; /* reports or a snapshot history are on */
 static bool sites_ready;          /* CPython found and the tables mapped */
-static _Atomic bool sites_active; /* ready and wanted: capture and account */
-#define sites_on atomic_load_explicit(&sites_active, memory_order_relaxed)
+_Atomic bool msh_sites_active; /* ready and wanted: capture and account (sites.h) */
+#define sites_on atomic_load_explicit(&msh_sites_active, memory_order_relaxed)
 static int sites_mode;         /* enum msh_sites_mode */
 static uint64_t sample_T;      /* MEMSHIM_SITES_SAMPLE */
 static _Atomic int capture_all; /* the history ring records: no sampling */
@@ -814,7 +814,7 @@ void msh_sites_init(bool wanted)
     pthread_once(&init_once, do_init);
     if (!wanted) return;
     atomic_store(&sites_wanted, true);
-    if (sites_ready) atomic_store(&sites_active, true);
+    if (sites_ready) atomic_store(&msh_sites_active, true);
 }
 
 void msh_sites_set_capture_all(bool on)
@@ -836,7 +836,7 @@ static int64_t next_gap(void)
     return (int64_t)(-log(u) * (double)sample_T) + 1;
 }
 
-uint32_t msh_sites_tag(size_t size)
+uint32_t msh_sites_tag_slow(size_t size)
 {
     if (!sites_on) return 0; /* msh_sites_last_stack stays 0: the history ring clears it on use */
     msh_sites_last_stack = MSH_STACK_NONE;
@@ -870,12 +870,12 @@ static void note(int device, uint32_t tag, int64_t bytes)
     account(a, stacks[tag & ~TAG_SAMPLED].site, bytes < 0 ? -w : w, bytes < 0 ? -wc : wc, d);
 }
 
-void msh_sites_alloc(int device, uint32_t tag, size_t size)
+void msh_sites_alloc_slow(int device, uint32_t tag, size_t size)
 {
     if (sites_on) note(device, tag, (int64_t)size);
 }
 
-void msh_sites_free(int device, uint32_t tag, size_t size)
+void msh_sites_free_slow(int device, uint32_t tag, size_t size)
 {
     if (sites_on && (tag || size)) note(device, tag, -(int64_t)size);
 }

@@ -11,6 +11,7 @@
 #ifndef MSH_SITES_H
 #define MSH_SITES_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -36,12 +37,25 @@ void msh_sites_set_capture_all(bool on);
 /* memshim_malloc is about to place `size` bytes: the mark the pool keeps on the block
  * (msh_pool_tags.next), 0 for a block whose site is not read (sampled out, or sites off). The
  * stack is read here, before any pool lock is taken. */
-uint32_t msh_sites_tag(size_t size);
+uint32_t msh_sites_tag_slow(size_t size);
+extern _Atomic bool msh_sites_active; /* sites are read and accounted (a load on the hot path) */
+static inline uint32_t msh_sites_tag(size_t size)
+{
+    return atomic_load_explicit(&msh_sites_active, memory_order_relaxed) ? msh_sites_tag_slow(size) : 0;
+}
 /* memshim_malloc placed `size` bytes with mark `tag` on `device` / memshim_free freed a block of
  * `size` requested bytes with mark `tag` (what msh_pool_free left in msh_pool_tags). Cheap when
  * off; a few ns for an untracked block. */
-void msh_sites_alloc(int device, uint32_t tag, size_t size);
-void msh_sites_free(int device, uint32_t tag, size_t size);
+void msh_sites_alloc_slow(int device, uint32_t tag, size_t size);
+void msh_sites_free_slow(int device, uint32_t tag, size_t size);
+static inline void msh_sites_alloc(int device, uint32_t tag, size_t size)
+{
+    if (atomic_load_explicit(&msh_sites_active, memory_order_relaxed)) msh_sites_alloc_slow(device, tag, size);
+}
+static inline void msh_sites_free(int device, uint32_t tag, size_t size)
+{
+    if (atomic_load_explicit(&msh_sites_active, memory_order_relaxed)) msh_sites_free_slow(device, tag, size);
+}
 
 /* Epoch boundary: record each site's live bytes as the epoch's end (before the report is
  * built), then restart the peak tracking (after it). */

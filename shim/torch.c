@@ -205,19 +205,17 @@ MSH_EXPORT void memshim_step_if_started(void)
 
 /* ---- per-device state --------------------------------------------------------------------------
  * PyTorch's statistics count what PyTorch allocated through the pluggable entry points, apart
- * from the epoch reports' own peaks, so resetting one never disturbs the other. "small" is
- * PyTorch's small pool: requests up to 1 MiB. */
+ * from the epoch reports' own peaks, so resetting one never disturbs the other. The counters
+ * themselves are the main pool's callers' counters (pool.h struct msh_pool_caller: plain fields
+ * under the pool lock, counted at every allocation and free, front end or not); the capture
+ * pools' allocations are counted there too (msh_pool_caller_note). "small" is PyTorch's small
+ * pool: requests up to 1 MiB. */
 enum { SP_ALL, SP_LARGE, SP_SMALL, SP_N };
-struct tcount {
-    _Atomic uint64_t cur, peak, allocated, freed;
-};
 struct tdev {
-    struct tcount bytes[SP_N], req[SP_N], count[SP_N];
-    _Atomic uint64_t reserved_peak, segments_peak;
     _Atomic uint64_t ooms;
     /* cumulative pool figures at the last reset_accumulated */
     _Atomic uint64_t base_created, base_released, base_create_ops, base_release_ops, base_retries, base_syncs;
-    size_t total, cfg_limit, gran;
+    size_t total, cfg_limit;
     double fraction; /* set_per_process_memory_fraction; 0 = not set */
     bool params_done;
 };
@@ -231,60 +229,11 @@ static bool dev_ok(int device)
     return device >= 0 && device < MSH_MAX_DEVICES;
 }
 
-static void update_max(_Atomic uint64_t *m, uint64_t v)
+/* An allocation or free a capture pool served, in the device's counters (the main pool's). */
+static void note_capture(int device, size_t size, bool alloc)
 {
-    uint64_t cur = atomic_load_explicit(m, memory_order_relaxed);
-    while (v > cur && !atomic_compare_exchange_weak_explicit(m, &cur, v, memory_order_relaxed, memory_order_relaxed)) {
-    }
-}
-
-static void count_add(struct tcount *c, uint64_t v)
-{
-    uint64_t now = atomic_fetch_add_explicit(&c->cur, v, memory_order_relaxed) + v;
-    atomic_fetch_add_explicit(&c->allocated, v, memory_order_relaxed);
-    update_max(&c->peak, now);
-}
-
-static void count_sub(struct tcount *c, uint64_t v)
-{
-    uint64_t cur = atomic_load_explicit(&c->cur, memory_order_relaxed);
-    /* never below zero, even for a free PyTorch reports with another size than it allocated */
-    while (!atomic_compare_exchange_weak_explicit(&c->cur, &cur, cur > v ? cur - v : 0, memory_order_relaxed,
-                                                  memory_order_relaxed)) {
-    }
-    atomic_fetch_add_explicit(&c->freed, v, memory_order_relaxed);
-}
-
-static uint64_t rounded(size_t size)
-{
-    return ((uint64_t)(size ? size : 1) + 511) / 512 * 512; /* the pool's block alignment */
-}
-
-static void note_alloc(int device, size_t size)
-{
-    struct tdev *t = &tdevs[device];
-    int sp = size <= MSH_MiB ? SP_SMALL : SP_LARGE;
-    count_add(&t->bytes[SP_ALL], rounded(size));
-    count_add(&t->bytes[sp], rounded(size));
-    count_add(&t->req[SP_ALL], size);
-    count_add(&t->req[sp], size);
-    count_add(&t->count[SP_ALL], 1);
-    count_add(&t->count[sp], 1);
-    size_t held = __atomic_load_n(&shares[device].handle_bytes, __ATOMIC_RELAXED);
-    update_max(&t->reserved_peak, held);
-    if (t->gran) update_max(&t->segments_peak, held / t->gran);
-}
-
-static void note_free(int device, size_t size)
-{
-    struct tdev *t = &tdevs[device];
-    int sp = size <= MSH_MiB ? SP_SMALL : SP_LARGE;
-    count_sub(&t->bytes[SP_ALL], rounded(size));
-    count_sub(&t->bytes[sp], rounded(size));
-    count_sub(&t->req[SP_ALL], size);
-    count_sub(&t->req[sp], size);
-    count_sub(&t->count[SP_ALL], 1);
-    count_sub(&t->count[sp], 1);
+    struct msh_pool *m = msh_core_pool_get(device);
+    if (m) msh_pool_caller_note(m, size, alloc);
 }
 
 /* ---- limits ------------------------------------------------------------------------------------ */
@@ -496,7 +445,9 @@ static struct cap *cap_get_pinned_locked(struct capgroup *g, uint64_t stream)
         *c = (struct cap){.used = true, .g = gi, .device = g->device, .stream = stream, .pins = 1};
         struct msh_pool_params prm = tmpl[g->device];
         /* A graph replays into every address its capture touched, freed blocks included: no page
-         * of a capture pool may be unmapped, moved or given back before the pool is released. */
+         * of a capture pool may be unmapped, moved or given back before the pool is released. An
+         * allocation on a capturing stream never touches a front end (pool.h params.front). */
+        prm.front = false;
         prm.defrag = false;
         prm.no_release_on_oom = true;
         prm.release_threshold = 0;
@@ -814,7 +765,7 @@ static void *alloc_in_cap(int device, size_t size, void *stream, uint64_t id0, u
         pthread_mutex_unlock(&caps_lock);
     }
     destroy_doomed(&d);
-    if (p) note_alloc(device, size);
+    if (p) note_capture(device, size, true);
     else tdevs[device].ooms++;
     msh_in_hook--;
     return p;
@@ -839,18 +790,10 @@ MSH_EXPORT void *memshim_torch_alloc(ssize_t size, int device, memshim_stream_t 
         return alloc_in_cap(device, (size_t)size, stream, 0, 0, true);
     }
     int saved = relaxed_begin(); /* another thread may be capturing a graph */
-    void *p = memshim_malloc(size, device, stream);
+    void *p = msh_core_alloc(size, device, stream, true); /* counted: PyTorch's memory_allocated */
     relaxed_end(saved);
-    struct tdev *t = &tdevs[device];
-    if (MSH_UNLIKELY(!t->gran)) {
-        struct msh_device *dev = msh_core_device(device);
-        size_t g = 0;
-        if (dev && dev->ops->granularity(dev, &g) == 0) t->gran = g;
-    }
-    if (p) {
-        note_alloc(device, (size_t)size);
-    } else {
-        t->ooms++;
+    if (MSH_UNLIKELY(!p)) {
+        tdevs[device].ooms++;
         last_oom_pool = msh_core_pool(device);
         last_oom_capture = false;
     }
@@ -895,7 +838,9 @@ static bool cap_free(int device, void *ptr, void *stream)
     if (msh_core_tracing())
         msh_core_trace('f', c->device, (uint64_t)(uintptr_t)stream, (uint64_t)(uintptr_t)ptr,
                        msh_pool_block_size(c->pool, (uint64_t)(uintptr_t)ptr));
+    msh_pool_tags.freed_req = 0;
     bool freed = msh_pool_free(c->pool, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream) == 0;
+    if (freed) note_capture(c->device, msh_pool_tags.freed_req, false);
     struct doomed_list d = {.n = 0};
     CAPS_LOCK();
     if (freed && c->live) c->live--;
@@ -909,9 +854,8 @@ static bool cap_free(int device, void *ptr, void *stream)
 MSH_EXPORT void memshim_torch_free(void *ptr, ssize_t size, int device, memshim_stream_t stream)
 {
     if (!ptr) return;
-    if (dev_ok(device) && size >= 0) note_free(device, (size_t)size);
     if (cap_free(device, ptr, stream)) return;
-    memshim_free(ptr, size, device, stream);
+    memshim_free(ptr, size, device, stream); /* the pool uncounts the block (its own size) */
 }
 
 MSH_EXPORT void memshim_torch_record_stream(void *ptr, memshim_stream_t stream)
@@ -992,7 +936,7 @@ MSH_EXPORT void *memshim_torch_base_alloc(void *ptr, size_t *size)
 /* ---- PyTorch-named statistics ------------------------------------------------------------------ */
 
 struct pool_sum {
-    uint64_t mapped, free_bytes, created, released, create_ops, release_ops, retries, syncs;
+    uint64_t mapped, free_bytes, binned, created, released, create_ops, release_ops, retries, syncs;
 };
 
 static void sum_pool(struct msh_pool *p, struct pool_sum *s)
@@ -1001,6 +945,7 @@ static void sum_pool(struct msh_pool *p, struct pool_sum *s)
     msh_pool_get_stats(p, &st);
     s->mapped += st.mapped_bytes;
     s->free_bytes += st.free_bytes;
+    s->binned += st.binned_bytes;
     s->created += st.drv_bytes[MSH_DRV_CREATE];
     s->released += st.drv_bytes[MSH_DRV_RELEASE];
     s->create_ops += st.create_ops;
@@ -1064,37 +1009,44 @@ MSH_EXPORT int memshim_torch_stats(int device, long long *vals, int n)
     struct tdev *t = &tdevs[device];
     struct pool_sum ps;
     sum_device(device, &ps);
-    uint64_t segs = t->gran ? ps.mapped / t->gran : 0;
-    update_max(&t->reserved_peak, ps.mapped);
-    update_max(&t->segments_peak, segs);
+    struct msh_pool_caller cc;
+    memset(&cc, 0, sizeof cc);
+    struct msh_pool *main_pool = msh_core_pool_get(device);
+    if (main_pool) msh_pool_caller_stats(main_pool, &cc);
+    size_t gran = 0;
+    struct msh_device *dev = msh_core_device(device);
+    if (dev) dev->ops->granularity(dev, &gran);
+    uint64_t segs = gran ? ps.mapped / gran : 0;
+    uint64_t rpeak = cc.reserved_peak > ps.mapped ? cc.reserved_peak : ps.mapped;
     long long v[NSTAT];
     memset(v, 0, sizeof v);
     int k = 0;
     for (int m = 0; m < NMETRIC; m++) {
         for (int sp = 0; sp < SP_N; sp++) {
             uint64_t f[4] = {0, 0, 0, 0};
-            const struct tcount *c = NULL;
-            if (m == 0 || m == 1) c = &t->bytes[sp]; /* active = allocated: a free is immediate */
-            else if (m == 2) c = &t->req[sp];
-            else if (m == 5 || m == 6) c = &t->count[sp];
+            const struct msh_caller_count *c = NULL;
+            /* active = allocated: a block in the front end's bins is inactive (and reserved) */
+            if (m == 0 || m == 1) c = &cc.bytes[sp];
+            else if (m == 2) c = &cc.req[sp];
+            else if (m == 5 || m == 6) c = &cc.count[sp];
             if (c) {
-                f[0] = atomic_load(&c->cur);
-                f[1] = atomic_load(&c->peak);
-                f[2] = atomic_load(&c->allocated);
-                f[3] = atomic_load(&c->freed);
+                f[0] = c->cur;
+                f[1] = c->peak;
+                f[2] = c->allocated;
+                f[3] = c->freed;
             } else if (sp != SP_SMALL) { /* pages are not split by PyTorch's pools: all under large */
                 if (m == 3) {
                     f[0] = ps.mapped;
-                    f[1] = atomic_load(&t->reserved_peak);
+                    f[1] = rpeak;
                     f[2] = ps.created - atomic_load(&t->base_created);
                     f[3] = ps.released - atomic_load(&t->base_released);
                 } else if (m == 7) {
                     f[0] = segs;
-                    f[1] = atomic_load(&t->segments_peak);
+                    f[1] = gran ? rpeak / gran : 0;
                     f[2] = ps.create_ops - atomic_load(&t->base_create_ops);
                     f[3] = ps.release_ops - atomic_load(&t->base_release_ops);
-                } else if (m == 4) { /* free bytes inside mapped pages: held, not usable by others */
-                    f[0] = f[1] = ps.free_bytes;
+                } else if (m == 4) { /* free and binned bytes inside mapped pages: held, not usable by others */
+                    f[0] = f[1] = ps.free_bytes + ps.binned;
                 }
             }
             for (int j = 0; j < 4; j++) v[k++] = (long long)f[j];
@@ -1114,15 +1066,8 @@ MSH_EXPORT int memshim_torch_stats(int device, long long *vals, int n)
 
 static void reset_peak_one(int device)
 {
-    struct tdev *t = &tdevs[device];
-    for (int sp = 0; sp < SP_N; sp++) {
-        atomic_store(&t->bytes[sp].peak, atomic_load(&t->bytes[sp].cur));
-        atomic_store(&t->req[sp].peak, atomic_load(&t->req[sp].cur));
-        atomic_store(&t->count[sp].peak, atomic_load(&t->count[sp].cur));
-    }
-    size_t held = __atomic_load_n(&shares[device].handle_bytes, __ATOMIC_RELAXED);
-    atomic_store(&t->reserved_peak, held);
-    atomic_store(&t->segments_peak, t->gran ? held / t->gran : 0);
+    struct msh_pool *m = msh_core_pool_get(device);
+    if (m) msh_pool_caller_reset(m, true, false);
 }
 
 MSH_EXPORT void memshim_torch_reset_peak(int device)
@@ -1134,13 +1079,8 @@ MSH_EXPORT void memshim_torch_reset_peak(int device)
 static void reset_accumulated_one(int device)
 {
     struct tdev *t = &tdevs[device];
-    for (int sp = 0; sp < SP_N; sp++) {
-        struct tcount *cs[3] = {&t->bytes[sp], &t->req[sp], &t->count[sp]};
-        for (int i = 0; i < 3; i++) {
-            atomic_store(&cs[i]->allocated, 0);
-            atomic_store(&cs[i]->freed, 0);
-        }
-    }
+    struct msh_pool *m = msh_core_pool_get(device);
+    if (m) msh_pool_caller_reset(m, false, true);
     struct pool_sum ps;
     sum_device(device, &ps);
     atomic_store(&t->base_created, ps.created);
@@ -1184,7 +1124,11 @@ MSH_EXPORT int memshim_torch_oom_message(int device, size_t size, char *buf, siz
     fmt_size(resv, sizeof resv, o.mapped_bytes);
     fmt_size(lim, sizeof lim, o.limit_bytes);
     fmt_size(ext, sizeof ext, o.largest_free);
-    fmt_size(torch_live, sizeof torch_live, dev_ok(device) ? atomic_load(&tdevs[device].req[SP_ALL].cur) : 0);
+    struct msh_pool_caller cc;
+    memset(&cc, 0, sizeof cc);
+    struct msh_pool *main_pool = dev_ok(device) ? msh_core_pool_get(device) : NULL;
+    if (main_pool) msh_pool_caller_stats(main_pool, &cc);
+    fmt_size(torch_live, sizeof torch_live, cc.req[SP_ALL].cur);
     const char *gc = msh_cfg.gc == MSH_GC_NEVER ? "no gc.collect() (MEMSHIM_GC=never)"
                      : msh_cfg.gc == MSH_GC_EPOCH ? "no gc.collect() (MEMSHIM_GC=epoch runs it only at epoch ends)"
                      : o.steps & MSH_OOM_STEP_GC  ? "gc.collect() where this thread holds the GIL"

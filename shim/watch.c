@@ -46,6 +46,9 @@ static _Atomic int end_signal;      /* the signal that ends the run (0: none yet
 static _Atomic int noted_signal;    /* an end signal handled by the program's own handler */
 static _Atomic int epoch_pending;   /* MEMSHIM_EPOCH_SIGNAL arrived */
 static _Atomic uint64_t seconds_due; /* MEMSHIM_EPOCH=seconds: when the next one closes (0: off) */
+/* An epoch is due (the signal came, or the seconds passed): the allocation path reads this flag,
+ * never a clock, and closes the epoch at its next call (msh_core_count, core.h). */
+_Atomic int msh_watch_flag;
 static uint64_t seconds_period;
 
 /* What the program had on each end signal, and what memshim did with it. Written before the
@@ -124,6 +127,7 @@ static void on_epoch_signal(int sig)
     int saved = errno;
     if (getpid() == owner) {
         atomic_store(&epoch_pending, 1);
+        atomic_store(&msh_watch_flag, 1);
         if (atomic_load(&running)) sem_post(&wake);
     }
     errno = saved;
@@ -185,7 +189,9 @@ static void *watch_main(void *arg)
     uint64_t pending_seen = 0; /* when this thread first saw the epoch signal pending */
     for (;;) {
         uint64_t due = atomic_load(&seconds_due), until = 0;
-        if (due) until = due + GRACE_NS;
+        /* at the deadline the flag goes up (the next allocation closes it); GRACE_NS later, if
+         * none came, this thread closes it */
+        if (due) until = msh_now_ns() < due ? due : due + GRACE_NS;
         if (pending_seen && (!until || pending_seen + GRACE_NS < until)) until = pending_seen + GRACE_NS;
         if (until) {
             struct timespec ts = wait_until(until, 1000000000ull);
@@ -203,6 +209,7 @@ static void *watch_main(void *arg)
             if (atomic_exchange(&epoch_pending, 0)) msh_core_close_epoch("signal");
         }
         due = atomic_load(&seconds_due);
+        if (due && now >= due) atomic_store(&msh_watch_flag, 1);
         if (due && now >= due + GRACE_NS && atomic_compare_exchange_strong(&seconds_due, &due, next_due(due, now)))
             msh_core_close_epoch("seconds");
     }
@@ -287,6 +294,8 @@ void msh_watch_start(void)
 
 const char *msh_watch_poll(uint64_t now)
 {
+    /* down first: a signal or deadline that comes after this look raises it again */
+    atomic_store_explicit(&msh_watch_flag, 0, memory_order_relaxed);
     if (MSH_UNLIKELY(atomic_load_explicit(&epoch_pending, memory_order_relaxed)) && atomic_exchange(&epoch_pending, 0))
         return "signal";
     uint64_t due = atomic_load_explicit(&seconds_due, memory_order_relaxed);

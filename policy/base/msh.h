@@ -85,6 +85,7 @@ struct msh_config {
     int gc;                    /* enum msh_gc */
     double gc_threshold;       /* fraction of the limit (or device) in use that triggers GC */
     bool defrag;               /* reclaim and remap free pages under pressure */
+    bool front;                /* MEMSHIM_FRONT: the pool's front end of exact-size bins */
     int spill;                 /* enum msh_spill: MEMSHIM_SPILL */
     uint64_t spill_max_bytes;  /* MEMSHIM_SPILL_MAX as bytes (0 with no fraction: what the host gives) */
     double spill_max_fraction; /* MEMSHIM_SPILL_MAX as a fraction of host RAM; 0 = not used */

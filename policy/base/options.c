@@ -169,7 +169,7 @@ static const struct enum_val log_vals[] = {
 
 enum {
     O_MODE, O_LIMIT, O_EMPTY_CACHE, O_EMPTY_CACHE_THRESHOLD, O_EMPTY_CACHE_IDLE, O_GC,
-    O_GC_THRESHOLD, O_DEFRAG, O_SPILL, O_SPILL_MAX, O_SMALL_MAX, O_EPOCH, O_EPOCH_STEPS, O_EPOCH_SECONDS,
+    O_GC_THRESHOLD, O_DEFRAG, O_FRONT, O_SPILL, O_SPILL_MAX, O_SMALL_MAX, O_EPOCH, O_EPOCH_STEPS, O_EPOCH_SECONDS,
     O_EPOCH_SIGNAL, O_EPOCH_INTERVAL, O_CATCH_SIGNALS, O_REPORT_DIR, O_REPORT_FORMAT, O_LATENCY_SAMPLE, O_TRACE_FILE, O_SITES,
     O_SITES_SAMPLE, O_SNAPSHOT, O_SNAPSHOT_EVENTS, O_LOG, O_LOG_FILE, O_TRAINER_METRICS, O_STRICT, O_CONF, O_COUNT
 };
@@ -227,6 +227,17 @@ static const struct opt opts[O_COUNT] = {
                   "Under memory pressure, reclaim wholly free pages from free blocks and remap "
                   "them where a new block needs them.",
                   F(defrag), 0, 0, 0, NULL, NULL},
+    [O_FRONT] = {"MEMSHIM_FRONT", T_BOOL, "1", NULL, "1/0, true/false, yes/no, on/off", "-",
+                 "The allocation fast path (docs/pool.md \"The front end\"): a block freed on the "
+                 "stream it was used on goes into a bin of its (stream, size), and the next request "
+                 "of that size on that stream gets it back with no search, no page work and no "
+                 "event. Binned bytes count as reserved, never as allocated; the bins are emptied "
+                 "before any driver work they could spare, first when a request does not fit, on "
+                 "empty-cache and, for sizes that stopped recurring, at step marks. Under a limit "
+                 "they wait for 8192 allocations without pressure and stay empty once the pool had "
+                 "to reclaim at the limit (there the learned step places every block). `0`: every "
+                 "allocation takes the pool's general path.",
+                 F(front), 0, 0, 0, NULL, NULL},
     [O_SPILL] = {"MEMSHIM_SPILL", T_ENUM, "off", NULL, NULL, "-",
                  "Survive a request the device cannot serve by moving cold pages to host memory "
                  "behind the same addresses (opt-in; docs/pool.md \"Spill\").",

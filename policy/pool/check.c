@@ -61,6 +61,8 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
     /* Requests doing driver work hold claims (pending blocks, pages in progress) that the rest of
      * the pool accounts for only once they publish: the exact checks need a quiet pool. */
     bool quiet = pool->jobs == 0 && pool->waiters == 0; /* a waiter holds a pending block too */
+    size_t nbinned = 0, binned_bytes = 0, nparked_bytes = 0, region_bytes = 0, free_bytes_all = 0, live_va = 0;
+    uint64_t counted_bytes = 0, counted_req = 0, counted_n = 0;
     size_t nfree[NAREAS] = {0}, nlive = 0, live_bytes = 0, mapped = 0, touched = 0, cached = 0, heads = 0, nparked = 0;
     size_t host_heads = 0, host_pages = 0, host_idle = 0; /* spilled handles (spill.c) */
     size_t va = 0;
@@ -72,6 +74,7 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
     for (int a = 0; a < NAREAS; a++) {
         for (struct region *r = pool->areas[a]; r; r = r->next) {
             va += r->size;
+            region_bytes += r->size;
             if (r->area != a) CHECK_FAIL("region %#llx sits in area %d's list but says area %d",
                                          (unsigned long long)r->base, a, r->area);
             if (r->hi_page > r->npages) CHECK_FAIL("region %#llx: hi_page %u > npages %u",
@@ -133,9 +136,22 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
                         evrefs[e]++;
                     }
                     nfree[a]++;
-                } else if (b->state == B_LIVE) {
-                    nlive++;
-                    live_bytes += b->req;
+                    free_bytes_all += b->size;
+                } else if (b->state == B_LIVE || b->state == B_BINNED) {
+                    if (b->state == B_LIVE) {
+                        nlive++;
+                        live_bytes += b->req;
+                        live_va += b->size;
+                        if (b->counted) {
+                            counted_bytes += (b->req ? b->req : 1) + BLOCK_ALIGN - 1 - ((b->req ? b->req : 1) + BLOCK_ALIGN - 1) % BLOCK_ALIGN;
+                            counted_req += b->req;
+                            counted_n++;
+                        }
+                    } else {
+                        nbinned++;
+                        binned_bytes += b->size;
+                        if (b->counted) CHECK_FAIL("binned block %#llx is still counted as allocated", (unsigned long long)b->addr);
+                    }
                     if (b->req > b->size) CHECK_FAIL("block %#llx: requested %llu > extent %llu", (unsigned long long)b->addr,
                                                      (unsigned long long)b->req, (unsigned long long)b->size);
                     if (hash_find(pool, b->addr) != b) CHECK_FAIL("live block %#llx is not in the hash", (unsigned long long)b->addr);
@@ -145,6 +161,7 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
                     /* in flight: its pages are claimed */
                 } else if (b->state == B_PARKED) {
                     nparked++;
+                    nparked_bytes += b->size;
                     for (int i = 0; i < b->ns; i++)
                         if (b->s[i].ev != NO_EV) CHECK_FAIL("parked block %#llx holds an event", (unsigned long long)b->addr);
                 } else {
@@ -266,12 +283,33 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
     size_t nhash = 0;
     for (size_t i = 0; i < pool->hcap; i++)
         for (const struct blk *b = pool->htab[i]; b; b = b->hnext) {
-            if (b->state != B_LIVE) CHECK_FAIL("a block %#llx that is not live is in the live hash", (unsigned long long)b->addr);
+            if (b->state != B_LIVE && b->state != B_BINNED)
+                CHECK_FAIL("a block %#llx that is neither live nor binned is in the live hash", (unsigned long long)b->addr);
             if (hash_addr(b->addr, pool->hcap) != i) CHECK_FAIL("live block %#llx is in the wrong hash bucket", (unsigned long long)b->addr);
-            if (++nhash > nlive) break;
+            if (++nhash > nlive + nbinned) break;
         }
-    if (nhash != nlive || pool->hcount != nlive)
-        CHECK_FAIL("%zu live blocks in the regions, %zu in the hash, hash count %zu", nlive, nhash, pool->hcount);
+    if (nhash != nlive + nbinned || pool->hcount != nlive + nbinned)
+        CHECK_FAIL("%zu live and %zu binned blocks in the regions, %zu in the hash, hash count %zu", nlive, nbinned, nhash,
+                   pool->hcount);
+    /* the front end: its bins hold exactly the binned blocks, its counts are theirs */
+    {
+        char fw[200];
+        if (front_check(pool, nbinned, binned_bytes, fw, sizeof fw)) CHECK_FAIL("%s", fw);
+    }
+    /* every byte of every region is live, binned, free or in flight: quiet, nothing is in flight */
+    if (quiet && live_va + binned_bytes + free_bytes_all + nparked_bytes != region_bytes)
+        CHECK_FAIL("live %zu + binned %zu + free %zu + parked %zu bytes != the regions' %zu", live_va, binned_bytes,
+                   free_bytes_all, nparked_bytes, region_bytes);
+    /* the callers' counters are the counted live blocks */
+    counted_bytes += pool->caller_ext[0]; /* allocations other pools of the device served */
+    counted_req += pool->caller_ext[1];
+    counted_n += pool->caller_ext[2];
+    if (pool->caller.bytes[0].cur != counted_bytes || pool->caller.req[0].cur != counted_req ||
+        pool->caller.count[0].cur != counted_n)
+        CHECK_FAIL("callers' counters: %llu bytes, %llu requested, %llu blocks allocated; counted live blocks: %llu, %llu, %llu",
+                   (unsigned long long)pool->caller.bytes[0].cur, (unsigned long long)pool->caller.req[0].cur,
+                   (unsigned long long)pool->caller.count[0].cur, (unsigned long long)counted_bytes,
+                   (unsigned long long)counted_req, (unsigned long long)counted_n);
     /* the parked list holds exactly the parked blocks */
     {
         size_t np = 0;

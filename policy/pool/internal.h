@@ -38,8 +38,10 @@
 struct region;
 
 /* B_PARKED: freed during a CUDA-graph capture while its free needs events (recorded once the
- * capture ends, docs/pool.md "Captures"); in no structure, its pages still touched. */
-enum { B_FREE = 1, B_LIVE, B_PENDING, B_FREEING, B_PARKED };
+ * capture ends, docs/pool.md "Captures"); in no structure, its pages still touched.
+ * B_BINNED: freed into the front end's bin of its stream and size (front.c): still in the live
+ * hash, its pages still touched, counted as reserved and inactive. */
+enum { B_FREE = 1, B_LIVE, B_PENDING, B_FREEING, B_PARKED, B_BINNED };
 
 /* claim_pages: the request needs a synchronize, an unmap or a release, which a capture in
  * progress on the device forbids; the caller places it where none is needed, or fails. */
@@ -51,6 +53,10 @@ enum { B_FREE = 1, B_LIVE, B_PENDING, B_FREEING, B_PARKED };
  * request, is less than the job would create after its releases): nothing was done, nothing is
  * asked of the driver; the caller decides what can still help (issue 25, pool.c "rescue"). */
 #define ENOROOM EDQUOT
+/* try_alloc: the request would need driver work (a create, map, reclaim or synchronize) while the
+ * front end holds binned blocks that a drain may make unnecessary: nothing was done; the caller
+ * drains and places the request again (front.c). */
+#define EDRAIN EBADSLT
 /* PG_MOVING: spill.c moves the handle between device and host memory (docs/pool.md "Spill"). */
 enum { PG_MAPPED = 0, PG_MAPPING, PG_UNMAPPING, PG_MOVING };
 
@@ -79,7 +85,7 @@ struct blk {
     struct blk *kid[2][2]; /* the free treaps' children ([tree][0] left, [1] right): tree TS by
                             * (size, addr), TA by addr (the learned step places at given addresses) */
     struct blk *hnext;   /* live hash chain, or the spare list */
-    struct sref s[MAX_STREAMS]; /* live: [0] alloc stream + recorded; free: last-use streams */
+    struct blk *bnext;   /* binned: the next block of its bin */
     uint64_t free_gen;   /* pool->free_gen when freed on a stream (work may still be queued) */
     uint64_t serial;     /* live: the allocation's number in the step log */
     uint64_t fstream;    /* parked: the stream of its free */
@@ -89,7 +95,10 @@ struct blk {
     uint8_t claimed;     /* pending: counted on its pages (a pending block waiting for another
                           * thread's pages has not claimed them yet) */
     uint32_t tag;        /* live: msh_pool_tags.next when it was placed (the caller's mark) */
+    uint8_t counted;     /* live: counted in the callers' counters (msh_pool_alloc_counted) */
     uint64_t born;       /* live: pool->nborn when it was placed (spill.c: how cold it is) */
+    /* last: read only below ns, so a new block clears the fields above only (extents.c blk_new) */
+    struct sref s[MAX_STREAMS]; /* live: [0] alloc stream + recorded; free: last-use streams */
 };
 
 /* One granularity-sized page of a region. A handle covers a run of pages; its first page (the
@@ -165,6 +174,48 @@ struct kstream {
 
 struct step;
 
+/* ---- the front end (front.c): bins of freed blocks by (stream, size) ------------------------- */
+#define FRONT_BINS 1024     /* slots of the bin table (a power of two; at most 3/4 used) */
+#define FRONT_DEPTH 128     /* blocks one bin keeps */
+#define FRONT_PROBATION 8192 /* under a limit: allocations with no pressure before the front end serves */
+#define FRONT_WINDOW 1024    /* puts over which hits and drains are compared (churn) */
+#define FRONT_COOL 32768     /* allocations the front end stays out after churn */
+struct bin {
+    uint64_t stream, rsize;   /* rsize 0: a slot never used */
+    struct blk *head;         /* binned blocks, the latest first (bnext) */
+    struct kstream *ks;       /* the stream's entry: while another stream wants its memory, its
+                               * frees record events and are not binned */
+    uint32_t depth;
+    uint64_t last;            /* front.tick at its last hit or put */
+};
+struct front {
+    struct bin *bins;         /* FRONT_BINS slots (raw memory, made at the first put) */
+    uint32_t slots;           /* slots in use */
+    size_t blocks, bytes;     /* binned now: blocks and their VA bytes */
+    size_t max_bytes;         /* the most binned bytes (a share of the cap) */
+    bool aside;               /* pressure at the cap: the front end stays aside while the cap holds */
+    size_t cap_seen;          /* the cap (cap_pages) the two fields around are about */
+    uint64_t on_after;        /* under a limit: st.allocs from which the front end may serve */
+    uint64_t tick;            /* hits and puts so far: the bins' clock */
+    size_t grown_aside;       /* pages the pool grew by for requests with blocks binned, no drain */
+    /* Churn: the bins' blocks drained for other sizes rather than reused (sizes that come once, a
+     * step that frees what the next different size needs): counted over windows of FRONT_WINDOW
+     * puts; when the drained outnumber the hits, the front end stays out for FRONT_COOL
+     * allocations (the pool path alone, as before it) and then tries again. */
+    uint64_t win_puts, win_hits, win_drained;
+    uint64_t cool_until;      /* st.allocs before which the front end stays out (churn) */
+    uint64_t mark;            /* tick at the last step mark (bins not used since give back) */
+    bool evict;               /* the table is full: bins not used lately go at the next miss */
+    bool enabled;             /* params.front */
+    bool serving;             /* front_on(), as the last miss found it: what a put checks (the
+                               * conditions change at misses, or stop it at once: front_aside,
+                               * churn, a drain for a plan) */
+    bool hand_off;            /* a stream's memory was wanted by another: drain its bins */
+    uint64_t trim_act;        /* hits + puts at the trim thread's last look (msh_pool_trim) */
+    uint32_t trim_ms;         /* when they last changed (ms since the pool was created) */
+};
+enum { FRONT_DRAIN_ALL = 0, FRONT_DRAIN_STREAM, FRONT_DRAIN_DEMAND, FRONT_DRAIN_IDLE, FRONT_DRAIN_STALE };
+
 struct msh_pool {
     pthread_mutex_t lock;
     pthread_cond_t cv;    /* a mapping or unmapping another thread waits for was published */
@@ -201,6 +252,7 @@ struct msh_pool {
     uint64_t pressure_reclaims; /* cached handles taken back because the pool was at its cap */
     struct kstream ks[MAX_KSTREAMS];
     uint32_t ks_last;     /* the last slot found (most calls name the same stream) */
+    uint8_t ks_idx[64];   /* 1 + the slot of a stream hashed here (a hint: checked on use) */
     uint32_t poll_tick;   /* allocations since recorded events were last polled */
     struct blk *parked;   /* frees a capture deferred (hnext chain) */
     uint32_t nrecorded;   /* event slots recorded and not yet seen complete */
@@ -218,6 +270,7 @@ struct msh_pool {
     uint64_t evseq;
     uint32_t rng;
     bool timing;
+    uint64_t lat_gen;     /* epochs of the timed-thread count (lat_thread: st.timed_threads) */
     uint64_t t0_ns;
     msh_pool_gc_fn gc_fn;
     void *gc_arg;
@@ -234,6 +287,9 @@ struct msh_pool {
     size_t spill_idle;    /* of them, pages of host handles no live block touches */
     size_t nhost;         /* host handles */
     size_t spill_max_pages; /* MEMSHIM_SPILL_MAX in pages (0: the host's memory is the cap) */
+    struct front front;   /* front.c */
+    struct msh_pool_caller caller; /* the callers' counters (PyTorch's memory_stats), exact */
+    uint64_t caller_ext[3];  /* of them, live allocations other pools served: bytes, requested, blocks */
 };
 
 /* ---- free treaps: by (size, addr), where best fit is a lower bound; and by addr ---------------- */
@@ -326,6 +382,8 @@ struct room {
     size_t dev_cap;  /* pages of handles the device lets this pool hold now (what it held when asked
                       * plus the free pages; after a refused create, what it held then); SIZE_MAX:
                       * not known */
+    bool drained;    /* the front end was drained for this request: no second drain */
+    bool needs_victims; /* the try the front end gave up needed reclaim, a split or a synchronize */
 };
 
 #define JOB_INL 8
@@ -431,6 +489,10 @@ struct fprun {
 
 struct step {
     struct slog *log;
+    bool on;               /* logging: under a limit, or once the pool met pressure at its cap
+                            * (no limit far from the device's capacity: nothing to learn, and
+                            * the log's cost stays off the allocation path) */
+    uint64_t valid_from;   /* the log's first serial since it went on: no window starts before */
     uint64_t n;            /* events logged: the next serial */
     uint64_t hstate;       /* hash of the live set */
     struct anchor *anchors;
@@ -581,6 +643,7 @@ void job_need_settle(struct msh_pool *pool, struct job *j);
 bool take_victim(struct msh_pool *pool, struct job *j, struct region *r, uint32_t h, int kind);
 int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap);
 int job_do(struct msh_pool *pool, struct job *j);
+void job_cancel(struct msh_pool *pool, struct job *j);
 size_t release_cached(struct msh_pool *pool, size_t max_keep, uint32_t quiet_ms);
 
 
@@ -618,6 +681,16 @@ void step_note_alloc(struct msh_pool *pool, struct blk *b);
 void step_note_free(struct msh_pool *pool, struct blk *b);
 struct blk *plan_place(struct msh_pool *pool, uint64_t rsize);
 void step_before_alloc(struct msh_pool *pool, uint64_t rsize);
+void step_turn_on(struct msh_pool *pool);
+/* Whether the learned step logs this allocation: on once a limit or pressure appears (the live
+ * set's hash is taken then, and windows start after it). */
+static inline bool step_learning(struct msh_pool *pool)
+{
+    struct step *s = pool->step;
+    if (!s) return false;
+    if (MSH_UNLIKELY(!s->on) && (limit_now(pool) || pool->pressure_reclaims)) step_turn_on(pool);
+    return s->on;
+}
 
 
 /* ---- pack.c ---------------------------------------------------------------------------- */
@@ -628,6 +701,86 @@ struct psnap *snap_take(struct msh_pool *pool, uint64_t t0, uint64_t t1, uint64_
 bool plan_input(const struct psnap *sn, bool keep, int holes, struct pinput *in);
 void plan_mark(struct msh_pool *pool, const struct pinput *in, uint64_t pages);
 
+
+
+/* ---- the callers' counters (pool.c counts, stats.c reads) --------------------------------- */
+static inline uint64_t round_block(uint64_t size)
+{
+    return ((size ? size : 1) + BLOCK_ALIGN - 1) & ~(uint64_t)(BLOCK_ALIGN - 1);
+}
+
+static inline void cc_add(struct msh_caller_count *c, uint64_t v)
+{
+    c->cur += v;
+    c->allocated += v;
+    if (c->cur > c->peak) c->peak = c->cur;
+}
+
+static inline void cc_sub(struct msh_caller_count *c, uint64_t v)
+{
+    c->cur -= v; /* exact: a block is uncounted with the size it was counted with (its own) */
+    c->freed += v;
+}
+
+/* The callers' counters for one allocation (alloc) or free of `req` bytes: PyTorch's pools split
+ * at 1 MiB, its blocks are counted at the pool's 512-byte rounding. */
+static inline __attribute__((always_inline)) void caller_count(struct msh_pool *pool, uint64_t req, bool alloc)
+{
+    struct msh_pool_caller *c = &pool->caller;
+    uint64_t rb = round_block(req);
+    int sp = req <= MSH_MiB ? 2 : 1;
+    if (alloc) {
+        cc_add(&c->bytes[0], rb);
+        cc_add(&c->bytes[sp], rb);
+        cc_add(&c->req[0], req);
+        cc_add(&c->req[sp], req);
+        cc_add(&c->count[0], 1);
+        cc_add(&c->count[sp], 1);
+    } else {
+        cc_sub(&c->bytes[0], rb);
+        cc_sub(&c->bytes[sp], rb);
+        cc_sub(&c->req[0], req);
+        cc_sub(&c->req[sp], req);
+        cc_sub(&c->count[0], 1);
+        cc_sub(&c->count[sp], 1);
+    }
+}
+
+/* The handle bytes the callers' reserved figure follows: every pool under the shared limit. */
+static inline void caller_reserved(struct msh_pool *pool)
+{
+    size_t held = pool->prm.share ? __atomic_load_n(&pool->prm.share->handle_bytes, __ATOMIC_RELAXED)
+                                  : __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED);
+    if (held > pool->caller.reserved_peak) pool->caller.reserved_peak = held;
+}
+
+
+/* ---- stats.c ---------------------------------------------------------------------------- */
+/* A timed call (ns standing for `weight` calls) and its thread, under the lock. */
+void lat_record(struct msh_pool *pool, bool alloc, uint64_t ns, uint32_t weight);
+/* Free bytes that could be handed out now without mapping anything, and the largest such run. */
+void scan_free(struct msh_pool *pool, size_t *free_bytes, size_t *largest);
+
+
+/* ---- front.c ---------------------------------------------------------------------------- */
+void front_init(struct msh_pool *pool);
+void front_destroy(struct msh_pool *pool);
+bool front_on(struct msh_pool *pool);
+int front_state(struct msh_pool *pool);
+struct blk *front_take(struct msh_pool *pool, uint64_t stream, uint64_t rsize);
+bool front_put(struct msh_pool *pool, struct blk *b, uint64_t stream);
+size_t front_drain(struct msh_pool *pool, int what, uint64_t stream);
+/* One binned block of `stream`, the smallest that holds rsize bytes in rsize's area, back to the
+ * VA line (a request that would otherwise need driver work takes it there); false: none. */
+bool front_drain_fit(struct msh_pool *pool, uint64_t stream, uint64_t rsize);
+void front_aside(struct msh_pool *pool);
+/* `drained` binned blocks went back to the line for a request: the churn window (front.c). */
+void front_churn(struct msh_pool *pool, size_t drained);
+int front_check(struct msh_pool *pool, size_t nbinned, size_t binned_bytes, char *why, size_t whylen);
+/* pool.c: a binned block freed as the free it stood for, sharing one event per stream per drain
+ * (tag; the lock may be dropped meanwhile); then the drain's tags let go */
+void free_binned(struct msh_pool *pool, struct blk *b, struct sref *tag);
+void free_binned_done(struct msh_pool *pool, struct sref *tag);
 
 
 /* ---- spill.c ---------------------------------------------------------------------------- */

@@ -920,6 +920,18 @@ int job_do(struct msh_pool *pool, struct job *j)
     return job_publish(pool, j);
 }
 
+/* A claimed job given up before any driver work (the front end drains first: pool.c try_alloc):
+ * undone as a job the device had no room for (job_lacks_room), its victims mapped where they
+ * were, its runs never created. The caller undoes the block's claim (job_fini, block_untouch). */
+void job_cancel(struct msh_pool *pool, struct job *j)
+{
+    for (uint32_t i = 0; i < j->nvic; i++) j->vic[i].rc = ENOROOM;
+    for (uint32_t i = 0; i < j->nruns; i++) j->runs[i].rc = ENOROOM;
+    for (int i = 0; i < j->norph; i++) j->orph[i].rc = ENOROOM;
+    j->sync = false;
+    job_publish(pool, j);
+}
+
 /* Give cached handles back to the driver (all of them with max_keep = 0, or down to max_keep
  * bytes; with quiet_ms only those not reused for that long). Returns the bytes released. */
 size_t release_cached(struct msh_pool *pool, size_t max_keep, uint32_t quiet_ms)

@@ -20,9 +20,11 @@
  * another thread is working on waits on a condition variable, never while holding a claim.
  *
  * The pool is a folder of concerns, one per file, sharing internal.h:
- *   pool.c     this file: create and destroy, allocate (place, back, retry, the OOM rescue chain),
- *              free, empty-cache and trim, statistics, captures' deferred work, lookups by
- *              address, peers' access, the entry points of issue 8;
+ *   pool.c     this file: create and destroy, allocate (the front end's hit, then place, back,
+ *              retry, the OOM rescue chain), free, empty-cache and trim, captures' deferred
+ *              work, lookups by address, peers' access, the entry points of issue 8;
+ *   front.c    the front end: bins of freed blocks by (stream, size), their drains;
+ *   stats.c    the statistics, the callers' counters, latency, the OOM figures;
  *   extents.c  the VA line: regions, blocks, both free treaps, the live hash, carving,
  *              coalescing and best-fit placement; the pool's own memory (mmap);
  *   pages.c    pages and handles: claiming the pages a block touches, the driver work done
@@ -61,12 +63,15 @@ static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64
     struct job j;
     job_init(&j);
     j.room = rm;
+    uint64_t pressure0 = pool->pressure_reclaims;
+    uint32_t hi0 = 0;
     for (;;) {
         rc = 0;
         while (!(b = fresh_only ? place_fresh(pool, area, rsize, &rc) : place(pool, area, rsize, stream, &rc))) {
             if (rc != ENOSPC || !region_add(pool, area, rsize)) return ENOMEM;
         }
         bool fresh = b->addr >= page_va(pool, b->reg, b->reg->hi_page);
+        hi0 = b->reg->hi_page;
         if (!fresh && capturing(pool) && fit_kind(pool, b, b->addr, b->addr + b->size, stream, NULL) == FIT_SYNC) {
             rc = ECAPTURE; /* the learned step's address needs a synchronize */
         } else {
@@ -115,6 +120,21 @@ static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64
     }
     bool fresh = b->addr >= page_va(pool, b->reg, b->reg->hi_page);
     streams_plan(pool, b, stream, fresh, &j);
+    if (pool->front.blocks && !rm->drained && (j.nruns || j.nvic || j.sync)) {
+        rm->needs_victims = j.nvic || j.sync; /* not mere growth: a drain first, whatever it costs */
+        /* Driver work that needs memory (or a synchronize) while blocks sit in the front end's
+         * bins: give this try up as if it never was (the line's top and the pressure count
+         * included, so that the placement after the drain is the one the pool would have made),
+         * drain, and place again (msh_pool_alloc). */
+        job_cancel(pool, &j);
+        job_fini(pool, &j);
+        b->reg->hi_page = hi0;
+        pool->pressure_reclaims = pressure0;
+        block_untouch(pool, b);
+        b->claimed = 0;
+        blk_make_free(pool, b);
+        return EDRAIN;
+    }
     rc = job_do(pool, &j);
     if (j.nvic && !rc) *reclaimed = true;
     if (j.driver_enomem) *driver_enomem = true;
@@ -132,6 +152,7 @@ static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64
     b->req = req;
     b->tag = msh_pool_tags.next;
     b->born = pool->nborn++;
+    b->bnext = NULL;
     b->s[0] = (struct sref){.stream = stream, .ev = NO_EV}; /* [0]: the allocation stream */
     b->ns = 1;
     hash_insert(pool, b);
@@ -146,6 +167,11 @@ static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64
  * neighbour at each end), which no live block touches: those must come from room under the cap
  * (the limit, and what the device gives once asked), from mapped pages no live block touches
  * (cached handles, pages beside a live block in a handle of several), or from what a step frees. */
+
+static size_t pool_pages(const struct msh_pool *pool, uint64_t rsize)
+{
+    return (size_t)((rsize + pool->gran - 1) / pool->gran) + 1;
+}
 
 static size_t pages_at_least(const struct msh_pool *pool, uint64_t rsize)
 {
@@ -212,6 +238,7 @@ static int try_alloc_all(struct msh_pool *pool, uint64_t rsize, uint64_t req, ui
     bool denomem = false;
     size_t cap0 = rm->dev_cap;
     int rc = try_alloc(pool, rsize, req, stream, addr, rm, reclaimed, &denomem, capture_blocked);
+    if (rc == EDRAIN) return rc;
     if (rc == ENOMEM && rm->dev_cap < cap0 && !capturing(pool) && pages_at_least(pool, rsize) <= room_pages(pool, rm, false))
         rc = try_alloc(pool, rsize, req, stream, addr, rm, reclaimed, &denomem, capture_blocked);
     return rc;
@@ -268,6 +295,7 @@ int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params
     pool->spill_max_pages = pool->prm.spill_max_bytes / pool->gran;
     if (pool->prm.spill_max_bytes && !pool->spill_max_pages) pool->spill_max_pages = 1;
     if (!pool->prm.no_learn) step_create(pool);
+    front_init(pool);
     *out = pool;
     return 0;
 }
@@ -276,6 +304,10 @@ void msh_pool_destroy(struct msh_pool *pool)
 {
     if (!pool) return;
     step_stop(pool);
+    pthread_mutex_lock(&pool->lock);
+    front_drain(pool, FRONT_DRAIN_ALL, 0); /* its blocks' tags and events go back as frees do */
+    pthread_mutex_unlock(&pool->lock);
+    front_destroy(pool);
     dev_synchronize(pool);
     for (int a = 0; a < NAREAS; a++) {
         struct region *r = pool->areas[a];
@@ -318,22 +350,19 @@ void msh_pool_destroy(struct msh_pool *pool)
 
 static void fill_oom(struct msh_pool *pool, size_t req, size_t dev_free, size_t dev_total);
 
-static inline uint64_t now_ns(void)
+/* A sampled call's duration from two CPU-counter reads (hotclock.h): no clock_gettime. */
+static inline uint64_t ticks_ns(uint64_t t0)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+    return (uint64_t)((double)(msh_ticks() - t0) * msh_ticks_ns_per_tick());
 }
 
-/* One timed call: the total, the histogram behind the reports' latency percentiles, the max. */
-static inline void lat_note(uint64_t *hist, uint64_t *total, uint64_t *max, uint64_t ns, uint32_t w)
-{
-    *total += ns * w; /* a timed call stands for w calls (hotclock.h) */
-    hist[msh_lat_bucket(ns)] += w;
-    if (ns > *max) *max = ns;
-}
 
-static void note_alloc(struct msh_pool *pool, uint64_t req, bool reclaimed)
+
+
+
+
+/* The statistics of one allocation, from a bin or not: plain fields under the lock. */
+static inline void count_alloc(struct msh_pool *pool, uint64_t req, bool counted)
 {
     struct msh_pool_stats *st = &pool->st;
     st->allocs++;
@@ -342,6 +371,27 @@ static void note_alloc(struct msh_pool *pool, uint64_t req, bool reclaimed)
     if (st->live_bytes > st->peak_live_bytes) st->peak_live_bytes = st->live_bytes;
     if (st->live_bytes > st->run_peak_live_bytes) st->run_peak_live_bytes = st->live_bytes;
     if (st->live_bytes > pool->step_peak_live) pool->step_peak_live = st->live_bytes;
+    /* bucket i holds [2^(9+i-1), 2^(9+i)): the bit length of req / 512, at most 23 */
+    uint64_t q = req >> 9;
+    int bucket = q ? 64 - __builtin_clzll(q) : 0;
+    st->hist[bucket < 23 ? bucket : 23]++;
+    if (counted) caller_count(pool, req, true);
+}
+
+static inline void count_free(struct msh_pool *pool, struct blk *b)
+{
+    pool->st.frees++;
+    pool->st.live_bytes -= b->req;
+    pool->st.live_blocks--;
+    if (b->counted) caller_count(pool, b->req, false);
+    b->counted = 0;
+}
+
+
+/* What a pool-path allocation adds to count_alloc: the reserve it may have grown. */
+static void note_alloc(struct msh_pool *pool, bool reclaimed)
+{
+    struct msh_pool_stats *st = &pool->st;
     /* reserved minus allocated at the reserved peak: measured once the allocation that needed the
      * new peak holds its block (the reserve grows inside it, before its bytes count as live) */
     size_t held = __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED);
@@ -352,9 +402,7 @@ static void note_alloc(struct msh_pool *pool, uint64_t req, bool reclaimed)
     size_t touched = pool->touched * pool->gran;
     if (touched > st->peak_touched_bytes) st->peak_touched_bytes = touched;
     if (reclaimed) st->rescue_reclaim++;
-    int bucket = 0;
-    for (uint64_t s = req >> 9; s && bucket < 23; s >>= 1) bucket++;
-    st->hist[bucket]++;
+    caller_reserved(pool);
 }
 
 static void settle_locked(struct msh_pool *pool);
@@ -396,13 +444,57 @@ static void events_poll(struct msh_pool *pool)
     }
 }
 
-int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t *addr)
+static int pool_alloc_slow(struct msh_pool *pool, size_t size, uint64_t rsize, uint64_t stream, uint64_t *addr,
+                           bool counted, uint32_t lw, uint64_t t0);
+
+/* The front end's hit (front.c) under the one lock, else the general path. */
+static int pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t *addr, unsigned flags)
 {
     if (size > MAX_SIZE) return EINVAL;
-    uint64_t rsize = round_up(size ? size : 1, BLOCK_ALIGN);
-    uint32_t lw = pool->timing ? msh_lat_sample() : 0;
-    uint64_t t0 = lw ? now_ns() : 0;
+    bool counted = flags & MSH_PA_COUNTED;
+    uint64_t rsize = round_block(size);
+    uint32_t lw = pool->timing && !(flags & MSH_PA_TIMED) ? msh_lat_sample() : 0;
+    uint64_t t0 = lw ? msh_ticks() : 0;
     pthread_mutex_lock(&pool->lock);
+    /* The front end: a block freed on this stream with this size, handed back as it is. */
+    if (pool->front.blocks) {
+        struct blk *b = front_take(pool, stream, rsize);
+        if (b) {
+            b->req = size;
+            b->tag = msh_pool_tags.next;
+            b->born = pool->nborn++;
+            b->counted = counted;
+            count_alloc(pool, size, counted);
+            pool->st.front_hits++;
+            if (lw) lat_record(pool, true, ticks_ns(t0), lw);
+            pthread_mutex_unlock(&pool->lock);
+            *addr = b->addr;
+            return 0;
+        }
+    }
+    return pool_alloc_slow(pool, size, rsize, stream, addr, counted, lw, t0);
+}
+
+int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t *addr)
+{
+    return pool_alloc(pool, size, stream, addr, 0);
+}
+
+int msh_pool_alloc_ex(struct msh_pool *pool, size_t size, uint64_t stream, unsigned flags, uint64_t *addr)
+{
+    return pool_alloc(pool, size, stream, addr, flags);
+}
+
+/* The general path (the lock held): place, back, retry, the rescue chain. */
+static int pool_alloc_slow(struct msh_pool *pool, size_t size, uint64_t rsize, uint64_t stream, uint64_t *addr,
+                           bool counted, uint32_t lw, uint64_t t0)
+{
+    if (pool->front.enabled) { /* what a put checks, as of this miss */
+        pool->front.serving = front_on(pool);
+        if (stream != MSH_STREAM_COMPLETED && pool->front.serving) pool->st.front_misses++;
+    }
+    if (MSH_UNLIKELY(pool->front.evict)) front_drain(pool, FRONT_DRAIN_STALE, 0); /* the bin table filled up */
+    uint64_t pressure0 = pool->pressure_reclaims;
     ks_get(pool, stream);
     if (MSH_UNLIKELY(pool->parked || pool->empty_deferred) && !capturing(pool)) settle_locked(pool);
     if (pool->nrecorded && (pool->poll_soon || ++pool->poll_tick >= 16)) {
@@ -410,7 +502,9 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
         pool->poll_soon = false;
         events_poll(pool);
     }
-    if (pool->step) step_before_alloc(pool, rsize);
+    if (step_learning(pool)) step_before_alloc(pool, rsize);
+    if (pool->front.enabled && !(pool->front.serving = front_on(pool)) && pool->front.blocks)
+        front_drain(pool, FRONT_DRAIN_ALL, 0); /* a plan places from here */
     size_t held0 = pool->held; /* issue 8: a failed request gives back what it created */
     bool reclaimed = false, capture_blocked = false;
     /* Issue 25: a request no step can serve fails before any driver work; each step below runs
@@ -420,6 +514,30 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
     unsigned steps = 0;
     int rc = ocase == MSH_OOM_NOW ? try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked)
                                   : ENOMEM;
+    /* Binned blocks first: before driver work they could spare (EDRAIN), and as the first step of
+     * the rescue (a request refused above never drains: no drain could serve it). */
+    /* First the smallest block binned on this stream that holds the request (its own bins: the
+     * least taken from the front end, no event; a few times). Then the whole front end, unless
+     * the pages the pool grew by instead of draining stay within 1/16 of what it holds and two
+     * chunks, over the pool's life: two sizes that take turns in one place would otherwise drain
+     * the bins at every step, where a page more ends it, and the bins never cost more than that.
+     * Before a request fails, always (the rescue's first step). */
+    bool grew_aside = false;
+    size_t binned0 = pool->front.blocks;
+    for (int k = 0; rc == EDRAIN && k < 4 && front_drain_fit(pool, stream, rsize); k++)
+        rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
+    if (rc == EDRAIN || (rc == ENOMEM && ocase == MSH_OOM_NOW && pool->front.blocks)) {
+        rm.drained = true;
+        struct front *f = &pool->front;
+        /* (a request may grow the pool by its pages and a chunk mapped ahead, pages.c claim_pages:
+         * the growth stays within 1/16 and two chunks) */
+        grew_aside = rc == EDRAIN && !rm.needs_victims && !limit_now(pool) &&
+                     f->grown_aside + pool_pages(pool, rsize) <= pool->held / 16 + pool->chunk_pages;
+        if (!grew_aside) front_drain(pool, FRONT_DRAIN_ALL, 0);
+        else pool->st.front_kept++;
+        rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
+    }
+    if (binned0 > pool->front.blocks) front_churn(pool, binned0 - pool->front.blocks);
     size_t need = rc == ENOMEM ? pages_at_least(pool, rsize) : 0;
     if (rc == ENOMEM && ocase == MSH_OOM_NOW && pool->gc_fn && pool->st.live_blocks &&
         need <= room_pages(pool, &rm, true)) {
@@ -454,11 +572,22 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
         rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
         if (rc == 0) pool->st.rescue_spill++;
     }
+    /* Pressure at the cap: the front end steps aside while this cap holds. The pool is in the
+     * regime of the learned step there, which places every block of a repeated step by its plan
+     * (docs/pool.md "The front end"); binned blocks would only be drained at each request. */
+    if (pool->pressure_reclaims != pressure0 && pool->front.enabled && !pool->front.aside) front_aside(pool);
+    if (grew_aside && pool->held > held0) pool->front.grown_aside += pool->held - held0;
     if (rc == 0) {
-        note_alloc(pool, size, reclaimed);
         struct blk *b = hash_find(pool, *addr);
-        if (pool->step && b) step_note_alloc(pool, b);
-        if (lw) lat_note(pool->st.alloc_lat, &pool->st.alloc_ns_total, &pool->st.alloc_ns_max, now_ns() - t0, lw);
+        if (b) b->counted = counted;
+        count_alloc(pool, size, counted);
+        note_alloc(pool, reclaimed);
+        if (b && step_learning(pool)) step_note_alloc(pool, b);
+        if (pool->front.hand_off) { /* a stream's memory is wanted elsewhere: hand its bins over */
+            pool->front.hand_off = false;
+            front_drain(pool, FRONT_DRAIN_DEMAND, 0);
+        }
+        if (lw) lat_record(pool, true, ticks_ns(t0), lw);
         pthread_mutex_unlock(&pool->lock);
         return 0;
     }
@@ -633,22 +762,96 @@ static void free_tags(struct msh_pool *pool, struct blk *b, uint64_t stream, con
     if (b->ns || b->sync_needed) b->free_gen = ++pool->free_gen;
 }
 
-int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream)
+/* The free of a live block b (in the hash) on `stream`, after it was counted: its tags, its
+ * pages, back on the VA line (or parked during a capture). */
+static void free_block(struct msh_pool *pool, struct blk *b, uint64_t stream);
+
+static int pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream, bool may_bin, bool timed)
 {
-    uint32_t lw = pool->timing ? msh_lat_sample() : 0;
-    uint64_t t0 = lw ? now_ns() : 0;
+    uint32_t lw = pool->timing && !timed ? msh_lat_sample() : 0;
+    uint64_t t0 = lw ? msh_ticks() : 0;
     pthread_mutex_lock(&pool->lock);
-    struct blk *b = hash_remove(pool, addr);
-    if (!b) {
+    struct blk *b = hash_find(pool, addr);
+    if (!b || b->state == B_BINNED) {
+        if (b) pool->st.double_frees++; /* freed already: its bin keeps it, nothing changes */
         pthread_mutex_unlock(&pool->lock);
-        return EINVAL;
+        return b ? EALREADY : EINVAL;
     }
     msh_pool_tags = (struct msh_pool_tags){msh_pool_tags.next, b->tag, b->req};
-    pool->st.frees++;
+    count_free(pool, b);
     spill_note_free(pool);
-    pool->st.live_bytes -= b->req;
-    pool->st.live_blocks--;
-    if (pool->step) step_note_free(pool, b);
+    if (may_bin && front_put(pool, b, stream)) {
+        pool->st.front_puts++;
+    } else {
+        hash_remove(pool, addr);
+        free_block(pool, b, stream);
+    }
+    if (lw) lat_record(pool, false, ticks_ns(t0), lw);
+    pthread_mutex_unlock(&pool->lock);
+    return 0;
+}
+
+int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream)
+{
+    return pool_free(pool, addr, stream, true, false);
+}
+
+int msh_pool_free_ex(struct msh_pool *pool, uint64_t addr, uint64_t stream, unsigned flags)
+{
+    return pool_free(pool, addr, stream, true, flags & MSH_PA_TIMED);
+}
+
+/* A binned block freed as the free it stood for, on the line with an event: one event recorded
+ * on its stream now covers every use of every block binned there before the drain (each was
+ * freed there, its work queued before), so another stream takes their memory after a wait on it
+ * rather than a synchronize, and the stream is not asked for events at its own frees
+ * (want_events). The first block of a stream records it (*tag empty: it is filled, holding one
+ * reference for the caller); the others share it. tag NULL, a capture in progress, or a record
+ * the driver refused: the plain free (a tag without an event, as a free on its own stream). */
+void free_binned(struct msh_pool *pool, struct blk *b, struct sref *tag)
+{
+    uint64_t stream = b->s[0].stream;
+    hash_remove(pool, b->addr);
+    b->state = B_LIVE;
+    if (!tag || capturing(pool) || (tag->stream == stream && tag->ev == NO_EV && tag->seq)) {
+        free_block(pool, b, stream);
+        return;
+    }
+    if (pool->step && pool->step->on) step_note_free(pool, b);
+    b->ns = 0;
+    b->sync_needed = 0;
+    b->free_gen = 0;
+    if (tag->ev != NO_EV) { /* shared */
+        struct sref t = *tag;
+        t.lo = b->addr;
+        t.hi = b->addr + b->size;
+        ev_ref(pool, t.ev); /* sref_add takes this reference */
+        sref_add(pool, b, &t);
+        b->free_gen = ++pool->free_gen;
+    } else { /* the first of its stream: record */
+        uint64_t used[1] = {stream};
+        ks_get(pool, stream);
+        free_tags(pool, b, MSH_STREAM_COMPLETED, used, 1, false);
+        *tag = (struct sref){.stream = stream, .seq = 1, .ev = NO_EV}; /* seq 1, ev none: refused */
+        for (int i = 0; i < b->ns; i++)
+            if (b->s[i].stream == stream && b->s[i].ev != NO_EV && !b->sync_needed) {
+                *tag = b->s[i];
+                ev_ref(pool, tag->ev); /* the caller's, until the drain ends */
+            }
+    }
+    block_untouch(pool, b);
+    blk_make_free(pool, b);
+}
+
+void free_binned_done(struct msh_pool *pool, struct sref *tag)
+{
+    if (tag->ev != NO_EV) ev_put(pool, tag->ev);
+    trim_cached(pool);
+}
+
+static void free_block(struct msh_pool *pool, struct blk *b, uint64_t stream)
+{
+    if (pool->step && pool->step->on) step_note_free(pool, b);
     ks_get(pool, stream);
     /* A free known complete (MSH_STREAM_COMPLETED: cudaFree synchronized) leaves no tag at all;
      * otherwise the streams the block was used on, beside the free's own, need events. */
@@ -667,17 +870,13 @@ int msh_pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream)
         pool->parked = b;
         pool->st.parked_frees++;
         pool->st.capture_deferrals++;
-        pthread_mutex_unlock(&pool->lock);
-        return 0;
+        return;
     }
     b->ns = 0;
     free_tags(pool, b, stream, used, nused, overflow);
     block_untouch(pool, b);
     blk_make_free(pool, b);
     trim_cached(pool);
-    if (lw) lat_note(pool->st.free_lat, &pool->st.free_ns_total, &pool->st.free_ns_max, now_ns() - t0, lw);
-    pthread_mutex_unlock(&pool->lock);
-    return 0;
 }
 
 static void events_trim(struct msh_pool *pool, bool at_exit);
@@ -716,11 +915,18 @@ void msh_pool_after_capture(struct msh_pool *pool)
 
 __thread struct msh_pool_tags msh_pool_tags;
 
+/* The live block at addr (not a binned one: that one was freed), or NULL. */
+static struct blk *live_find(struct msh_pool *pool, uint64_t addr)
+{
+    struct blk *b = hash_find(pool, addr);
+    return b && b->state == B_LIVE ? b : NULL;
+}
+
 void msh_pool_block_tags(struct msh_pool *pool, const uint64_t *addrs, uint32_t *tags, size_t n)
 {
     pthread_mutex_lock(&pool->lock);
     for (size_t i = 0; i < n; i++) {
-        struct blk *b = hash_find(pool, addrs[i]);
+        struct blk *b = live_find(pool, addrs[i]);
         tags[i] = b ? b->tag : 0;
     }
     pthread_mutex_unlock(&pool->lock);
@@ -729,7 +935,7 @@ void msh_pool_block_tags(struct msh_pool *pool, const uint64_t *addrs, uint32_t 
 size_t msh_pool_block_size(struct msh_pool *pool, uint64_t addr)
 {
     pthread_mutex_lock(&pool->lock);
-    struct blk *b = hash_find(pool, addr);
+    struct blk *b = live_find(pool, addr);
     size_t s = b ? b->req : 0;
     pthread_mutex_unlock(&pool->lock);
     return s;
@@ -738,7 +944,7 @@ size_t msh_pool_block_size(struct msh_pool *pool, uint64_t addr)
 bool msh_pool_owns(struct msh_pool *pool, uint64_t addr)
 {
     pthread_mutex_lock(&pool->lock);
-    bool own = hash_find(pool, addr) != NULL;
+    bool own = live_find(pool, addr) != NULL;
     pthread_mutex_unlock(&pool->lock);
     return own;
 }
@@ -746,7 +952,7 @@ bool msh_pool_owns(struct msh_pool *pool, uint64_t addr)
 int msh_pool_record_stream(struct msh_pool *pool, uint64_t addr, uint64_t stream)
 {
     pthread_mutex_lock(&pool->lock);
-    struct blk *b = hash_find(pool, addr);
+    struct blk *b = live_find(pool, addr);
     int rc = EINVAL;
     if (b) {
         rc = 0;
@@ -814,6 +1020,7 @@ void msh_pool_release_events(struct msh_pool *pool)
 size_t msh_pool_empty_cache(struct msh_pool *pool)
 {
     pthread_mutex_lock(&pool->lock);
+    front_drain(pool, FRONT_DRAIN_ALL, 0); /* binned blocks hold pages too: nothing stays in the bins */
     size_t n = release_cached(pool, 0, 0);
     events_trim(pool, false);
     pthread_mutex_unlock(&pool->lock);
@@ -823,6 +1030,19 @@ size_t msh_pool_empty_cache(struct msh_pool *pool)
 size_t msh_pool_trim(struct msh_pool *pool)
 {
     pthread_mutex_lock(&pool->lock);
+    /* Binned bytes over the threshold that served nothing for the quiet period go as cached
+     * bytes do (the front end's activity is its hits and puts since this thread's last look). */
+    struct front *f = &pool->front;
+    uint64_t act = pool->st.front_hits + pool->st.front_puts;
+    uint32_t now = (uint32_t)((msh_now_ns() - pool->t0_ns) / 1000000);
+    if (act != f->trim_act) {
+        f->trim_act = act;
+        f->trim_ms = now;
+    } else if (f->blocks && pool->prm.release_threshold &&
+               (pool->cached * pool->gran + f->bytes > pool->prm.release_threshold) &&
+               now - f->trim_ms >= pool->prm.release_quiet_ms) {
+        front_drain(pool, FRONT_DRAIN_ALL, 0);
+    }
     size_t n = trim_cached(pool);
     pthread_mutex_unlock(&pool->lock);
     return n;
@@ -843,90 +1063,11 @@ void msh_pool_set_timing(struct msh_pool *pool, bool on)
     pthread_mutex_unlock(&pool->lock);
 }
 
-/* Free bytes that could be handed out now without mapping anything, and the largest such run. */
-static void scan_free(struct msh_pool *pool, size_t *free_bytes, size_t *largest)
-{
-    size_t total = 0, best = 0;
-    for (int a = 0; a < NAREAS; a++) {
-        for (struct region *r = pool->areas[a]; r; r = r->next) {
-            uint64_t hi = page_va(pool, r, r->hi_page);
-            size_t run = 0;
-            for (struct blk *x = r->first; x && x->addr < hi; x = x->next) {
-                if (x->state != B_FREE) {
-                    run = 0;
-                    continue;
-                }
-                uint64_t end = x->addr + x->size < hi ? x->addr + x->size : hi;
-                for (uint64_t a0 = x->addr; a0 < end;) {
-                    uint32_t p = (uint32_t)((a0 - r->base) / pool->gran);
-                    uint64_t pend = page_va(pool, r, p + 1);
-                    if (pend > end) pend = end;
-                    uint32_t h = pg_head(&r->pages[p]);
-                    if (h != NO_PAGE && r->pages[h].state == PG_MAPPED) {
-                        run += pend - a0;
-                        total += pend - a0;
-                        if (run > best) best = run;
-                    } else {
-                        run = 0;
-                    }
-                    a0 = pend;
-                }
-            }
-        }
-    }
-    *free_bytes = total;
-    *largest = best;
-}
 
-size_t msh_pool_mapped_bytes(struct msh_pool *pool)
-{
-    return __atomic_load_n(&pool->held, __ATOMIC_RELAXED) * pool->gran;
-}
 
-void msh_pool_get_stats(struct msh_pool *pool, struct msh_pool_stats *out)
-{
-    pthread_mutex_lock(&pool->lock);
-    pool->st.mapped_bytes = pool->held * pool->gran;
-    pool->st.handle_bytes = pool->held * pool->gran;
-    pool->st.touched_bytes = pool->touched * pool->gran;
-    pool->st.handles = pool->nhandles;
-    scan_free(pool, &pool->st.free_bytes, &pool->st.largest_free);
-    *out = pool->st;
-    out->peak_mapped_bytes = __atomic_load_n(&pool->drv_peak_epoch, __ATOMIC_RELAXED);
-    out->run_peak_mapped_bytes = __atomic_load_n(&pool->drv_peak_run, __ATOMIC_RELAXED);
-    out->at_peak_mapped_bytes = pool->at_peak_held;
-    out->at_peak_live_bytes = pool->at_peak_live;
-    for (int k = 0; k < MSH_DRV_NKINDS; k++) {
-        out->drv_calls[k] = __atomic_load_n(&pool->st.drv_calls[k], __ATOMIC_RELAXED);
-        out->drv_bytes[k] = __atomic_load_n(&pool->st.drv_bytes[k], __ATOMIC_RELAXED);
-        out->drv_maps[k] = __atomic_load_n(&pool->st.drv_maps[k], __ATOMIC_RELAXED);
-    }
-    pthread_mutex_unlock(&pool->lock);
-}
 
-void msh_pool_reset_peaks(struct msh_pool *pool)
-{
-    pthread_mutex_lock(&pool->lock);
-    pool->st.peak_live_bytes = pool->st.live_bytes;
-    __atomic_store_n(&pool->drv_peak_epoch, __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
-    pool->st.peak_touched_bytes = pool->touched * pool->gran;
-    pool->st.peak_spilled_bytes = pool->spill_pages * pool->gran;
-    pool->at_peak_held = __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED);
-    pool->at_peak_live = pool->st.live_bytes;
-    pool->step_peak_live = pool->st.live_bytes;
-    __atomic_store_n(&pool->drv_peak_step, pool->at_peak_held, __ATOMIC_RELAXED);
-    pthread_mutex_unlock(&pool->lock);
-}
 
-void msh_pool_take_step_peaks(struct msh_pool *pool, size_t *live, size_t *reserved)
-{
-    pthread_mutex_lock(&pool->lock);
-    size_t held = __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED);
-    *live = pool->step_peak_live;
-    *reserved = __atomic_exchange_n(&pool->drv_peak_step, held, __ATOMIC_RELAXED);
-    pool->step_peak_live = pool->st.live_bytes;
-    pthread_mutex_unlock(&pool->lock);
-}
+
 
 static void fill_oom(struct msh_pool *pool, size_t req, size_t dev_free, size_t dev_total)
 {
@@ -945,6 +1086,7 @@ static void fill_oom(struct msh_pool *pool, size_t req, size_t dev_free, size_t 
     o->fragmentation = o->live_bytes + req <= cap;
     for (size_t i = 0; i < pool->hcap; i++) {
         for (struct blk *b = pool->htab[i]; b; b = b->hnext) {
+            if (b->state != B_LIVE) continue; /* binned: freed */
             int k = o->ntop;
             if (k < 5) o->ntop++;
             else if (b->req <= o->top[4].size) continue;
@@ -959,24 +1101,8 @@ static void fill_oom(struct msh_pool *pool, size_t req, size_t dev_free, size_t 
     }
 }
 
-const char *msh_oom_case_name(int kind)
-{
-    return kind == MSH_OOM_DEVICE ? "larger_than_device" : kind == MSH_OOM_LIMIT ? "larger_than_limit"
-                                                                                  : "does_not_fit_now";
-}
 
-const char *msh_oom_case_text(int kind)
-{
-    return kind == MSH_OOM_DEVICE ? "larger than the device" : kind == MSH_OOM_LIMIT ? "larger than the limit"
-                                                                                      : "does not fit now";
-}
 
-void msh_pool_last_oom(struct msh_pool *pool, struct msh_pool_oom *out)
-{
-    pthread_mutex_lock(&pool->lock);
-    *out = pool->oom;
-    pthread_mutex_unlock(&pool->lock);
-}
 
 void msh_pool_for_each_live(struct msh_pool *pool,
                             void (*fn)(void *arg, uint64_t addr, size_t size, uint64_t stream),
@@ -985,7 +1111,7 @@ void msh_pool_for_each_live(struct msh_pool *pool,
     pthread_mutex_lock(&pool->lock);
     for (size_t i = 0; i < pool->hcap; i++)
         for (struct blk *b = pool->htab[i]; b; b = b->hnext)
-            fn(arg, b->addr, b->req, b->ns ? b->s[0].stream : MSH_STREAM_COMPLETED);
+            if (b->state == B_LIVE) fn(arg, b->addr, b->req, b->ns ? b->s[0].stream : MSH_STREAM_COMPLETED);
     pthread_mutex_unlock(&pool->lock);
 }
 
@@ -1021,6 +1147,7 @@ int msh_pool_forget_stream(struct msh_pool *pool, uint64_t stream)
 {
     if (stream == MSH_STREAM_COMPLETED) return 0;
     pthread_mutex_lock(&pool->lock);
+    front_drain(pool, FRONT_DRAIN_STREAM, stream); /* its bins name it: freed while it still exists */
     for (size_t i = 0; i < pool->hcap; i++)
         for (struct blk *b = pool->htab[i]; b; b = b->hnext)
             if (sref_drop(pool, b, stream)) b->sync_needed = 1;
@@ -1052,7 +1179,7 @@ static struct region *region_of(struct msh_pool *pool, uint64_t addr)
 int msh_pool_block_containing(struct msh_pool *pool, uint64_t addr, uint64_t *base, size_t *size)
 {
     pthread_mutex_lock(&pool->lock);
-    struct blk *b = hash_find(pool, addr);
+    struct blk *b = live_find(pool, addr);
     if (!b) {
         struct region *r = region_of(pool, addr);
         for (struct blk *x = r ? r->first : NULL; x && x->addr <= addr; x = x->next)
@@ -1126,19 +1253,25 @@ int msh_pool_regrant_access(struct msh_pool *pool)
     return first;
 }
 
-void msh_pool_counters(struct msh_pool *pool, struct msh_pool_counters *out)
+
+
+
+
+void msh_pool_step(struct msh_pool *pool)
 {
     pthread_mutex_lock(&pool->lock);
-    out->gran = pool->gran;
-    out->limit = limit_now(pool);
-    out->handles = pool->held;
-    out->cached_pages = pool->cached;
-    out->touched_pages = pool->touched;
-    out->live_bytes = pool->st.live_bytes;
-    out->defrag = pool->prm.defrag;
-    out->release_on_oom = !pool->prm.no_release_on_oom;
+    if (pool->front.bins) front_drain(pool, FRONT_DRAIN_IDLE, 0);
     pthread_mutex_unlock(&pool->lock);
 }
+
+size_t msh_pool_drain_front(struct msh_pool *pool)
+{
+    pthread_mutex_lock(&pool->lock);
+    size_t n = front_drain(pool, FRONT_DRAIN_ALL, 0);
+    pthread_mutex_unlock(&pool->lock);
+    return n;
+}
+
 
 /* Free a block, then return to the driver the cached handles on the pages it touched (a handle
  * is released whole: its other pages are untouched too, or it would not be cached). DESIGN.md 3:
@@ -1147,13 +1280,13 @@ int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream,
 {
     if (released) *released = 0;
     pthread_mutex_lock(&pool->lock);
-    struct blk *b = hash_find(pool, addr);
+    struct blk *b = live_find(pool, addr);
     struct region *r = b ? b->reg : NULL;
     uint32_t p0 = 0, p1 = 0;
     if (b) page_range(pool, b, &p0, &p1);
     pthread_mutex_unlock(&pool->lock);
     if (!b) return EINVAL;
-    int rc = msh_pool_free(pool, addr, stream);
+    int rc = pool_free(pool, addr, stream, false, false); /* its pages go back: never binned */
     if (rc) return rc;
     /* another thread may have placed a block on these pages meanwhile: those stay (live) */
     pthread_mutex_lock(&pool->lock);

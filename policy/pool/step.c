@@ -138,6 +138,16 @@ void step_drop(struct msh_pool *pool, const char *why, uint64_t rsize, bool keep
     s->quiet_until = 0; /* the stream left the plan: what repeats now may be learned at once */
 }
 
+void step_turn_on(struct msh_pool *pool)
+{
+    struct step *s = pool->step;
+    s->hstate = 0; /* the live set now: every block in the hash, binned ones included */
+    for (size_t i = 0; i < pool->hcap; i++)
+        for (struct blk *b = pool->htab[i]; b; b = b->hnext) s->hstate ^= blk_hash(b->addr, b->size);
+    s->valid_from = s->n;
+    s->on = true;
+}
+
 void step_note_alloc(struct msh_pool *pool, struct blk *b)
 {
     struct step *s = pool->step;
@@ -408,7 +418,7 @@ void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
      * a wrong period. */
     bool grace = s->resumable && s->dropped_at && s->n - s->dropped_at < s->plan_events;
     bool candidate = !s->active && s->job == PJ_IDLE && an->h == s->hstate && size_near(an->size, rsize) &&
-                     an->serial + 2 * STEP_MIN_ALLOCS <= s->n && s->n - an->serial <= STEP_LOG &&
+                     an->serial >= s->valid_from && an->serial + 2 * STEP_MIN_ALLOCS <= s->n && s->n - an->serial <= STEP_LOG &&
                      pool->pressure_reclaims > an->reclaims &&
                      s->n >= s->quiet_until && !step_failed_before(s, s->n - an->serial, cap_pages(pool));
     uint64_t t0 = an->serial, t1 = s->n, h0 = s->hstate;

@@ -72,14 +72,28 @@ int dev_event_query(struct msh_pool *pool, uint64_t h)
     return pool->dev->ops->event_query(pool->dev, h);
 }
 
+static inline uint32_t ks_slot_of(uint64_t stream)
+{
+    return (uint32_t)(((stream >> 4) * 0x9E3779B97F4A7C15ull) >> 58); /* 64 slots */
+}
+
+/* The stream's entry: the last one found, else a direct-mapped index of 64 slots (a stream's
+ * handle is a pointer: its low bits are alignment), else the table (issue 30: a linear scan of
+ * the 32 entries at every look cost more than the rest of the lookup). */
 struct kstream *ks_find(struct msh_pool *pool, uint64_t stream)
 {
     if (stream == MSH_STREAM_COMPLETED) return NULL;
     struct kstream *k = &pool->ks[pool->ks_last];
     if (k->used && k->stream == stream) return k;
+    uint32_t h = ks_slot_of(stream), x = pool->ks_idx[h];
+    if (x && pool->ks[x - 1].used && pool->ks[x - 1].stream == stream) {
+        pool->ks_last = x - 1;
+        return &pool->ks[x - 1];
+    }
     for (uint32_t i = 0; i < MAX_KSTREAMS; i++)
         if (pool->ks[i].used && pool->ks[i].stream == stream) {
             pool->ks_last = i;
+            pool->ks_idx[h] = (uint8_t)(i + 1);
             return &pool->ks[i];
         }
     return NULL;
@@ -95,6 +109,7 @@ struct kstream *ks_get(struct msh_pool *pool, uint64_t stream)
         if (!pool->ks[i].used) {
             pool->ks[i] = (struct kstream){.stream = stream, .latest = NO_EV, .used = 1};
             pool->ks_last = i;
+            pool->ks_idx[ks_slot_of(stream)] = (uint8_t)(i + 1);
             return &pool->ks[i];
         }
     return NULL;
@@ -361,6 +376,7 @@ void want_events(struct msh_pool *pool, uint64_t stream)
     if (!k->window) k->window = DEMAND_FREES;
     if (!k->demand && k->ran_out && k->frees - k->ran_out < k->window && k->window < DEMAND_MAX) k->window *= 2;
     k->demand = k->window;
+    pool->front.hand_off = true; /* its binned blocks go to the VA line, with an event (pool.c) */
 }
 
 /* ---- streams of a reused extent ------------------------------------------------------------------ */

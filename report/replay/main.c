@@ -48,6 +48,7 @@ struct opts {
     uint64_t max_handle; /* --max-handle: the pool's largest physical handle (0: the default, no cap);
                           * one page is the page model, one handle per page */
     bool no_learn;       /* --no-learn: best fit only, never the learned step (for comparisons) */
+    bool no_front;       /* --no-front: the pool without its front end (for comparisons) */
     bool debug;          /* --debug: the pool's debug log (learned steps found, packed, dropped) on stderr */
     bool spill;          /* --spill host: cold pages to host memory past the capacity (docs/pool.md "Spill") */
     uint64_t spill_max;  /* --spill-max: host bytes spilled pages may take (0: no cap) */
@@ -236,6 +237,7 @@ static int replay(const struct msh_trace *t, const struct opts *o, uint64_t capa
     prm.defrag = o->defrag;
     prm.max_handle_bytes = o->max_handle;
     prm.no_learn = o->no_learn;
+    prm.front = !o->no_front; /* as tensor mode's pool (shim/core.c) */
     if (o->spill) { /* host memory through VMM on the simulated device (as much as asked for) */
         if (!o->use_device) msh_dev_sim_host(&real, 0);
         prm.spill = true;
@@ -485,6 +487,16 @@ static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_t
         uint64_t lo = ceil_div(t->peak_live_bytes, o->gran);
         uint64_t hi = ceil_div(unl.st.peak_mapped_bytes, o->gran);
         if (hi < lo) hi = lo;
+        /* What the unlimited run held need not be enough under a limit: with no limit the front
+         * end serves from its bins, under one it waits (docs/pool.md "The front end"), and the
+         * two place differently. The upper end is made one that succeeds. */
+        for (;;) {
+            struct run_result r;
+            if ((rc = replay(t, o, hi * o->gran, 1, &r))) return rc;
+            if (!r.ooms) break;
+            lo = hi + 1;
+            hi += hi / 64 + 1;
+        }
         while (lo < hi) {
             uint64_t mid = lo + (hi - lo) / 2;
             struct run_result r;
@@ -508,6 +520,10 @@ static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_t
     }
     /* Sustained speed: the stream replayed back to back (~200k events), as a training loop does;
      * a single pass of a few thousand events mostly measures page-table set-up. */
+    /* The front end's hit rate with no limit, in the first pass and from the second on (the
+     * trace repeated as a training loop repeats its step). */
+    struct run_result fr;
+    if ((rc = replay(t, o, 0, 3, &fr))) return rc;
     struct run_result timing;
     int tpasses = (int)(200000 / (main_run.events ? main_run.events : 1));
     if (tpasses < 2) tpasses = 2;
@@ -542,6 +558,13 @@ static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_t
         /* the learned step (docs/pool.md): plans switched to, allocations placed by one, plans dropped */
         printf(",\"plans_built\":%llu,\"plan_placed\":%llu,\"plan_dropped\":%llu", (unsigned long long)s->plans_built,
                (unsigned long long)s->plan_placed, (unsigned long long)s->plan_dropped);
+        /* the front end (docs/pool.md): allocations served from a bin with no limit, in the first
+         * pass and in passes 2-3 */
+        printf(",\"front_hits\":%llu,\"front_misses\":%llu,\"front_drains\":%llu,\"front_later_hits\":%llu,"
+               "\"front_later_misses\":%llu",
+               (unsigned long long)fr.st_pass1.front_hits, (unsigned long long)fr.st_pass1.front_misses,
+               (unsigned long long)fr.st_pass1.front_drains, (unsigned long long)(fr.st.front_hits - fr.st_pass1.front_hits),
+               (unsigned long long)(fr.st.front_misses - fr.st_pass1.front_misses));
         json_drv("", DRV_(main_run.st_pass1), &o->cost);
         printf(",\"unlimited_driver_seconds\":%.6f",
                msh_drvcost_seconds(&o->cost, DRV_(unl.st_pass1)));
@@ -562,6 +585,9 @@ static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_t
                    (unsigned long long)(steady.st.plans_built - steady.st_before_last.plans_built),
                    (unsigned long long)(steady.st.plan_placed - steady.st_before_last.plan_placed),
                    (unsigned long long)(steady.st.plan_dropped - steady.st_before_last.plan_dropped));
+            printf(",\"steady_front_hits\":%llu,\"steady_front_misses\":%llu",
+                   (unsigned long long)(steady.st.front_hits - steady.st_pass1.front_hits),
+                   (unsigned long long)(steady.st.front_misses - steady.st_pass1.front_misses));
             DRV_LAST_(steady.st, steady.st_before_last);
             json_drv("steady_", lc, lb, lm, &o->cost);
         }
@@ -781,6 +807,14 @@ static int policy_min_capacity(const struct msh_trace *t, const struct msh_snap_
     if (hi > UINT64_MAX / g) hi = UINT64_MAX / g; /* mid * g must not wrap */
     if (hi < lo) hi = lo;
     struct prun r;
+    /* memshim's pool with its front end holds less with no limit than under one (it waits there):
+     * the upper end is made one that succeeds, as replay_trace_runs does */
+    for (int rc; hi < UINT64_MAX / g / 2;) {
+        if ((rc = policy_replay(t, d, kind, conf, o, hi * g, 1, false, &r, NULL))) return rc;
+        if (!r.ooms) break;
+        lo = hi + 1;
+        hi += hi / 64 + 1;
+    }
     while (lo < hi) {
         uint64_t mid = lo + (hi - lo) / 2;
         int rc = policy_replay(t, d, kind, conf, o, mid * g, 1, false, &r, NULL);
@@ -1168,6 +1202,7 @@ static void usage(FILE *f)
             "  --max-handle SIZE     the pool's largest physical handle (default: no cap; one page,\n"
             "                        e.g. 2MiB, is the page model: one handle per page)\n"
             "  --no-learn            best-fit placement only, never the learned step (to compare)\n"
+            "  --no-front            the pool without its front end of exact-size bins (to compare)\n"
             "  --spill host          past --capacity, cold pages move to host memory behind the same\n"
             "                        addresses (MEMSHIM_SPILL=host; needs an explicit --capacity, which\n"
             "                        may be below the live peak): spilled bytes, transfers each way,\n"
@@ -1212,7 +1247,7 @@ int main(int argc, char **argv)
         {"driver-costs", required_argument, 0, 'D'}, {"show-driver-costs", no_argument, 0, 'W'},
         {"print-driver-costs", no_argument, 0, 'J'},
         {"check", no_argument, 0, 'K'},        {"max-handle", required_argument, 0, 'M'},
-        {"no-learn", no_argument, 0, 'L'},       {"debug", no_argument, 0, 'G'},
+        {"no-learn", no_argument, 0, 'L'},       {"no-front", no_argument, 0, 'F'},       {"debug", no_argument, 0, 'G'},
         {"spill", required_argument, 0, 'X'},    {"spill-max", required_argument, 0, 'Y'},
         {"link", required_argument, 0, 'Z'},
         {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
@@ -1294,6 +1329,10 @@ int main(int argc, char **argv)
         case 'd': o.use_device = true; break;
         case 'K': o.check = true; break;
         case 'L': o.no_learn = true; break;
+        case 'F':
+            o.no_front = true;
+            msh_memshim_policy_front = false; /* the memshim column of --compare too */
+            break;
         case 'G': o.debug = true; break;
         case 'X':
             if (!strcmp(optarg, "host")) o.spill = true;

@@ -44,7 +44,7 @@
 #define RES_MAX 256
 
 static pthread_mutex_t hist_lock = PTHREAD_MUTEX_INITIALIZER;
-static _Atomic int recording;   /* 0 off, 1 "state" (frames for blocks, no events), 2 "all" */
+_Atomic int msh_history_on;   /* 0 off, 1 "state" (frames for blocks, no events), 2 "all" (history.h) */
 static _Atomic bool record_frames = true;
 
 struct dev_maps {
@@ -74,7 +74,7 @@ static inline size_t hmix(uint64_t x)
 
 bool msh_history_recording(void)
 {
-    return atomic_load_explicit(&recording, memory_order_relaxed) != 0;
+    return atomic_load_explicit(&msh_history_on, memory_order_relaxed) != 0;
 }
 
 /* ---- the rings ----------------------------------------------------------------------------------
@@ -302,7 +302,7 @@ static void maps_remove(struct dev_maps *d, uint64_t va, uint64_t size)
 
 static bool recording_events(void)
 {
-    return atomic_load_explicit(&recording, memory_order_relaxed) == 2;
+    return atomic_load_explicit(&msh_history_on, memory_order_relaxed) == 2;
 }
 
 static int w_map(struct msh_device *d, uint64_t va, size_t size, uint64_t h)
@@ -406,7 +406,7 @@ static int set_recording(int mode, size_t cap, bool frames, bool clear)
     atomic_fetch_add_explicit(&ring_gen, 1, memory_order_release);
     pthread_mutex_unlock(&hist_lock);
     record_frames = frames;
-    atomic_store(&recording, mode);
+    atomic_store(&msh_history_on, mode);
     msh_sites_init(mode != 0);
     msh_sites_set_capture_all(mode != 0 && frames);
     return 0;
@@ -609,7 +609,7 @@ void msh_history_oom(int device)
 {
     struct msh_pool *p = msh_core_pool_get(device);
     if (!p) return;
-    if (atomic_load_explicit(&recording, memory_order_relaxed) == 2) {
+    if (atomic_load_explicit(&msh_history_on, memory_order_relaxed) == 2) {
         struct msh_pool_oom o;
         msh_pool_last_oom(p, &o);
         put(MSH_H_OOM, device, o.device_free, o.requested, 0, 0);

@@ -582,6 +582,9 @@ int msh_snapshot_build(unsigned char **out, size_t *len)
     for (int d = 0; d < MSH_MAX_DEVICES && !rc; d++) {
         struct msh_pool *p = msh_core_pool_get(d);
         if (!p) continue;
+        /* blocks in the front end's bins were freed: back on the VA line first, so that the
+         * segments show them as the inactive bytes they are (pool.h msh_pool_drain_front) */
+        msh_pool_drain_front(p);
         rc = device_state(d, p, &ds[d]);
         if (!rc) maxdev = d;
     }

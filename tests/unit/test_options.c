@@ -225,7 +225,7 @@ TEST(defaults)
         CHECKF(strncmp(name, "MEMSHIM_", 8) == 0, "%s", name);
         CHECKF(strcmp(source, "default") == 0, "%s from %s", name, source);
     }
-    CHECK(n == 30);
+    CHECK(n == 31);
     CHECK(msh_config_iter(n, &name, val, sizeof val, &source) == 0);
     CHECK(msh_config_iter(-1, &name, val, sizeof val, &source) == 0);
     CHECK(strcmp(value_of("MEMSHIM_SMALL_MAX", val, sizeof val, NULL), "1MiB") == 0);
@@ -546,7 +546,7 @@ TEST(info_echo_of_non_default_settings)
     cap_begin();
     msh_config_dump(MSH_LOG_INFO);
     log = cap_end();
-    CHECK(count_substr(log, "]: info: ") == 31);
+    CHECK(count_substr(log, "]: info: ") == 32);
     CHECK(strstr(log, "MEMSHIM_LIMIT=40GiB (environment)") != NULL);
     CHECK(strstr(log, "MEMSHIM_GC=oom (default)") != NULL);
     msh_log_level = MSH_LOG_WARN;

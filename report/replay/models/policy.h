@@ -108,6 +108,9 @@ static inline void msh_policy_destroy(struct msh_policy *p)
     if (p) p->ops->destroy(p);
 }
 /* va_hint: the live peak the pool's virtual ranges must hold (0: 8 GiB); see main.c's replay(). */
+/* memshim's pool with its front end (the default, as in tensor mode); false: without it
+ * (memshim-replay --no-front). */
+extern bool msh_memshim_policy_front;
 int msh_memshim_policy_create(uint64_t capacity, uint64_t granularity, uint64_t va_hint, struct msh_policy **out);
 
 /* ---- torch models: seeding, address hints, the segment log --------------------------------------

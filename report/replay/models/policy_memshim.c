@@ -61,6 +61,8 @@ static void ms_reset_peaks(struct msh_policy *p) { msh_pool_reset_peaks(((struct
 
 static const struct msh_policy_ops ms_ops = {ms_alloc, ms_free, ms_empty_cache, ms_stats, ms_destroy, ms_reset_peaks};
 
+bool msh_memshim_policy_front = true;
+
 int msh_memshim_policy_create(uint64_t capacity, uint64_t granularity, uint64_t va_hint, struct msh_policy **out)
 {
     struct ms_policy *m = calloc(1, sizeof *m);
@@ -76,6 +78,7 @@ int msh_memshim_policy_create(uint64_t capacity, uint64_t granularity, uint64_t 
     msh_pool_params_default(&prm);
     prm.limit_bytes = capacity;
     prm.plan_sync = true; /* as memshim-replay: figures that do not depend on thread timing */
+    prm.front = msh_memshim_policy_front; /* as tensor mode's pool (shim/core.c) */
     uint64_t base = capacity ? capacity : va_hint;
     prm.va_bytes = base * 4 > 8 * MSH_GiB ? base * 4 : 8 * MSH_GiB;
     if ((rc = msh_pool_create(&m->dev, &prm, &m->pool))) {
