@@ -174,11 +174,12 @@ struct msh_pool_stats {
 };
 
 /* The front end now (msh_pool_stats.front_state): serving; off (params.front false:
- * MEMSHIM_FRONT=0, a capture pool); waiting (under a limit, the first 8192 allocations); aside
- * (the pool had to reclaim at this limit: the learned step's regime); plan (a learned step is in
- * use or being packed); churn (the bins' blocks went back for other sizes more than they served
+ * MEMSHIM_FRONT=0, a capture pool); waiting (under a limit, until two step marks showed the pool
+ * holding at most 31/32 of it); aside
+ * (the pool had to reclaim at this limit, or a learned step is in use or being packed: the
+ * learned step's regime); churn (the bins' blocks went back for other sizes more than they served
  * their own: out for 32768 allocations, then it tries again). */
-enum msh_front_state { MSH_FRONT_ON = 0, MSH_FRONT_OFF, MSH_FRONT_WAITING, MSH_FRONT_ASIDE, MSH_FRONT_PLAN, MSH_FRONT_CHURN };
+enum msh_front_state { MSH_FRONT_ON = 0, MSH_FRONT_OFF, MSH_FRONT_WAITING, MSH_FRONT_ASIDE, MSH_FRONT_CHURN };
 const char *msh_front_state_name(int state);
 
 /* The callers' counters: what PyTorch's memory_allocated() and memory_stats() count, for every

@@ -4,6 +4,8 @@
 #     memshim places every tensor) on the simulated device; its minimum capacity next to the
 #     minimum of the models of PyTorch's allocator (like with like), and what PyTorch held in the
 #     recording with no limit (shown alongside, not a minimum);
+#  1b. the front end (issue 30): its hit rate per trace with no limit (first pass, passes 2-3), and
+#     the minimum capacity, steady state and no-limit reserve with and without it;
 #  2. modelled driver time of the first pass (policy/drvcost.c's table): memshim vs torch vs
 #     torch-expandable, with no limit and at each one's minimum capacity;
 #  3. steady state at tight capacity: memshim's map+unmap in passes 2 and 3 at its minimum
@@ -15,6 +17,9 @@
 #  held-out-like transformations of every recording (scripts/bench_heldout.sh, about 5 minutes), and
 #  every recording replayed below its live peak with spill to host memory (scripts/bench_spill.py,
 #  about 5 minutes);
+#  5b. the cached alloc+free pair through the tensor-mode entry points beside glibc in the same
+#     process (tests/bench/bench_front.py): hits, misses, the pool path, the learned-step regime,
+#     1 and 4 threads, with no limit and at 1.1x the live peak, with callgrind's instructions;
 #  7. streams: event records, waits, queries and synchronizes per 1000 alloc/free pairs for a
 #     DDP-like stream mix (tests/bench/bench_streams.c), beside PyTorch's allocator's rules.
 # Prints markdown (docs/benchmarks.md quotes it with the date and the machine). MEMSHIM_TRACES
@@ -37,6 +42,9 @@ if [ -d "$TRACES" ]; then
         "$BUILD/memshim-replay" --json --capacity auto "${files[@]}" > "$out/auto-$r.jsonl"
     done
     "$BUILD/memshim-replay" --compare --json --passes 3 --capacity A100-80GB "${files[@]}" > "$out/compare.jsonl"
+    # the pool without its front end (issue 30): what the front end may not make worse
+    "$BUILD/memshim-replay" --no-front --json --capacity auto --passes 3 "${files[@]}" > "$out/nofront.jsonl"
+    "$BUILD/memshim-replay" --json --capacity auto --passes 3 "${files[@]}" > "$out/front.jsonl"
     BUILD="$BUILD" python3 - "$out" "$TRACES" "$RUNS" <<'PY'
 import json, math, os, statistics, subprocess, sys
 out, root, runs = sys.argv[1], sys.argv[2].rstrip("/") + "/", int(sys.argv[3])
@@ -80,6 +88,42 @@ print()
 print(f"memshim's minimum capacity / peak live: max {max(worst):.4f}, median {statistics.median(worst):.4f}; "
       f"vs the torch model's minimum: {100 * min(gain):.1f}% to {100 * max(gain):.1f}% smaller "
       f"(median {100 * statistics.median(gain):.1f}%), {len(gain)} traces with events")
+
+print()
+print("### 1b. The front end (issue 30): hit rate, and what it may not make worse")
+print()
+print("Allocations served from the front end's bins (a block freed on the same stream with the same")
+print("size) with no limit, in the first pass and in passes 2-3 of the trace replayed three times; the")
+print("minimum capacity, passes 2-3 at it (map+unmap) and the peak reserved with no limit, with the front")
+print("end and without it (memshim-replay --no-front), on the same streams.")
+print()
+print("| trace | hits, pass 1 | hits, passes 2-3 | front state after | min capacity (MiB): front / none | passes 2-3 at C, map+unmap: front / none | no limit, reserved / live: front / none |")
+print("|---|---:|---:|---|---:|---:|---:|")
+fr = {key(d): d for d in map(json.loads, open(f"{out}/front.jsonl"))}
+nf = {key(d): d for d in map(json.loads, open(f"{out}/nofront.jsonl"))}
+r1, r2, worse = [], [], []
+for d in first:
+    if noev(d):
+        continue
+    a, b = fr[key(d)], nf[key(d)]
+    h, m = a["front_hits"], a["front_misses"]
+    h2, m2 = a["front_later_hits"], a["front_later_misses"]
+    p1 = h / (h + m) if h + m else 0.0
+    p2 = h2 / (h2 + m2) if h2 + m2 else 0.0
+    r1.append(p1)
+    r2.append(p2)
+    st = "churn (out)" if h2 + m2 == 0 and h + m else "on"
+    sa, sb = a["steady_map_ops"] + a["steady_unmap_ops"], b["steady_map_ops"] + b["steady_unmap_ops"]
+    pl = a["peak_live_bytes"] or 1
+    ua, ub = a["unlimited_peak_reserved_bytes"] / pl, b["unlimited_peak_reserved_bytes"] / pl
+    if a["min_capacity_bytes"] > b["min_capacity_bytes"] or sa > sb:
+        worse.append(name(d))
+    print(f"| {name(d)} | {100 * p1:.0f}% | {100 * p2:.0f}% | {st} | {a['min_capacity_bytes'] // MiB} / {b['min_capacity_bytes'] // MiB} | "
+          f"{sa} / {sb} | {ua:.3f} / {ub:.3f} |")
+print()
+print(f"hit rate, first pass: {100 * min(r1):.0f}% to {100 * max(r1):.0f}% (median {100 * statistics.median(r1):.0f}%); "
+      f"passes 2-3: {100 * min(r2):.0f}% to {100 * max(r2):.0f}% (median {100 * statistics.median(r2):.0f}%); "
+      f"minimum capacity or steady state worse with the front end: {len(worse)} of {len(r1)} traces {worse if worse else ''}")
 
 print()
 print("### 2. Modelled driver time of the first pass (seconds; cost table: docs/benchmarks.md)")
@@ -208,6 +252,10 @@ else
     echo "(tests/bench/bench_latency.c missing)"
 fi
 
+echo
+echo "### 5b. The cached pair through the tensor-mode entry points, beside glibc (issue 30)"
+echo
+python3 tests/bench/bench_front.py "$BUILD"
 echo
 echo "### 6. Cost of reports, allocation sites and the snapshot ring (tensor-mode path, CPython + driver double)"
 echo

@@ -234,8 +234,9 @@ static const struct opt opts[O_COUNT] = {
                  "event. Binned bytes count as reserved, never as allocated; the bins are emptied "
                  "before any driver work they could spare, first when a request does not fit, on "
                  "empty-cache and, for sizes that stopped recurring, at step marks. Under a limit "
-                 "they wait for 8192 allocations without pressure and stay empty once the pool had "
-                 "to reclaim at the limit (there the learned step places every block). `0`: every "
+                 "they wait for two step marks (PyTorch's optimizer steps, `memshim.step()`) with the "
+                 "pool at most 31/32 of the limit, and stay empty once the pool had to reclaim at the "
+                 "limit (there the learned step places every block). `0`: every "
                  "allocation takes the pool's general path.",
                  F(front), 0, 0, 0, NULL, NULL},
     [O_SPILL] = {"MEMSHIM_SPILL", T_ENUM, "off", NULL, NULL, "-",

@@ -26,23 +26,40 @@
  */
 #include "internal.h"
 
-/* The front end is on: enabled for this pool, no learned plan in the way, and at this cap
- * (the limit in force) no pressure seen, and under a limit FRONT_PROBATION allocations served
- * since the cap was set: a limit near the job's peak shows itself (pressure) within its first
- * step or so, and there the learned step places every block (docs/pool.md "The front end"). */
+/* Under a limit, whether the job has shown it leaves the limit room: FRONT_STEPS step marks since
+ * the limit was set, the pool holding at most 31/32 of it at the peak of each. A limit near the
+ * job's peak (where the learned step places every block, and bins would only be drained at each
+ * request) never qualifies; a job that never marks steps stays on the pool's path under a limit. */
+static bool limit_has_room(const struct front *f, size_t lim)
+{
+    return f->clean_steps >= FRONT_STEPS && f->peak_held <= lim - lim / 32;
+}
+
+/* The front end is on: enabled for this pool, no learned plan in the way, not out for churn, and
+ * under a limit, room shown and no pressure seen at it (docs/pool.md "The front end"). */
 bool front_on(struct msh_pool *pool)
 {
     struct front *f = &pool->front;
     if (!f->enabled) return false;
-    size_t cap = cap_pages(pool);
-    if (cap != f->cap_seen) { /* a new limit: pressure seen at the old one says nothing */
-        f->cap_seen = cap;
+    size_t lim = limit_now(pool);
+    if (lim != f->lim_seen) { /* a new limit: what was seen at the old one says nothing */
+        f->lim_seen = lim;
         f->aside = false;
-        f->on_after = cap == SIZE_MAX ? 0 : pool->st.allocs + FRONT_PROBATION;
+        f->clean_steps = 0;
+        f->peak_held = 0;
     }
-    if (f->aside || pool->st.allocs < f->on_after || pool->st.allocs < f->cool_until) return false;
+    if (f->aside || pool->st.allocs < f->cool_until || (lim && !limit_has_room(f, lim))) return false;
     const struct step *s = pool->step;
     return !s || (!s->active && s->job == PJ_IDLE && !s->resumable);
+}
+
+void front_step(struct msh_pool *pool)
+{
+    struct front *f = &pool->front;
+    size_t pk = __atomic_load_n(&pool->drv_peak_step, __ATOMIC_RELAXED); /* this step's reserved peak */
+    if (pk > f->peak_held) f->peak_held = pk;
+    f->clean_steps++;
+    if (f->bins) front_drain(pool, FRONT_DRAIN_IDLE, 0);
 }
 
 static inline uint32_t bin_hash(uint64_t stream, uint64_t rsize)
@@ -196,6 +213,10 @@ size_t front_drain(struct msh_pool *pool, int what, uint64_t stream)
      * another thread walks). */
     struct sref tags[8];
     int ntags = 0;
+    /* a full drain for a request: the requester's own stream takes its blocks back in stream
+     * order, no event needed (seq 1, no event: free_binned's plain free) */
+    if (what == FRONT_DRAIN_ALL && stream != MSH_STREAM_COMPLETED)
+        tags[ntags++] = (struct sref){.stream = stream, .seq = 1, .ev = NO_EV};
     while (list) {
         struct blk *b = list;
         list = b->bnext;
@@ -246,7 +267,7 @@ void front_churn(struct msh_pool *pool, size_t drained)
         f->cool_until = pool->st.allocs + FRONT_COOL;
         f->serving = false;
         pool->st.front_cooled++;
-        if (f->blocks) front_drain(pool, FRONT_DRAIN_ALL, 0);
+        if (f->blocks) front_drain(pool, FRONT_DRAIN_ALL, MSH_STREAM_COMPLETED);
     }
     f->win_puts = pool->st.front_puts;
     f->win_hits = pool->st.front_hits;
@@ -257,8 +278,8 @@ void front_aside(struct msh_pool *pool)
 {
     pool->front.aside = true;
     pool->front.serving = false;
-    pool->front.cap_seen = cap_pages(pool);
-    if (pool->front.blocks) front_drain(pool, FRONT_DRAIN_ALL, 0);
+    pool->front.lim_seen = limit_now(pool);
+    if (pool->front.blocks) front_drain(pool, FRONT_DRAIN_ALL, MSH_STREAM_COMPLETED);
 }
 
 int front_state(struct msh_pool *pool)
@@ -268,13 +289,13 @@ int front_state(struct msh_pool *pool)
     if (front_on(pool)) return MSH_FRONT_ON;
     if (f->aside) return MSH_FRONT_ASIDE;
     if (pool->st.allocs < f->cool_until) return MSH_FRONT_CHURN;
-    if (pool->st.allocs < f->on_after) return MSH_FRONT_WAITING;
-    return MSH_FRONT_PLAN;
+    if (f->lim_seen && !limit_has_room(f, f->lim_seen)) return MSH_FRONT_WAITING;
+    return MSH_FRONT_ASIDE; /* a learned plan in use or being packed: the same regime */
 }
 
 const char *msh_front_state_name(int state)
 {
-    static const char *const names[] = {"on", "off", "waiting", "aside", "plan", "churn"};
+    static const char *const names[] = {"on", "off", "waiting", "aside", "churn"};
     return state >= 0 && state <= MSH_FRONT_CHURN ? names[state] : "unknown";
 }
 
@@ -282,7 +303,7 @@ void front_init(struct msh_pool *pool)
 {
     struct front *f = &pool->front;
     f->enabled = pool->prm.front;
-    f->cap_seen = 0; /* no cap is 0 pages: the first look sets it (front_on) */
+    f->lim_seen = limit_now(pool);
     /* Binned blocks sit on pages the pool holds already: they never make it reserve more (a
      * request that needs memory drains them first, and at pressure the front end steps aside).
      * With no limit they are bounded to a quarter of the device, what another process sees taken

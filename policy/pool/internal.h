@@ -177,7 +177,7 @@ struct step;
 /* ---- the front end (front.c): bins of freed blocks by (stream, size) ------------------------- */
 #define FRONT_BINS 1024     /* slots of the bin table (a power of two; at most 3/4 used) */
 #define FRONT_DEPTH 128     /* blocks one bin keeps */
-#define FRONT_PROBATION 8192 /* under a limit: allocations with no pressure before the front end serves */
+#define FRONT_STEPS 2        /* under a limit: step marks with room before the front end serves */
 #define FRONT_WINDOW 1024    /* puts over which hits and drains are compared (churn) */
 #define FRONT_COOL 32768     /* allocations the front end stays out after churn */
 struct bin {
@@ -193,9 +193,10 @@ struct front {
     uint32_t slots;           /* slots in use */
     size_t blocks, bytes;     /* binned now: blocks and their VA bytes */
     size_t max_bytes;         /* the most binned bytes (a share of the cap) */
-    bool aside;               /* pressure at the cap: the front end stays aside while the cap holds */
-    size_t cap_seen;          /* the cap (cap_pages) the two fields around are about */
-    uint64_t on_after;        /* under a limit: st.allocs from which the front end may serve */
+    bool aside;               /* pressure at the limit: the front end stays aside while it holds */
+    size_t lim_seen;          /* the limit (limit_now) the fields around are about */
+    uint32_t clean_steps;     /* step marks seen under it */
+    size_t peak_held;         /* the most the pool held at those steps (bytes the driver held) */
     uint64_t tick;            /* hits and puts so far: the bins' clock */
     size_t grown_aside;       /* pages the pool grew by for requests with blocks binned, no drain */
     /* Churn: the bins' blocks drained for other sizes rather than reused (sizes that come once, a
@@ -769,11 +770,17 @@ bool front_on(struct msh_pool *pool);
 int front_state(struct msh_pool *pool);
 struct blk *front_take(struct msh_pool *pool, uint64_t stream, uint64_t rsize);
 bool front_put(struct msh_pool *pool, struct blk *b, uint64_t stream);
+/* Binned blocks back to the VA line: every one (FRONT_DRAIN_ALL; `stream`: a requester whose own
+ * blocks need no event, or MSH_STREAM_COMPLETED), one stream's (_STREAM), those of streams another
+ * wants memory of (_DEMAND), most of the bins unused since the last step mark (_IDLE), the bins
+ * unused lately (_STALE). Returns the bytes. */
 size_t front_drain(struct msh_pool *pool, int what, uint64_t stream);
 /* One binned block of `stream`, the smallest that holds rsize bytes in rsize's area, back to the
  * VA line (a request that would otherwise need driver work takes it there); false: none. */
 bool front_drain_fit(struct msh_pool *pool, uint64_t stream, uint64_t rsize);
 void front_aside(struct msh_pool *pool);
+/* A step mark (msh_pool_step): the limit's room, the bins unused since the last one. */
+void front_step(struct msh_pool *pool);
 /* `drained` binned blocks went back to the line for a request: the churn window (front.c). */
 void front_churn(struct msh_pool *pool, size_t drained);
 int front_check(struct msh_pool *pool, size_t nbinned, size_t binned_bytes, char *why, size_t whylen);

@@ -305,7 +305,7 @@ void msh_pool_destroy(struct msh_pool *pool)
     if (!pool) return;
     step_stop(pool);
     pthread_mutex_lock(&pool->lock);
-    front_drain(pool, FRONT_DRAIN_ALL, 0); /* its blocks' tags and events go back as frees do */
+    front_drain(pool, FRONT_DRAIN_ALL, MSH_STREAM_COMPLETED); /* its blocks' tags and events go back as frees do */
     pthread_mutex_unlock(&pool->lock);
     front_destroy(pool);
     dev_synchronize(pool);
@@ -504,7 +504,7 @@ static int pool_alloc_slow(struct msh_pool *pool, size_t size, uint64_t rsize, u
     }
     if (step_learning(pool)) step_before_alloc(pool, rsize);
     if (pool->front.enabled && !(pool->front.serving = front_on(pool)) && pool->front.blocks)
-        front_drain(pool, FRONT_DRAIN_ALL, 0); /* a plan places from here */
+        front_drain(pool, FRONT_DRAIN_ALL, stream); /* a plan places from here */
     size_t held0 = pool->held; /* issue 8: a failed request gives back what it created */
     bool reclaimed = false, capture_blocked = false;
     /* Issue 25: a request no step can serve fails before any driver work; each step below runs
@@ -533,7 +533,7 @@ static int pool_alloc_slow(struct msh_pool *pool, size_t size, uint64_t rsize, u
          * the growth stays within 1/16 and two chunks) */
         grew_aside = rc == EDRAIN && !rm.needs_victims && !limit_now(pool) &&
                      f->grown_aside + pool_pages(pool, rsize) <= pool->held / 16 + pool->chunk_pages;
-        if (!grew_aside) front_drain(pool, FRONT_DRAIN_ALL, 0);
+        if (!grew_aside) front_drain(pool, FRONT_DRAIN_ALL, stream);
         else pool->st.front_kept++;
         rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
     }
@@ -1020,7 +1020,7 @@ void msh_pool_release_events(struct msh_pool *pool)
 size_t msh_pool_empty_cache(struct msh_pool *pool)
 {
     pthread_mutex_lock(&pool->lock);
-    front_drain(pool, FRONT_DRAIN_ALL, 0); /* binned blocks hold pages too: nothing stays in the bins */
+    front_drain(pool, FRONT_DRAIN_ALL, MSH_STREAM_COMPLETED); /* binned blocks hold pages too: nothing stays in the bins */
     size_t n = release_cached(pool, 0, 0);
     events_trim(pool, false);
     pthread_mutex_unlock(&pool->lock);
@@ -1041,7 +1041,7 @@ size_t msh_pool_trim(struct msh_pool *pool)
     } else if (f->blocks && pool->prm.release_threshold &&
                (pool->cached * pool->gran + f->bytes > pool->prm.release_threshold) &&
                now - f->trim_ms >= pool->prm.release_quiet_ms) {
-        front_drain(pool, FRONT_DRAIN_ALL, 0);
+        front_drain(pool, FRONT_DRAIN_ALL, MSH_STREAM_COMPLETED);
     }
     size_t n = trim_cached(pool);
     pthread_mutex_unlock(&pool->lock);
@@ -1260,14 +1260,14 @@ int msh_pool_regrant_access(struct msh_pool *pool)
 void msh_pool_step(struct msh_pool *pool)
 {
     pthread_mutex_lock(&pool->lock);
-    if (pool->front.bins) front_drain(pool, FRONT_DRAIN_IDLE, 0);
+    front_step(pool);
     pthread_mutex_unlock(&pool->lock);
 }
 
 size_t msh_pool_drain_front(struct msh_pool *pool)
 {
     pthread_mutex_lock(&pool->lock);
-    size_t n = front_drain(pool, FRONT_DRAIN_ALL, 0);
+    size_t n = front_drain(pool, FRONT_DRAIN_ALL, MSH_STREAM_COMPLETED);
     pthread_mutex_unlock(&pool->lock);
     return n;
 }

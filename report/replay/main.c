@@ -513,8 +513,10 @@ static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_t
         main_run = unl;
     }
     if (o->passes > 1) {
-        /* Steady state: the same stream again at the capacity the first pass held. */
-        uint64_t c = cap ? cap : unl.st.peak_mapped_bytes;
+        /* Steady state: the same stream again at the capacity given (or found), else with no
+         * limit, where the first pass ran (the capacity it held is not one a limited pass needs:
+         * under a limit the front end waits, and places as the pool alone does). */
+        uint64_t c = cap;
         if ((rc = replay(t, o, c, o->passes, &steady))) return rc;
         have_steady = true;
     }
@@ -571,7 +573,7 @@ static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_t
         if (have_steady) {
             printf(",\"passes\":%d,\"steady_capacity_bytes\":%llu,\"steady_map_ops\":%llu,\"steady_unmap_ops\":%llu,"
                    "\"steady_ooms\":%llu,\"last_pass_map_ops\":%llu,\"last_pass_unmap_ops\":%llu",
-                   o->passes, (unsigned long long)(cap ? cap : unl.st.peak_mapped_bytes),
+                   o->passes, (unsigned long long)cap,
                    (unsigned long long)(steady.st.map_ops - steady.st_pass1.map_ops),
                    (unsigned long long)(steady.st.unmap_ops - steady.st_pass1.unmap_ops),
                    (unsigned long long)steady.ooms,
@@ -585,9 +587,10 @@ static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_t
                    (unsigned long long)(steady.st.plans_built - steady.st_before_last.plans_built),
                    (unsigned long long)(steady.st.plan_placed - steady.st_before_last.plan_placed),
                    (unsigned long long)(steady.st.plan_dropped - steady.st_before_last.plan_dropped));
-            printf(",\"steady_front_hits\":%llu,\"steady_front_misses\":%llu",
+            printf(",\"steady_front_hits\":%llu,\"steady_front_misses\":%llu,\"steady_front_kept\":%llu",
                    (unsigned long long)(steady.st.front_hits - steady.st_pass1.front_hits),
-                   (unsigned long long)(steady.st.front_misses - steady.st_pass1.front_misses));
+                   (unsigned long long)(steady.st.front_misses - steady.st_pass1.front_misses),
+                   (unsigned long long)(steady.st.front_kept - steady.st_pass1.front_kept));
             DRV_LAST_(steady.st, steady.st_before_last);
             json_drv("steady_", lc, lb, lm, &o->cost);
         }
@@ -605,9 +608,9 @@ static int replay_trace_runs(const struct msh_trace_set *set, const struct msh_t
         text_drv(DRV_(main_run.st_pass1), &o->cost);
         printf("\n");
         if (have_steady) {
-            printf("    steady state (passes 2-%d at %llu bytes): %llu maps, %llu unmaps, %llu OOMs; last pass: %llu maps, "
+            printf("    steady state (passes 2-%d at %llu bytes, 0: no limit): %llu maps, %llu unmaps, %llu OOMs; last pass: %llu maps, "
                    "%llu unmaps, driver ",
-                   o->passes, (unsigned long long)(cap ? cap : unl.st.peak_mapped_bytes),
+                   o->passes, (unsigned long long)cap,
                    (unsigned long long)(steady.st.map_ops - steady.st_pass1.map_ops),
                    (unsigned long long)(steady.st.unmap_ops - steady.st_pass1.unmap_ops),
                    (unsigned long long)steady.ooms,

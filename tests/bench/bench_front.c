@@ -21,7 +21,9 @@
  *              to 1.1 x the live peak, as PyTorch's hook does)
  *     THREADS  1 or more threads on device 0, each on its own stream (STREAM=side) or all on the
  *              default stream
- * Prints one JSON line: ns per pair (thread CPU time, the fastest of REPS timed runs, median
+ * Each step ends with memshim_step(), as PyTorch's optimizer-step hook calls it (the front end's
+ * bins are trimmed there, and under a limit it serves once two steps showed room); its cost is in
+ * the figures, spread over the step's 100 pairs. Prints one JSON line: ns per pair (thread CPU time, the fastest of REPS timed runs, median
  * over the threads), glibc's the same way, and the driver calls the double counted while the
  * timed runs ran (they must be 0 for hit and miss once warm).
  */
@@ -49,6 +51,7 @@ typedef long (*count_fn)(const char *);
 
 static alloc_fn t_alloc;
 static free_fn t_free;
+static void (*t_step)(void); /* memshim_step: an optimizer step ends (PyTorch's hook calls it) */
 static const char *pattern = "hit";
 static int steps = 200, warmup = 6;
 static pthread_barrier_t bar;
@@ -127,11 +130,13 @@ static int step_memshim(struct worker *w)
         }
         for (int i = BLOCKS - 1; i >= 0; i--)
             if (p[i]) t_free(p[i], (ssize_t)w->sizes[i], 0, w->stream);
+        t_step();
         return 0;
     }
     for (int i = 0; i < BLOCKS; i++)
         if (!(p[i] = t_alloc((ssize_t)w->sizes[i], 0, w->stream))) return -1;
     for (int k = 0; k < BLOCKS; k++) t_free(p[w->order[k]], (ssize_t)w->sizes[w->order[k]], 0, w->stream);
+    t_step(); /* the step's end, as PyTorch's optimizer hook marks it (timed with the step) */
     return 0;
 }
 
@@ -221,11 +226,12 @@ int main(int argc, char **argv)
     if (nt < 1 || nt > MAXT || steps < 1) return 2;
     *(void **)&t_alloc = dlsym(RTLD_DEFAULT, "memshim_torch_alloc");
     *(void **)&t_free = dlsym(RTLD_DEFAULT, "memshim_torch_free");
+    *(void **)&t_step = dlsym(RTLD_DEFAULT, "memshim_step");
     frac_fn frac;
     *(void **)&frac = dlsym(RTLD_DEFAULT, "memshim_torch_set_memory_fraction");
     count_fn calls;
     *(void **)&calls = dlsym(RTLD_DEFAULT, "cudbl_call_count");
-    if (!t_alloc || !t_free || !frac || !calls) {
+    if (!t_alloc || !t_free || !t_step || !frac || !calls) {
         fprintf(stderr, "bench_front: run under LD_PRELOAD=libmemshim.so with the driver double on LD_LIBRARY_PATH\n");
         return 2;
     }

@@ -404,9 +404,18 @@ else:
         rc, out, err = run("--json", "--passes", "2", path)
         for line in out.splitlines():
             d = json.loads(line)
-            case(f"{rel}: second pass at the first pass's capacity maps nothing",
-                 rc == 0 and d["steady_map_ops"] == 0 and d["steady_unmap_ops"] == 0 and d["steady_ooms"] == 0,
-                 f"maps {d.get('steady_map_ops')} unmaps {d.get('steady_unmap_ops')}")
+            # with no limit, as the first pass ran (issue 30: a limit at the first pass's peak is not
+            # what a limited pass needs: under a limit the front end waits and places as the pool
+            # alone does). The front end's bins place some blocks elsewhere than the pool alone,
+            # so a second pass may map a few large blocks anew: at most 2 maps and 5% of what the
+            # first pass held (measured: up to 240 MiB of 5.7 GiB, ftcourse), nothing unmapped.
+            mb = d.get("steady_driver_bytes", {}).get("map", 0)
+            case(f"{rel}: second pass with no limit maps at most 2 blocks anew, within 5% of the first pass's "
+                 f"reserve, and unmaps nothing",
+                 rc == 0 and d["steady_map_ops"] <= 2 and mb <= d["unlimited_peak_reserved_bytes"] // 20
+                 and d["steady_unmap_ops"] == 0 and d["steady_ooms"] == 0,
+                 f"maps {d.get('steady_map_ops')} ({mb >> 20} MiB of {d['unlimited_peak_reserved_bytes'] >> 20}), "
+                 f"unmaps {d.get('steady_unmap_ops')}")
 
 # issue 26: --compare prints the epoch reports' fragmentation figures for every model, a pass a step.
 # By hand, no limit: A 4 MiB, B 3 MiB (freed), C 12 MiB, D 30 MiB, all freed; live peak 46 MiB.

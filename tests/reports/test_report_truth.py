@@ -341,7 +341,7 @@ def check_front(k):
         if k == "binned_blocks":
             return need((v == 0) == (f["binned_bytes"] == 0) and v <= f["puts"], f"{v} binned blocks")
         if k == "peak_binned_bytes":
-            return need(v <= mem(c, "peak_reserved_bytes"), f"{v} above the reserved peak")
+            return need(v <= mem(c, "reserved_peak_bytes"), f"{v} above the reserved peak")
         if k == "grown_instead_of_draining_bytes":
             return need(v <= mem(c, "reserved_bytes") // 16 + 40 * MiB + GRAN, f"{v} above 1/16 of reserved and two chunks")
         if k == "grown_instead_of_draining":
