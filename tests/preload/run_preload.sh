@@ -237,6 +237,24 @@ if command -v strace >/dev/null 2>&1 && strace -f -o /dev/null true >/dev/null 2
 else
     echo "skip step_costs_strace (strace missing or not permitted here)"
 fi
+# issue 30: memshim's share of the allocating threads' time stays within 0..1 with four busy threads
+# (path seconds over the wall time alone, the figure before, is above 1 there), and names them
+for nt in 1 4; do
+    mkdir -p "$TMP/share-$nt"
+    ENV_EXTRA=(MEMSHIM_REPORT_DIR="$TMP/share-$nt" MEMSHIM_LATENCY_SAMPLE=1 THREADS=$nt)
+    run_prog "threads_share_$nt" threads_share
+    if python3 -c 'import json,glob,sys
+r=[json.load(open(f)) for f in glob.glob(sys.argv[1] + "/*summary*.json")]
+o=r[0]["memshim_overhead"] if len(r) == 1 else {}
+ok = o.get("threads") == int(sys.argv[2]) and o.get("share_of_wall") is not None and 0 < o["share_of_wall"] <= 1
+print(o.get("threads"), o.get("share_of_wall"), o.get("path_seconds"))
+sys.exit(0 if ok else 1)' "$TMP/share-$nt" "$nt" > "$TMP/share-$nt.out" 2>&1; then
+        ok "threads_share_${nt}_summary (memshim_overhead.threads $nt, 0 < share_of_wall <= 1: $(cat "$TMP/share-$nt.out"))"
+    else
+        fail "threads_share_${nt}_summary" "threads, share_of_wall, path_seconds: $(tail -3 "$TMP/share-$nt.out")"
+    fi
+done
+ENV_EXTRA=()
 mkdir -p "$TMP/epoch-reports"
 ENV_EXTRA=(MEMSHIM_EPOCH=seconds MEMSHIM_EPOCH_SECONDS=0.5 MEMSHIM_REPORT_DIR="$TMP/epoch-reports"
            REPORTS="$TMP/epoch-reports")
