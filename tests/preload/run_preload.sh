@@ -203,6 +203,13 @@ ENV_EXTRA=(MEMSHIM_GC=threshold)
 run_prog gc_threshold_cost gc_threshold_cost
 ENV_EXTRA=()
 run_prog capture_reuse capture_reuse
+# issue 31: memshim_overhead.synchronizes equal to the double's counts, runtime synchronizes included
+mkdir -p "$TMP/sync-segment" "$TMP/sync-tensor"
+ENV_EXTRA=(MEMSHIM_REPORT_DIR="$TMP/sync-segment" MEMSHIM_REPORT_FORMAT=json)
+run_prog sync_ledger_segment sync_ledger
+ENV_EXTRA=(MEMSHIM_REPORT_DIR="$TMP/sync-tensor" MEMSHIM_REPORT_FORMAT=json TENSOR_MODE=1)
+run_prog sync_ledger_tensor sync_ledger
+ENV_EXTRA=()
 # issue 24: a warm training step's driver calls, reports and the snapshot ring on
 mkdir -p "$TMP/step-reports"
 ENV_EXTRA=(MEMSHIM_REPORT_DIR="$TMP/step-reports" MEMSHIM_SNAPSHOT="$TMP/step-snapshot.pickle" MEMSHIM_LOG=info)
