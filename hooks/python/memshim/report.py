@@ -827,12 +827,20 @@ def advise(run):
                 if not o:
                     return t + ": the reports do not say why (no last_oom)"
                 cap = o["limit_bytes"] or o["device_total_bytes"]
-                if o.get("case") in ("larger_than_device", "larger_than_limit"):
-                    dev = o["case"] == "larger_than_device"
-                    return t + (f": the last asked for {mib(o['requested_bytes'])} MiB, larger than "
-                                f"{'the device' if dev else 'MEMSHIM_LIMIT'} ({mib(o['device_total_bytes'] if dev else o['limit_bytes'])}"
-                                " MiB) alone: no allocator could serve it (memshim refused it before any driver work); "
-                                + ("a smaller batch or shape" if dev else "raise MEMSHIM_LIMIT, or a smaller batch or shape"))
+                if o.get("case") == "larger_than_device":
+                    return t + (f": the last asked for {mib(o['requested_bytes'])} MiB, larger than the device "
+                                f"({mib(o['device_total_bytes'])} MiB) alone: no allocator could serve it (memshim "
+                                "refused it before any driver work); a smaller batch or shape")
+                if o.get("case") == "larger_than_limit":
+                    # a limit refuses it, not memory (issue 31): name the limit that did, and its knob
+                    env = limit_bytes(s["newest"]["config"].get("MEMSHIM_LIMIT"), o["device_total_bytes"])
+                    by_env = env is not None and abs(env - o["limit_bytes"]) < 2 * MiB  # the pool's page rounding
+                    who = "MEMSHIM_LIMIT" if by_env else "the limit set_per_process_memory_fraction set"
+                    knob = "raise MEMSHIM_LIMIT" if by_env else "raise the memory fraction"
+                    return t + (f": the last asked for {mib(o['requested_bytes'])} MiB, larger than {who} "
+                                f"({mib(o['limit_bytes'])} MiB) alone: it cannot fit under that limit whatever is "
+                                f"freed (memshim refused it before any driver work); {knob}, or a smaller batch or "
+                                "shape")
                 t += (f": the last asked for {mib(o['requested_bytes'])} MiB with {mib(o['live_bytes'])} MiB live and "
                       f"{mib(o['reserved_bytes'])} MiB reserved of {mib(cap)} MiB "
                       f"({'MEMSHIM_LIMIT' if o['limit_bytes'] else 'the device'})")
