@@ -174,6 +174,8 @@ $(BUILD)/tests/%: tests/unit/%.c $(BUILD)/libmemshim_trace.a $(BUILD)/libmemshim
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(BUILD)/libmemshim_trace.a $(BUILD)/libmemshim_core.a \
 	    -L$(DOUBLE_DIR) -Wl,-rpath,'$$ORIGIN/../double' -lcuda $(LDFLAGS) -ljansson -lz $(LIBS)
 
+# oom_thread defines rename() to see which thread writes each report: memshim's call must reach it
+$(BUILD)/tests/preload/oom_thread: LDFLAGS += -rdynamic
 $(BUILD)/tests/preload/%: tests/preload/%.c double tests/harness.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -Itests/cudadouble -o $@ $< -L$(DOUBLE_DIR) \

@@ -730,6 +730,7 @@ void msh_core_finish(bool interrupted, int signo)
     }
     pthread_mutex_unlock(&trace_lock);
     if (any) {
+        msh_watch_flush_oom(); /* refusals the watcher has not written yet come before the summary */
         pthread_mutex_lock(&epoch_lock);
         struct msh_report r;
         fill_report(&r, "summary", interrupted ? "interrupted" : "exit");
@@ -769,28 +770,47 @@ static void at_exit(void)
 
 /* An OOM report per failed request, capped so a job retrying in a loop cannot fill the disk. */
 #define OOM_REPORTS_MAX 16
+void msh_core_write_oom(int device, int index, int snap, const struct msh_pool_oom *o)
+{
+    msh_in_hook++;
+    msh_history_oom_write(snap);
+    if (index >= 0) {
+        pthread_mutex_lock(&epoch_lock);
+        struct msh_report r;
+        fill_report(&r, "oom", "oom");
+        r.oom_index = (uint64_t)index;
+        pthread_mutex_unlock(&epoch_lock);
+        for (int i = 0; i < r.ndev; i++)
+            if (r.dev[i].device == device) {
+                r.dev[0] = r.dev[i];
+                if (o) r.dev[0].oom = *o; /* this failure, whatever failed since */
+                r.ndev = 1;
+                write_report(&r);
+                break;
+            }
+    }
+    msh_in_hook--;
+}
+
 void msh_core_note_oom(int device)
 {
-    msh_history_oom(device); /* an oom event, and MEMSHIM_SNAPSHOT's OOM snapshot */
+    msh_history_oom_event(device);
+    int snap = msh_history_oom_claim();
     static _Atomic int written;
     /* The index is the value this failure claimed: two threads failing at once get two files
      * (reading the counter again later could give both the same name). */
-    int index = atomic_fetch_add(&written, 1);
-    if (index >= OOM_REPORTS_MAX) return;
-    msh_in_hook++;
-    pthread_mutex_lock(&epoch_lock);
-    struct msh_report r;
-    fill_report(&r, "oom", "oom");
-    r.oom_index = (uint64_t)index;
-    pthread_mutex_unlock(&epoch_lock);
-    for (int i = 0; i < r.ndev; i++)
-        if (r.dev[i].device == device) {
-            r.dev[0] = r.dev[i];
-            r.ndev = 1;
-            write_report(&r);
-            break;
-        }
-    msh_in_hook--;
+    int index = msh_cfg.report_dir[0] && msh_report_init() ? atomic_fetch_add(&written, 1) : -1;
+    if (index >= OOM_REPORTS_MAX) index = -1;
+    if (index < 0 && snap < 0) return;
+    struct msh_pool *p = msh_core_pool_get(device);
+    struct msh_pool_oom o;
+    if (p) {
+        msh_pool_last_oom(p, &o);
+        /* refused before any driver work (issue 25): the refusal costs microseconds, and the
+         * files, a driver query and file writes, must not add to it (issue 31) */
+        if (o.kind != MSH_OOM_NOW && msh_watch_defer_oom(device, index, snap, &o)) return;
+    }
+    msh_core_write_oom(device, index, snap, p ? &o : NULL);
 }
 
 /* ---- spill (MEMSHIM_SPILL=host, docs/pool.md "Spill") ---------------------------------------------- */
