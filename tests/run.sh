@@ -70,6 +70,7 @@ quick|all)
         run_suite "promises (every documented promise has a test)" env BUILD="$BUILD" python3 tests/promises/check_promises.py
         run_suite "report tool (memshim-report)" env BUILD="$BUILD" python3 tests/report_tool/test_report_tool.py
         run_suite "report tool (advice rules, charts)" env BUILD="$BUILD" python3 tests/report_tool/test_advice.py
+        run_suite "report page in Chromium (errors, charts, widths)" env BUILD="$BUILD" python3 tests/report_tool/test_html_browser.py
         run_suite "python GC step (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_pygc.py
         run_suite "allocation sites (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_sites.py
         run_suite "spill to host (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_spill_job.py
