@@ -77,7 +77,7 @@ quick|all)
         run_suite "PyTorch snapshots (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_snapshot.py
         run_suite "reliability" env BUILD="$BUILD" bash tests/reliability/run_reliability.sh
         run_suite "pytorch (allocator API; GPU parts)" env BUILD="$BUILD" python3 tests/gpu/test_torch.py
-        run_suite "GPU bench plan (search, budget, rows)" python3 tests/gpu/test_bench_plan.py
+        run_suite "GPU bench plan (search, budget, rows)" env BUILD="$BUILD" python3 tests/gpu/test_bench_plan.py
         run_suite "pytorch on CPU (hook, tensor mode, epochs)" env BUILD="$BUILD" python3 tests/torch/test_torch_cpu.py
         run_suite "pytorch allocator settings (PYTORCH_ALLOC_CONF)" env BUILD="$BUILD" python3 tests/torch/test_alloc_conf.py
         run_suite "differential (PyTorch's own rules)" env BUILD="$BUILD" python3 tests/differential/test_differential.py
