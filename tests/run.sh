@@ -68,6 +68,7 @@ quick|all)
         run_suite "reports (step figures by hand)" env BUILD="$BUILD" python3 tests/reports/test_step_figures.py
         run_suite "demo (main job, reports)" env BUILD="$BUILD" bash tests/replay/run_demo.sh
         run_suite "promises (every documented promise has a test)" env BUILD="$BUILD" python3 tests/promises/check_promises.py
+        run_suite "promises (never claims, by program)" env BUILD="$BUILD" python3 tests/promises/test_never.py
         run_suite "report tool (memshim-report)" env BUILD="$BUILD" python3 tests/report_tool/test_report_tool.py
         run_suite "report tool (advice rules, charts)" env BUILD="$BUILD" python3 tests/report_tool/test_advice.py
         run_suite "report page in Chromium (errors, charts, widths)" env BUILD="$BUILD" python3 tests/report_tool/test_html_browser.py

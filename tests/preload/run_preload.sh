@@ -220,6 +220,11 @@ ENV_EXTRA=(CUDBL_CAPACITY=1G MEMSHIM_LIMIT=64M MEMSHIM_LOG=error MEMSHIM_REPORT_
 run_prog oom_thread_exit oom_thread
 ENV_EXTRA=(CUDBL_CAPACITY=1G MEMSHIM_LIMIT=64M MEMSHIM_LOG=error)
 run_prog oom_thread_no_reports oom_thread
+# issue 31: the docs' "never" claims that only a program around memshim can count (no malloc for
+# the pool's own memory, no fsync at an epoch close)
+mkdir -p "$TMP/never"
+ENV_EXTRA=(CUDBL_CAPACITY=8G MEMSHIM_REPORT_DIR="$TMP/never")
+run_prog never_calls never_calls
 if [ -f "$TMP/oomthread-exit/snap-oom0000.pickle" ] && ls "$TMP"/oomthread-exit/memshim-*-oom0000.json >/dev/null 2>&1 &&
     python3 -c 'import json,glob,sys; r=json.load(open(glob.glob(sys.argv[1] + "/memshim-*-oom0000.json")[0])); \
 sys.exit(0 if r["last_oom"]["case"] == "larger_than_device" else 1)' "$TMP/oomthread-exit"; then
