@@ -379,7 +379,8 @@ class Run:
         """Issue 26: every workload under every allocator, throughput and frontier, within its budget."""
         ok, d = self.workloads("bench", limit)
         data = d.pop("data", None) or {}
-        d["rows"] = [[r["workload"], r["allocator"], r.get("tokens_per_s"), (r.get("frontier") or {}).get("largest"),
+        d["rows"] = [[r["workload"], r["allocator"], r.get("tokens_per_s"),
+                      [(r.get("frontier") or {}).get("largest"), (r.get("frontier") or {}).get("first_failure")],
                       r.get("skipped") or r.get("error")] for r in data.get("rows", [])]
         return ok, d
 
