@@ -27,7 +27,7 @@ rank far above the others, runs that did not finish or were interrupted, ranks w
   --plot OUT      per-epoch peak allocated and reserved, fragmentation and allocated memory at
                   epoch end, one line per rank: OUT.png or OUT.svg, drawn with matplotlib when it
                   is importable, else by this script (--plot-engine builtin: always by this script)
-  --html OUT      one self-contained page: charts (inline SVG), tables, sites, advice
+  --html OUT      one self-contained page: charts (inline SVG), tables, memshim's own cost, sites, advice
   --tensorboard LOGDIR  the per-epoch figures as TensorBoard scalars (memshim/...), one
                   TensorBoard run per process and device (needs the tensorboard package)
   --per-process   in runs of several processes, also print every process's epoch rows
