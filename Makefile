@@ -174,6 +174,9 @@ $(BUILD)/tests/%: tests/unit/%.c $(BUILD)/libmemshim_trace.a $(BUILD)/libmemshim
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(BUILD)/libmemshim_trace.a $(BUILD)/libmemshim_core.a \
 	    -L$(DOUBLE_DIR) -Wl,-rpath,'$$ORIGIN/../double' -lcuda $(LDFLAGS) -ljansson -lz $(LIBS)
 
+# oom_thread defines rename() to see which thread writes each report, never_calls malloc() and
+# fsync() to count memshim's calls: memshim's calls must reach them
+$(BUILD)/tests/preload/oom_thread $(BUILD)/tests/preload/never_calls: LDFLAGS += -rdynamic
 $(BUILD)/tests/preload/%: tests/preload/%.c double tests/harness.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -Itests/cudadouble -o $@ $< -L$(DOUBLE_DIR) \

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "core.h"
+#include "drvlog.h"
 #include "hooks.h"
 #include "msh.h"
 #include "pool.h"
@@ -141,7 +142,7 @@ static int rt_current_device(void)
 {
     getdev_fn get = (getdev_fn)rt_get(RT_cudaGetDevice);
     int dev = -1;
-    if (!get || get(&dev) != cudaSuccess) return -1;
+    if (!get || MSH_RT(cudaGetDevice, get(&dev)) != cudaSuccess) return -1;
     return dev;
 }
 
@@ -155,24 +156,26 @@ static bool rt_bind_context(int dev)
     if (dev < 0 || dev >= 64) return false;
     if (ctx_ready & (UINT64_C(1) << dev)) return true;
     free_fn real_free = (free_fn)rt_get(RT_cudaFree);
-    if (!real_free || real_free(NULL) != cudaSuccess) return false;
+    if (!real_free || MSH_RT(cudaFree, real_free(NULL)) != cudaSuccess) return false;
     ctx_ready |= UINT64_C(1) << dev;
     return true;
 }
 
 /* cudaFree's guarantee (DESIGN.md 2): the device is synchronized before the memory can be reused.
- * The block may belong to another device than the current one; synchronize that one. */
+ * The block may belong to another device than the current one; synchronize that one. Through the
+ * runtime, so a sticky error comes back as the runtime's cudaFree would return it; counted and
+ * timed in memshim's ledger (memshim_overhead.synchronizes.device) like every wait memshim makes. */
 static cudaError_t rt_sync_device(int dev)
 {
     sync_fn sync = (sync_fn)rt_get(RT_cudaDeviceSynchronize);
     if (!sync) return cudaErrorInitializationError;
     int cur = rt_current_device();
-    if (cur == dev || dev < 0) return sync();
+    if (cur == dev || dev < 0) return MSH_RT(cudaDeviceSynchronize, sync());
     setdev_fn set = (setdev_fn)rt_get(RT_cudaSetDevice);
     if (!set) return cudaErrorInitializationError;
-    cudaError_t r = set(dev);
-    if (r == cudaSuccess) r = sync();
-    if (cur >= 0) set(cur);
+    cudaError_t r = MSH_RT(cudaSetDevice, set(dev));
+    if (r == cudaSuccess) r = MSH_RT(cudaDeviceSynchronize, sync());
+    if (cur >= 0) MSH_RT(cudaSetDevice, set(cur));
     return r;
 }
 

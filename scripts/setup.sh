@@ -30,6 +30,8 @@ have python3 || need+=(python3)
 [ -f /usr/include/zlib.h ] || need+=(zlib1g-dev)
 dpkg -s libclang-rt-14-dev >/dev/null 2>&1 || need+=(libclang-rt-14-dev)
 have strace || need+=(strace)   # the preload suite counts system calls on the allocation path
+# memshim-report's HTML page is tested in a real browser (tests/report_tool/test_html_browser.py)
+have chromium || have chromium-browser || need+=(chromium)
 
 if [ ${#need[@]} -gt 0 ]; then
     echo "setup: installing ${need[*]}"

@@ -755,6 +755,7 @@ void msh_core_finish(bool interrupted, int signo)
     }
     pthread_mutex_unlock(&trace_lock);
     if (any) {
+        msh_watch_flush_oom(); /* refusals the watcher has not written yet come before the summary */
         pthread_mutex_lock(&epoch_lock);
         struct msh_report r;
         fill_report(&r, "summary", interrupted ? "interrupted" : "exit");
@@ -794,28 +795,47 @@ static void at_exit(void)
 
 /* An OOM report per failed request, capped so a job retrying in a loop cannot fill the disk. */
 #define OOM_REPORTS_MAX 16
+void msh_core_write_oom(int device, int index, int snap, const struct msh_pool_oom *o)
+{
+    msh_in_hook++;
+    msh_history_oom_write(snap);
+    if (index >= 0) {
+        pthread_mutex_lock(&epoch_lock);
+        struct msh_report r;
+        fill_report(&r, "oom", "oom");
+        r.oom_index = (uint64_t)index;
+        pthread_mutex_unlock(&epoch_lock);
+        for (int i = 0; i < r.ndev; i++)
+            if (r.dev[i].device == device) {
+                r.dev[0] = r.dev[i];
+                if (o) r.dev[0].oom = *o; /* this failure, whatever failed since */
+                r.ndev = 1;
+                write_report(&r);
+                break;
+            }
+    }
+    msh_in_hook--;
+}
+
 void msh_core_note_oom(int device)
 {
-    msh_history_oom(device); /* an oom event, and MEMSHIM_SNAPSHOT's OOM snapshot */
+    msh_history_oom_event(device);
+    int snap = msh_history_oom_claim();
     static _Atomic int written;
     /* The index is the value this failure claimed: two threads failing at once get two files
      * (reading the counter again later could give both the same name). */
-    int index = atomic_fetch_add(&written, 1);
-    if (index >= OOM_REPORTS_MAX) return;
-    msh_in_hook++;
-    pthread_mutex_lock(&epoch_lock);
-    struct msh_report r;
-    fill_report(&r, "oom", "oom");
-    r.oom_index = (uint64_t)index;
-    pthread_mutex_unlock(&epoch_lock);
-    for (int i = 0; i < r.ndev; i++)
-        if (r.dev[i].device == device) {
-            r.dev[0] = r.dev[i];
-            r.ndev = 1;
-            write_report(&r);
-            break;
-        }
-    msh_in_hook--;
+    int index = msh_cfg.report_dir[0] && msh_report_init() ? atomic_fetch_add(&written, 1) : -1;
+    if (index >= OOM_REPORTS_MAX) index = -1;
+    if (index < 0 && snap < 0) return;
+    struct msh_pool *p = msh_core_pool_get(device);
+    struct msh_pool_oom o;
+    if (p) {
+        msh_pool_last_oom(p, &o);
+        /* refused before any driver work (issue 25): the refusal costs microseconds, and the
+         * files, a driver query and file writes, must not add to it (issue 31) */
+        if (o.kind != MSH_OOM_NOW && msh_watch_defer_oom(device, index, snap, &o)) return;
+    }
+    msh_core_write_oom(device, index, snap, p ? &o : NULL);
 }
 
 /* ---- spill (MEMSHIM_SPILL=host, docs/pool.md "Spill") ---------------------------------------------- */
@@ -879,12 +899,14 @@ static void lat_end(struct msh_pool *p, bool alloc, uint32_t w, uint64_t t0)
 void *msh_core_alloc(ssize_t size, int device, void *stream, bool counted)
 {
     if (size < 0) return NULL;
-    uint64_t t0;
-    uint32_t lw = lat_begin(&t0);
     msh_in_hook++;
     /* init first (msh_core_pool): when this is memshim's first call, mode_eff is only set by it.
-     * Being called here means PyTorch's pluggable allocator is memshim: that is tensor mode. */
+     * Being called here means PyTorch's pluggable allocator is memshim: that is tensor mode. The
+     * timing starts after it (the first call's start-up is no allocation's cost, and only then is
+     * it known whether reports, and so latency figures, are on). */
     struct msh_pool *p = msh_core_pool(device);
+    uint64_t t0;
+    uint32_t lw = lat_begin(&t0);
     if (MSH_UNLIKELY(mode_eff == MSH_MODE_SEGMENT) && msh_cfg.mode == MSH_MODE_AUTO && enabled)
         mode_eff = MSH_MODE_TENSOR;
     void *out = NULL;
@@ -906,6 +928,10 @@ void *msh_core_alloc(ssize_t size, int device, void *stream, bool counted)
             out = (void *)(uintptr_t)a;
             msh_sites_alloc(device, tag, (size_t)size);
             msh_core_trace('a', device, (uint64_t)(uintptr_t)stream, a, (uint64_t)size);
+            /* served calls only, as the pool's own figures; timed before the tick below, whose
+             * rare work (an epoch closed here, its report) is not this call's and would count the
+             * call in the next epoch's figures */
+            if (lw) lat_end(p, true, lw, t0);
         } else {
             msh_core_note_oom(device);
         }
@@ -913,7 +939,6 @@ void *msh_core_alloc(ssize_t size, int device, void *stream, bool counted)
         in_tensor_alloc = 0;
     }
     msh_in_hook--;
-    if (lw && out) lat_end(p, true, lw, t0); /* served calls only, as the pool's own figures */
     return out;
 }
 

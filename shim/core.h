@@ -62,8 +62,13 @@ static inline void msh_core_trace(char op, int device, uint64_t stream, uint64_t
 }
 /* Whether MEMSHIM_TRACE_FILE is being written (callers skip trace-only work when not). */
 bool msh_core_tracing(void);
-/* A request failed after the whole rescue chain: write an OOM report (capped). */
+/* A request failed after the whole rescue chain: an OOM report (capped) and MEMSHIM_SNAPSHOT's OOM
+ * snapshot. Written on this thread, except for a request refused before any driver work (larger
+ * than the device or the limit alone): the watcher thread writes its files (issue 31). */
 void msh_core_note_oom(int device);
+/* The watcher's side of it: OOM report `index` and OOM snapshot `snap` (-1: none) of a failure on
+ * `device`, the report showing `o` as its last_oom. */
+void msh_core_write_oom(int device, int index, int snap, const struct msh_pool_oom *o);
 /* What runs now and then on the allocation path, not per call (issue 30): a due time or
  * signal epoch closed between two allocations, the GC threshold checked. The allocating threads
  * reach it through msh_core_count: a per-thread countdown of bytes (each call counts

@@ -1108,6 +1108,28 @@ static void fmt_size(char *out, size_t len, uint64_t b)
     else snprintf(out, len, "%llu bytes", (unsigned long long)b);
 }
 
+/* What set the limit a request failed against, for the OOM message (issue 31: a limit is not "no
+ * memory could ever hold it"): PyTorch's memory fraction (set_per_process_memory_fraction, or
+ * per_process_memory_fraction in its allocator settings) when it binds, else MEMSHIM_LIMIT; and
+ * the setting that raises it. */
+static const char *limit_origin(int device, char *out, size_t len)
+{
+    double f = 0;
+    size_t total = 0, cfg = 0;
+    if (dev_ok(device)) {
+        pthread_mutex_lock(&tlock);
+        f = tdevs[device].fraction, total = tdevs[device].total, cfg = tdevs[device].cfg_limit;
+        pthread_mutex_unlock(&tlock);
+    }
+    if (f > 0 && total && (!cfg || (size_t)(f * (double)total) <= cfg)) {
+        snprintf(out, len, "set_per_process_memory_fraction(%g)", f);
+        return "raise the memory fraction (set_per_process_memory_fraction)";
+    }
+    if (msh_cfg.limit_fraction > 0) snprintf(out, len, "MEMSHIM_LIMIT=%g", msh_cfg.limit_fraction);
+    else snprintf(out, len, "MEMSHIM_LIMIT");
+    return "raise MEMSHIM_LIMIT";
+}
+
 MSH_EXPORT int memshim_torch_oom_message(int device, size_t size, char *buf, size_t len)
 {
     if (!buf || !len) return 0;
@@ -1138,19 +1160,27 @@ MSH_EXPORT int memshim_torch_oom_message(int device, size_t size, char *buf, siz
                                                            : "its cache kept (releasing it would not make room)";
     /* Issue 25: the case first. A request larger than the device or the limit is refused before
      * any driver work (no step can change that); one that does not fit now gets the figures. */
+    char origin[64], limit_txt[112];
+    const char *raise = limit_origin(device, origin, sizeof origin);
+    if (o.limit_bytes) snprintf(limit_txt, sizeof limit_txt, "%s (set by %s)", lim, origin);
+    else snprintf(limit_txt, sizeof limit_txt, "none");
     int n;
-    if (p && o.kind != MSH_OOM_NOW)
+    if (p && o.kind == MSH_OOM_DEVICE)
         n = snprintf(buf, len,
                      "CUDA out of memory. Tried to allocate %s. GPU %d has a total capacity of %s of which %s is "
                      "free. Of the allocated memory %s is allocated by PyTorch. memshim (tensor mode%s): larger than "
-                     "the %s (%s): no memory could ever hold it, so memshim refused it before any driver work%s.",
-                     req, device, tot, fre, torch_live, last_oom_capture ? ", CUDA-graph capture pool" : "",
-                     o.kind == MSH_OOM_DEVICE ? "device" : "limit", o.kind == MSH_OOM_DEVICE ? tot : lim,
-                     o.kind == MSH_OOM_DEVICE ? ""
-                     : msh_cfg.spill == MSH_SPILL_HOST
-                         ? "; raise MEMSHIM_LIMIT (or set_per_process_memory_fraction), spill cannot help: a new "
-                           "tensor lives in device memory"
-                         : "; raise MEMSHIM_LIMIT (or set_per_process_memory_fraction)");
+                     "the device (%s): no memory on this GPU could ever hold it, so memshim refused it before any "
+                     "driver work.",
+                     req, device, tot, fre, torch_live, last_oom_capture ? ", CUDA-graph capture pool" : "", tot);
+    else if (p && o.kind != MSH_OOM_NOW)
+        n = snprintf(buf, len,
+                     "CUDA out of memory. Tried to allocate %s. GPU %d has a total capacity of %s of which %s is "
+                     "free. Of the allocated memory %s is allocated by PyTorch. memshim (tensor mode%s): larger than "
+                     "the limit (%s) set by %s: it cannot fit under that limit whatever is freed, so memshim refused "
+                     "it before any driver work; %s%s.",
+                     req, device, tot, fre, torch_live, last_oom_capture ? ", CUDA-graph capture pool" : "", lim,
+                     origin, raise,
+                     msh_cfg.spill == MSH_SPILL_HOST ? " (spill cannot help: a new tensor lives in device memory)" : "");
     else
         n = snprintf(buf, len,
                      "CUDA out of memory. Tried to allocate %s. GPU %d has a total capacity of %s of which %s is "
@@ -1162,7 +1192,7 @@ MSH_EXPORT int memshim_torch_oom_message(int device, size_t size, char *buf, siz
                      !p ? "no pool for this device" : "does not fit now",
                      o.fragmentation ? "fragmentation (enough bytes are free, but not in usable pages)"
                                      : "capacity (the live set does not fit)",
-                     fre, cached, o.limit_bytes ? lim : "none", live, resv, ext,
+                     fre, cached, limit_txt, live, resv, ext,
                      msh_cfg.defrag ? "reclaim and remap of cached pages" : "no remap (MEMSHIM_DEFRAG=0)", gc, rel);
     if (n < 0) {
         buf[0] = 0;

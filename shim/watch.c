@@ -11,6 +11,9 @@
  * action and sends the signal again, so the job ends with the status it would have had. When the
  * program installed a handler first, memshim's handler runs it (chains, never replaces): the
  * program decides what happens, and a summary written later says the run was interrupted.
+ * A request refused before any driver work (larger than the device or the limit alone) hands its
+ * OOM report and OOM snapshot to the thread, so a batch-size finder's refused probe costs the
+ * allocating thread no file work (issue 31).
  * Python's own end after an uncaught KeyboardInterrupt (it finalizes, then kills itself with
  * SIGINT, so C exit handlers never run) is covered from Python's exit path
  * (memshim_run_interrupted, hooks/python/memshim/_boot.py).
@@ -37,6 +40,17 @@
 #include "msh.h"
 
 static const int end_sigs[] = {SIGTERM, SIGINT, SIGHUP};
+
+/* OOM files handed over by msh_watch_defer_oom: at most 16 reports and 16 snapshots per process
+ * (shim/core.c, shim/record/history.c), one entry for both of a failure. state: 0 free, 1 ready,
+ * 2 taken by a writer. */
+#define OOMQ_MAX 32
+static struct {
+    _Atomic int state;
+    int device, index, snap;
+    struct msh_pool_oom oom;
+} oomq[OOMQ_MAX];
+static _Atomic int oomq_n;
 #define NEND ((int)(sizeof end_sigs / sizeof end_sigs[0]))
 
 static sem_t wake;
@@ -201,6 +215,7 @@ static void *watch_main(void *arg)
         }
         int sig = atomic_load(&end_signal);
         if (sig) end_run(sig);
+        msh_watch_flush_oom();
         uint64_t now = msh_now_ns();
         if (!atomic_load(&epoch_pending)) pending_seen = 0;
         else if (!pending_seen) pending_seen = now;
@@ -305,6 +320,27 @@ const char *msh_watch_poll(uint64_t now)
     return NULL;
 }
 
+bool msh_watch_defer_oom(int device, int index, int snap, const struct msh_pool_oom *o)
+{
+    if (getpid() != owner || !atomic_load(&running)) return false;
+    int i = atomic_fetch_add(&oomq_n, 1);
+    if (i >= OOMQ_MAX) return false;
+    oomq[i].device = device, oomq[i].index = index, oomq[i].snap = snap, oomq[i].oom = *o;
+    atomic_store_explicit(&oomq[i].state, 1, memory_order_release);
+    sem_post(&wake);
+    return true;
+}
+
+void msh_watch_flush_oom(void)
+{
+    int n = atomic_load(&oomq_n);
+    for (int i = 0; i < n && i < OOMQ_MAX; i++) {
+        int ready = 1; /* an entry claimed but not yet filled is left to the wake its owner posts */
+        if (atomic_compare_exchange_strong(&oomq[i].state, &ready, 2))
+            msh_core_write_oom(oomq[i].device, oomq[i].index, oomq[i].snap, &oomq[i].oom);
+    }
+}
+
 void msh_watch_fork_child(void)
 {
     /* The child has no watcher thread and serves nothing: the program's own dispositions back
@@ -322,4 +358,5 @@ void msh_watch_fork_child(void)
     atomic_store(&seconds_due, 0);
     atomic_store(&end_signal, 0);
     atomic_store(&noted_signal, 0);
+    atomic_store(&oomq_n, OOMQ_MAX); /* the child writes nothing of its parent's */
 }

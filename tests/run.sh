@@ -68,15 +68,17 @@ quick|all)
         run_suite "reports (step figures by hand)" env BUILD="$BUILD" python3 tests/reports/test_step_figures.py
         run_suite "demo (main job, reports)" env BUILD="$BUILD" bash tests/replay/run_demo.sh
         run_suite "promises (every documented promise has a test)" env BUILD="$BUILD" python3 tests/promises/check_promises.py
+        run_suite "promises (never claims, by program)" env BUILD="$BUILD" python3 tests/promises/test_never.py
         run_suite "report tool (memshim-report)" env BUILD="$BUILD" python3 tests/report_tool/test_report_tool.py
         run_suite "report tool (advice rules, charts)" env BUILD="$BUILD" python3 tests/report_tool/test_advice.py
+        run_suite "report page in Chromium (errors, charts, widths)" env BUILD="$BUILD" python3 tests/report_tool/test_html_browser.py
         run_suite "python GC step (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_pygc.py
         run_suite "allocation sites (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_sites.py
         run_suite "spill to host (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_spill_job.py
         run_suite "PyTorch snapshots (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_snapshot.py
         run_suite "reliability" env BUILD="$BUILD" bash tests/reliability/run_reliability.sh
         run_suite "pytorch (allocator API; GPU parts)" env BUILD="$BUILD" python3 tests/gpu/test_torch.py
-        run_suite "GPU bench plan (search, budget, rows)" python3 tests/gpu/test_bench_plan.py
+        run_suite "GPU bench plan (search, budget, rows)" env BUILD="$BUILD" python3 tests/gpu/test_bench_plan.py
         run_suite "pytorch on CPU (hook, tensor mode, epochs)" env BUILD="$BUILD" python3 tests/torch/test_torch_cpu.py
         run_suite "pytorch allocator settings (PYTORCH_ALLOC_CONF)" env BUILD="$BUILD" python3 tests/torch/test_alloc_conf.py
         run_suite "differential (PyTorch's own rules)" env BUILD="$BUILD" python3 tests/differential/test_differential.py

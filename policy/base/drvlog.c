@@ -1,5 +1,7 @@
 /*
- * drvlog.c: the ledger of the driver calls memshim makes itself (drvlog.h).
+ * drvlog.c: the ledger of the CUDA calls memshim makes itself (drvlog.h): the names, the snapshots
+ * and their differences, the synchronize kinds, the line MEMSHIM_LOG=info prints at exit. It never
+ * calls CUDA and never takes a lock.
  */
 #include "drvlog.h"
 
@@ -8,7 +10,7 @@
 
 const char *const msh_drvlog_names[MSH_DL_N] = {
 #define MSH_DL_NAME_(n) #n,
-    MSH_DRVLOG_FUNCS(MSH_DL_NAME_)
+    MSH_DRVLOG_FUNCS(MSH_DL_NAME_) MSH_DRVLOG_RT_FUNCS(MSH_DL_NAME_)
 #undef MSH_DL_NAME_
 };
 
@@ -41,6 +43,7 @@ const char *const msh_sync_kind_names[MSH_SYNC_NKINDS] = {"device", "context", "
 int msh_sync_kind_fn(int kind)
 {
     switch (kind) {
+    case MSH_SYNC_DEVICE: return MSH_DL_cudaDeviceSynchronize;
     case MSH_SYNC_CONTEXT: return MSH_DL_cuCtxSynchronize;
     case MSH_SYNC_STREAM: return MSH_DL_cuStreamSynchronize;
     case MSH_SYNC_EVENT: return MSH_DL_cuEventSynchronize;

@@ -7,7 +7,11 @@
  * count and the time measured around the call to its total. The counts are exact; the time is
  * read with msh_ticks() (the CPU counter where the kernel's own clock uses it, else
  * CLOCK_MONOTONIC). The pass-through calls memshim forwards for the program (its cuMemAlloc, its
- * cuStreamBeginCapture) are the program's, not in the ledger.
+ * cuStreamBeginCapture) are the program's, not in the ledger. The CUDA runtime functions memshim
+ * calls on its own behalf (hooks/runtime.c: which device a cudaMalloc is for, binding the
+ * runtime's context, and the device synchronize that keeps cudaFree's guarantee) are in it too,
+ * under the runtime's names, through MSH_RT: a synchronize made through the runtime blocks the
+ * thread as long as one made through the driver.
  *
  * The ledger is process-wide (reports show it in every device's file, "scope": "process"). It is
  * touched only around driver calls: the cached allocation and free paths never reach it.
@@ -38,9 +42,12 @@
     X(cuDeviceGetAttribute) X(cuDeviceCanAccessPeer) X(cuDeviceTotalMem) X(cuDriverGetVersion)    \
     X(cuInit) X(cuMemAlloc) X(cuMemFree) X(cuPointerGetAttribute)
 
+/* Every CUDA runtime function memshim calls on its own behalf (hooks/runtime.c), through MSH_RT. */
+#define MSH_DRVLOG_RT_FUNCS(X) X(cudaGetDevice) X(cudaSetDevice) X(cudaFree) X(cudaDeviceSynchronize)
+
 enum msh_drvlog_fn {
 #define MSH_DL_ENUM_(n) MSH_DL_##n,
-    MSH_DRVLOG_FUNCS(MSH_DL_ENUM_)
+    MSH_DRVLOG_FUNCS(MSH_DL_ENUM_) MSH_DRVLOG_RT_FUNCS(MSH_DL_ENUM_)
 #undef MSH_DL_ENUM_
     MSH_DL_N
 };
@@ -72,6 +79,16 @@ static inline void msh_drvlog_add(enum msh_drvlog_fn f, uint64_t t0)
         msh_dl_r_;                                                                                 \
     })
 
+/* Evaluate `call` (a call of the runtime function fn through a pointer the caller resolved),
+ * counted and timed under fn's name; evaluates to its result. */
+#define MSH_RT(fn, call)                                                                           \
+    ({                                                                                             \
+        uint64_t msh_rt_t0_ = msh_ticks();                                                         \
+        __typeof__(call) msh_rt_r_ = (call);                                                       \
+        msh_drvlog_add(MSH_DL_##fn, msh_rt_t0_);                                                   \
+        msh_rt_r_;                                                                                 \
+    })
+
 /* What the ledger holds now: counts, ticks and seconds per function. */
 struct msh_drvlog_snap {
     uint64_t count[MSH_DL_N];
@@ -85,12 +102,13 @@ void msh_drvlog_read(struct msh_drvlog_snap *s);
 void msh_drvlog_diff(const struct msh_drvlog_snap *now, const struct msh_drvlog_snap *prev,
                      struct msh_drvlog_snap *out);
 
-/* The synchronizes among them, by what they wait for. memshim never synchronizes a whole device
- * (cudaDeviceSynchronize); its device-wide wait is cuCtxSynchronize on the device's primary
- * context, counted as "context". */
+/* The synchronizes among them, by what they wait for: "device" is the runtime's
+ * cudaDeviceSynchronize (a cudaFree of pool memory, hooks/runtime.c), "context" the driver's
+ * cuCtxSynchronize on a device's primary context (the pool's own device-wide wait, and cuMemFree
+ * of pool memory), "stream" and "event" the driver's stream and event waits. */
 enum { MSH_SYNC_DEVICE, MSH_SYNC_CONTEXT, MSH_SYNC_STREAM, MSH_SYNC_EVENT, MSH_SYNC_NKINDS };
 extern const char *const msh_sync_kind_names[MSH_SYNC_NKINDS];
-/* The ledger function a kind is (-1 for device: none). */
+/* The ledger function a kind is. */
 int msh_sync_kind_fn(int kind);
 
 /* The three largest costs of the ledger in one line ("cuMemCreate 120 calls 1.2 ms, ..."), for

@@ -605,19 +605,28 @@ void msh_history_exit(void)
 }
 
 #define OOM_SNAPSHOTS_MAX 16
-void msh_history_oom(int device)
+void msh_history_oom_event(int device)
 {
     struct msh_pool *p = msh_core_pool_get(device);
-    if (!p) return;
-    if (atomic_load_explicit(&msh_history_on, memory_order_relaxed) == 2) {
-        struct msh_pool_oom o;
-        msh_pool_last_oom(p, &o);
-        put(MSH_H_OOM, device, o.device_free, o.requested, 0, 0);
-    }
-    static _Atomic int written;
-    if (!msh_cfg.snapshot[0] || atomic_fetch_add(&written, 1) >= OOM_SNAPSHOTS_MAX) return;
+    if (!p || atomic_load_explicit(&msh_history_on, memory_order_relaxed) != 2) return;
+    struct msh_pool_oom o;
+    msh_pool_last_oom(p, &o);
+    put(MSH_H_OOM, device, o.device_free, o.requested, 0, 0);
+}
+
+int msh_history_oom_claim(void)
+{
+    static _Atomic int claimed;
+    if (!msh_cfg.snapshot[0]) return -1;
+    int i = atomic_fetch_add(&claimed, 1); /* the number this failure's file takes, whoever writes it */
+    return i < OOM_SNAPSHOTS_MAX ? i : -1;
+}
+
+void msh_history_oom_write(int index)
+{
+    if (index < 0) return;
     char tag[32];
-    snprintf(tag, sizeof tag, "-oom%04d", atomic_load(&written) - 1);
+    snprintf(tag, sizeof tag, "-oom%04d", index);
     write_snapshot_file(tag);
 }
 

@@ -44,8 +44,13 @@ extern _Atomic int msh_history_on; /* what msh_history_recording reads (a load o
 /* Called from msh_core_trace: op 'a' (alloc, after the pool placed it) or 'f' (free, before the
  * pool frees it); `size` is the requested size. */
 void msh_history_note(char op, int device, uint64_t stream, uint64_t addr, uint64_t size);
-/* A request failed after the whole rescue chain: an `oom` event, and the OOM snapshot file. */
-void msh_history_oom(int device);
+/* A request failed after the whole rescue chain: its `oom` event in the history (a few stores,
+ * on the failing thread); then the OOM snapshot file's number, claimed at once (-1: no
+ * MEMSHIM_SNAPSHOT, or 16 written already), and the file, written by whichever thread the caller
+ * chooses (shim/core.c: the watcher, for a request refused before any driver work). */
+void msh_history_oom_event(int device);
+int msh_history_oom_claim(void);
+void msh_history_oom_write(int index);
 /* Put the map/unmap/reserve wrappers around a device backend (before the pool uses it). */
 void msh_history_wrap_device(struct msh_device *d);
 /* Process exit: write MEMSHIM_SNAPSHOT. */

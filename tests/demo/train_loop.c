@@ -141,7 +141,7 @@ int main(int argc, char **argv)
             }
 
     struct blk act[LAYERS * 6];
-    int ooms = 0;
+    int ooms = 0, syncs = 0; /* syncs: the demo's own device synchronizes (reports count memshim's apart) */
     for (int ep = 0; ep < epochs; ep++) {
         for (int st = 0; st < steps; st++) {
             size_t seq = 128 + (next_rand() % 4) * 128; /* 128..512 tokens */
@@ -180,6 +180,7 @@ int main(int argc, char **argv)
             if (dev_alloc(&leaked, (size_t)leak_mib * MiB, NULL, 1) != 0) ooms++;
         }
         check("cudaDeviceSynchronize", cudaDeviceSynchronize());
+        syncs++;
         if (quiet > 0) { /* idle before the epoch ends (a validation pass on the host): timed policies act */
             struct timespec ts = {(time_t)quiet, (long)((quiet - (double)(time_t)quiet) * 1e9)};
             nanosleep(&ts, NULL);
@@ -204,6 +205,6 @@ int main(int argc, char **argv)
     }
     for (int i = 0; i < np; i++) dev_free(&params[i]);
     check("cudaStreamDestroy", cudaStreamDestroy(side));
-    printf("train-demo: finished, %d failed allocations\n", ooms);
+    printf("train-demo: finished, %d failed allocations, %d device synchronizes of its own\n", ooms, syncs);
     return 0;
 }

@@ -3,10 +3,11 @@
 run by tests/gpu/gpu_checks.py as its `bench` and `gpt` steps (docs/benchmarks.md, "GPU benchmark").
 
   bench_workloads.py bench --out DIR [--budget S] [--dry-run] [--only W,W]
-        every workload under every allocator: throughput interleaved (A B C D, 3 repeats, medians)
-        and the frontier (the largest batch that completes a fixed number of steps under one cap,
-        the same for all four), most valuable rows first, the rest skipped with the reason when
-        the budget runs out; writes DIR/gpu-bench.json and DIR/gpu-bench.md
+        every workload under every allocator: throughput interleaved (one window each per round,
+        the order rotated each round, 3 rounds, medians) and the frontier (the bracket of the
+        largest batch that completes a fixed number of steps under one cap, the same for all four,
+        each in a fresh worker), most valuable rows first, the rest skipped with the reason when
+        the budget runs out (which fails the run); writes DIR/gpu-bench.json and DIR/gpu-bench.md
   bench_workloads.py gpt --out DIR [--budget S] [--dry-run]
         the GPT loop natively, in memshim's tensor mode and in its segment mode, interleaved, 3
         repeats each, with memshim's own account of the timed part (its epoch report) and a few
@@ -23,7 +24,8 @@ Workloads (our own code, shaped as people train):
               6 layers x 384, batch 32 x 256
   gpt2-small  the same loop at GPT-2 small: 12 layers x 768, vocab 50304, batch 8 x 1024
   varlen-lm   a decoder LM whose batch and sequence length change every step (batch B/4..B, 64..1024
-              tokens, every 5th step the largest shape): the shape that fragments PyTorch's cache
+              tokens, every 5th step the largest shape; the draws depend on the step only, so a
+              larger B is never a smaller step): the shape that fragments PyTorch's cache
   vit         a ViT-S/16 (12 layers x 384, 224 px) in the same loop, batch 128
   hf-gpt2     Hugging Face's Trainer on a small GPT-2 built from a config (no download): 6 layers x
               512, 512 tokens, batch 16 (skipped with the reason where transformers is missing)
@@ -31,11 +33,13 @@ Allocators: native; expandable (expandable_segments:True); cudaMallocAsync (back
 both through PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF; memshim (LD_PRELOAD alone: tensor mode),
 and for the gpt step memshim-segment (MEMSHIM_MODE=segment: memshim loaded, PyTorch's allocator).
 
-Each allocator runs in its own long-lived worker process (CUDA cannot change allocator once
-initialised), started in parallel, which loads each workload in turn (the last one, its cache and
-its cap freed first); the driver hands one command at a time to one worker, so no two measure at
-once. The cap is torch.cuda.set_per_process_memory_fraction(cap / total) in every worker
-(memshim takes it as its limit; cudaMallocAsync counts allocated bytes against it, not reserved).
+Each allocator runs in its own long-lived worker process for throughput (CUDA cannot change
+allocator once initialised), started in parallel, which loads each workload in turn (the last one
+and its cache freed first); each frontier runs in a worker started for it, which takes the cap
+(torch.cuda.set_per_process_memory_fraction(cap / total): memshim takes it as its limit;
+cudaMallocAsync counts allocated bytes against it, not reserved), runs its trials and exits, so
+no cap or cache outlives its frontier. The driver hands one command at a time to one worker, so
+no two measure at once. The frontier's search is tests/gpu/bracket.py's, the OOM step's too.
 
 --dry-run (make check, through gpu_checks.py --dry-run): the same processes, commands, search and
 files on the CPU with tiny models: no pinning, no fused AdamW, no autocast, no memory figures, and
@@ -46,6 +50,7 @@ import argparse
 import gc
 import glob
 import json
+import math
 import os
 import queue
 import random
@@ -59,6 +64,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import bracket  # noqa: E402 - the one batch-size search, shared with tests/gpu/oom_check.py
 GiB = 1 << 30
 
 # name: the model, the throughput batch and window, the frontier's cap and steps. "dry" overrides
@@ -177,13 +184,17 @@ class Loop:
         return t if self.dry else t.pin_memory().to(self.dev, non_blocking=True)
 
     def shape(self, batch, i):
-        """(rows, tokens per row) of step i; the varlen LM's come from a generator seeded by the step."""
+        """(rows, tokens per row) of step i. The varlen LM's are drawn from a generator seeded by the
+        step alone (issue 31): the length is the same for every batch and the rows a fraction
+        (1/4..1) of it, rounded up, so a larger batch never needs less memory at any step and
+        "fits" is monotone in the batch, which the frontier's bisection assumes."""
         s = self.s
         if s["kind"] == "varlen":
             if i % 5 == 4:
                 return batch, s["block"]
-            r = random.Random(1000003 * batch + i)
-            return r.randint(max(1, batch // 4), batch), r.randint(s["min_len"], s["block"])
+            r = random.Random(1000003 + i)
+            frac, T = r.uniform(0.25, 1.0), r.randint(s["min_len"], s["block"])
+            return min(batch, max(1, batch // 4, math.ceil(frac * batch))), T
         if s["kind"] == "vit":
             return batch, (s["img"] // s["patch"]) ** 2 + 1
         return batch, s["block"]
@@ -314,13 +325,14 @@ class Worker:
 
     def op_load(self, c):
         torch = self.torch
+        if self.cap is not None:
+            # issue 31: a cap is never taken back (set_per_process_memory_fraction(1.0) is a limit
+            # of its own under memshim): the driver gives each frontier a fresh worker instead
+            return {"error": "this worker ran a frontier under a cap: it loads nothing more"}
         self.w = None
         gc.collect()
         if not self.dry:
             torch.cuda.empty_cache()
-            if self.cap is not None:
-                torch.cuda.set_per_process_memory_fraction(1.0)
-        self.cap = None
         self.name, self.s = c["workload"], spec_of(c["workload"], self.dry)
         try:
             self.w = (HFLoop if self.s["kind"] == "hf" else Loop)(torch, self.s, self.dry)
@@ -683,18 +695,23 @@ class Bench:
         return res
 
     def throughput(self, procs, s, rows, repeats=3, reports=False):
-        """Rounds of A B C D (each allocator one window per round): medians of `repeats` rounds."""
+        """Rounds of one window per allocator, the order rotated each round (A B C D, B C D A,
+        C D A B: no allocator always measures first or right after the same one): medians of
+        `repeats` rounds."""
         per = {a: [] for a in procs}
         window_s = 60 if not self.dry else 120
         round_s = 0.0
+        names = list(procs)
         for r in range(repeats):
+            order = names[r % len(names):] + names[:r % len(names)] if names else []
             # whole rounds only: every allocator gets as many windows as the others
             if self.left() < max(8.0, 1.2 * round_s):
                 for a in procs:
                     rows[a].setdefault("notes", []).append(f"the budget ran out after {r} of {repeats} rounds")
                 break
             t0 = time.time()
-            for a, p in procs.items():
+            for a in order:
+                p = procs[a]
                 if p.dead:
                     continue
                 res = p.ask({"op": "throughput", "batch": s["batch"], "warm": s["warm"], "steps": s["steps"],
@@ -719,8 +736,10 @@ class Bench:
         return per
 
     def frontier(self, p, s, row):
-        """The largest batch that completes s["f_steps"] steps under the cap: from the throughput
-        batch, doubling (or halving) until the answer changes, then bisection to 1/16 of the batch."""
+        """The largest batch that completes s["f_steps"] steps under the cap, bracketed by
+        bracket.search (the OOM step's finder uses the same): from the throughput batch, doubling
+        (or halving) until the answer changes, then bisection to 1/16 of the batch. `p` is a worker
+        that ran nothing before (bench_workload starts one per frontier)."""
         cap = int(s["cap_gib"] * GiB)
         f = {"cap_bytes": cap, "parameter": "batch" if s["kind"] != "varlen" else "largest batch (B/4..B rows)",
              "steps": s["f_steps"], "largest": None, "first_failure": None, "trials": []}
@@ -749,33 +768,13 @@ class Bench:
             elif f.get("first_oom") is None:
                 f["first_oom"] = r.get("oom")
             return r["ok"]
-        lo, hi, b = 0, None, s["batch"]
+        br = bracket.Bracket()
         try:
-            if fits(b):
-                lo = b
-                while hi is None and b < 64 * s["batch"]:
-                    b *= 2
-                    if fits(b):
-                        lo = b
-                    else:
-                        hi = b
-            else:
-                hi = b
-                while lo == 0 and b > 1:
-                    b //= 2
-                    if fits(b):
-                        lo = b
-                    else:
-                        hi = b
-            while hi is not None and hi - lo > max(1, lo // 16):
-                mid = (lo + hi) // 2
-                if fits(mid):
-                    lo = mid
-                else:
-                    hi = mid
+            bracket.search(fits, s["batch"], resolution=16, grow_limit=64, into=br)
         except _Stop:
             if not f.get("error"):
                 f["incomplete"] = "the budget ran out during the search: largest is a lower bound"
+        lo, hi = br.largest, br.first_failure
         f.update(largest=lo or None, first_failure=hi, seconds=round(time.time() - t0, 1))
         if lo in best:
             f.update({k: best[lo].get(k) for k in ("tokens_per_s", "ms_per_step", "peak_reserved", "peak_allocated")})
@@ -818,8 +817,8 @@ def num(v, fmt="{:.0f}"):
 # the varlen LM (throughput, cheap, then its frontier), then everything else.
 PLAN = ("gpt-small", "varlen-lm", "gpt2-small", "vit", "hf-gpt2")  # the rows' order
 # The order the work is done in, and what each part needs on an H200 at least (load, windows,
-# frontiers) to be begun at all: the GPT loop's throughput (native vs memshim first in each
-# round), the varlen LM's throughput and frontier, the GPT loop's frontier, then the rest.
+# frontiers in fresh workers) to be begun at all: the GPT loop's throughput, the varlen LM's
+# throughput and frontier, the GPT loop's frontier, then the rest.
 PHASES = (("gpt-small", ("throughput",), 20), ("varlen-lm", ("throughput", "frontier"), 45),
           ("gpt-small", ("frontier",), 15), ("gpt2-small", ("throughput", "frontier"), 45),
           ("vit", ("throughput", "frontier"), 40), ("hf-gpt2", ("throughput", "frontier"), 60))
@@ -830,15 +829,18 @@ def bench(out, budget, dry, only=None):
     B = Bench(out, budget, dry)
     res = {**machine_facts(dry), "budget_s": budget, "seconds": None, "rows": [],
            "workloads": {n: spec_of(n, dry) for n in PLAN},
-           "notes": ["throughput: medians of 3 interleaved windows (A B C D per round), warm-up steps excluded; "
+           "notes": ["throughput: medians of 3 interleaved windows (one per allocator per round, the order rotated "
+                     "each round), warm-up steps excluded; "
                      "peaks are the windows' highest", "frontier: one cap per workload "
                      "(set_per_process_memory_fraction, the same for all four; cudaMallocAsync counts allocated "
                      "bytes against it, not reserved); tokens/s there excludes each trial's first step",
                      "step_allocated_over_reserved: STAlloc's figure through PyTorch's memory API for every "
                      "allocator, one untimed window after the throughput rounds, peaks read and reset after each "
                      "step; peak_allocated_over_peak_reserved: the throughput windows' peaks",
-                     "one worker process per allocator loads each workload in turn (the last one, its cache "
-                     "and its cap freed first); a worker that died is started again for the next workload"]}
+                     "one throughput worker per allocator loads each workload in turn (the last one and its "
+                     "cache freed first; never capped); each frontier runs in a fresh worker that exits after "
+                     "it; a worker that died is started again for the next workload",
+                     "frontier: the bracket, largest batch that fits / first that fails (tests/gpu/bracket.py)"]}
     rows = {}
     for name in PLAN:
         cap = int(spec_of(name, dry)["cap_gib"] * GiB)
@@ -908,19 +910,48 @@ def bench_workload(B, procs, name, wrows, parts=("throughput", "frontier")):
     if "throughput" in parts:
         throughput_part(B, live, s, wrows)
     if "frontier" in parts:
-        for a in live:
-            if B.left() < 10:
-                wrows[a]["frontier"]["skipped"] = f"the budget ({B.budget:.0f} s) ran out"
-                continue
-            B.frontier(procs[a], s, wrows[a])
-            if wrows[a]["frontier"].get("error"):
-                wrows[a]["error"] = wrows[a]["frontier"]["error"]
+        frontier_part(B, name, s, wrows, list(live))
     for a in live:
         seen = wrows[a].get("allocator_seen")
         # on the CPU memshim is loaded but PyTorch never asks it for memory (no CUDA)
         want = seen if B.dry and a == "memshim" else "cpu (dry run)" if B.dry else a
         if seen is not None and seen != want and not wrows[a].get("error"):
             wrows[a]["error"] = f"the worker's allocator is {seen!r}, not {want!r}"
+
+
+def frontier_part(B, name, s, wrows, allocators):
+    """Each allocator's frontier in a worker of its own, started for it (together, before any
+    trial) and ended after it: a cap set there, its cache and whatever the trials left (an OOM's
+    cleanup, fragments) die with the process, so no frontier changes another measurement (issue
+    31: `set_per_process_memory_fraction(1.0)` was the way back, and under memshim it is a limit of
+    its own). The throughput workers are never capped."""
+    if B.left() < 10:
+        for a in allocators:
+            wrows[a]["frontier"]["skipped"] = f"the budget ({B.budget:.0f} s) ran out"
+        return
+    fresh = B.start(allocators, lambda a: {"MEMSHIM_REPORT_DIR": os.path.join(B.out, "memreport-frontier")}
+                    if a == "memshim" else None, tag="frontier")
+    try:
+        loaded = B.load(fresh, name)
+        for a in allocators:
+            f = wrows[a]["frontier"]
+            if loaded[a].get("error") or loaded[a].get("unavailable") or fresh[a].dead:
+                f["error"] = loaded[a].get("error") or loaded[a].get("unavailable") or fresh[a].dead
+                wrows[a]["error"] = f"frontier worker: {f['error']}"
+                continue
+            if B.left() < 10:
+                f["skipped"] = f"the budget ({B.budget:.0f} s) ran out"
+                continue
+            B.frontier(fresh[a], s, wrows[a])
+            wrows[a]["frontier"]["worker"] = "fresh"
+            if wrows[a]["frontier"].get("error"):
+                wrows[a]["error"] = wrows[a]["frontier"]["error"]
+            seen = loaded[a].get("allocator_seen")
+            want = seen if B.dry and a == "memshim" else "cpu (dry run)" if B.dry else a
+            if seen is not None and seen != want and not wrows[a].get("error"):
+                wrows[a]["error"] = f"the frontier worker's allocator is {seen!r}, not {want!r}"
+    finally:
+        close_all(fresh, 10)
 
 
 def throughput_part(B, live, s, wrows):
@@ -943,19 +974,27 @@ def bench_markdown(res):
             f"PyTorch {next((r['worker'].get('torch') for r in res['rows'] if (r.get('worker') or {}).get('torch')), 'n/a')}, "
             f"commit {res.get('commit') or 'n/a'}; {res['seconds']} s of a {res['budget_s']:.0f} s budget.\n\n")
     lines = ["| workload | allocator | tokens/s | ms/step | peak reserved GiB | peak allocated GiB | step alloc/resv "
-             "min/median/max | cap GiB | largest batch | tokens/s there | notes |",
+             "min/median/max | cap GiB | batch: largest fits / first fails | tokens/s there | notes |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in res["rows"]:
         f = r.get("frontier") or {}
-        lg = f.get("largest")
-        lgs = "n/a" if lg is None else (f"{lg}" + ("" if f.get("first_failure") is not None or f.get("incomplete")
-                                                   else "+") + (" (lower bound)" if f.get("incomplete") else ""))
+        lgs = bracket_text(f)
         note = r.get("skipped") or r.get("error") or f.get("skipped") or f.get("note") or ""
         lines.append(f"| {r['workload']} | {r['allocator']} | {num(r['tokens_per_s'])} | "
                      f"{num(r['ms_per_step'], '{:.1f}')} | {gib(r['peak_reserved'])} | {gib(r['peak_allocated'])} | "
                      f"{stepfig_text(r.get('step_allocated_over_reserved'))} | {gib(f.get('cap_bytes'))} | {lgs} | {num(f.get('tokens_per_s'))} | "
                      f"{str(note).replace('|', '/')[:160]} |")
     return head + "\n".join(lines) + "\n"
+
+
+def bracket_text(f):
+    """The frontier as its bracket, "largest fits / first fails" (issue 31): "24 / 26"; "0 / 1" when
+    not even batch 1 fits; "2048 / none" when nothing failed up to the search's bound; "n/a"
+    without a search; "(lower bound)" when the budget stopped it."""
+    lg, ff = f.get("largest"), f.get("first_failure")
+    if lg is None and ff is None:
+        return "n/a"
+    return f"{lg or 0} / {'none' if ff is None else ff}" + (" (lower bound)" if f.get("incomplete") else "")
 
 
 def budget_limited(r):
@@ -970,9 +1009,10 @@ def stepfig_text(sr):
 
 
 def check_bench(res, dry):
-    """The run's own verdict: every row present; no worker error; in a dry run every row measured
-    (unless the budget cut it short, which the row says: a slow machine is not a failure) and every
-    frontier exactly at its emulated cap (the search is exact there)."""
+    """The run's own verdict: every row present; no worker error; no row, round of windows or
+    frontier cut short by the budget (issue 31: an incomplete table is never a pass; the bench runs
+    alone with a budget that lets it finish, docs/benchmarks.md); in a dry run every row measured
+    and every frontier exactly at its emulated cap (the search is exact there)."""
     bad = []
     want = {(w, a) for w in PLAN for a in ALLOCATORS}
     have = {(r["workload"], r["allocator"]) for r in res["rows"]}
@@ -982,7 +1022,10 @@ def check_bench(res, dry):
         who = f"{r['workload']}/{r['allocator']}"
         if r.get("error"):
             bad.append(f"{who}: {r['error']}")
-        if dry and not r.get("skipped") and not budget_limited(r):
+        if budget_limited(r):
+            f = r.get("frontier") or {}
+            bad.append(f"{who}: cut short by the budget ({r.get('skipped') or '; '.join(r.get('notes') or []) or f.get('skipped') or f.get('incomplete')})")
+        elif dry and not r.get("skipped"):
             if not (r["tokens_per_s"] or 0) > 0 or len(r.get("repeats") or []) != 3:
                 bad.append(f"{who}: no throughput from 3 windows")
             exp = WORKLOADS[r["workload"]]["dry"]["dry_cap"]

@@ -6,10 +6,12 @@ tests/gpu/run_gpu_checks.sh:
               library, so reports need no libjansson there), the VMM cost probe, the audit module
               that hides libjansson, then drop what the run does not need (objects, archives): the
               folder a device run carries (a few MB). No network, nothing installed.
-  (none)      on the lent GPU machine, from the checkout with build-gpu/ carried: every step on the
-              real driver, nothing installed, each step with its own timeout, all within --budget
-              (default 470 s, under 8 minutes), results as JSON under $OUT (gpu-checks.json, one
-              file per step).
+  (none)      on the lent GPU machine, from the checkout with build-gpu/ carried: every step but the
+              bench on the real driver, nothing installed, each step with its own timeout, all
+              within --budget (default 470 s, under 8 minutes), results as JSON under $OUT
+              (gpu-checks.json, one file per step).
+  --steps machine,glue,bench   the bench, alone (another device command), with its own budget
+              (--bench-budget, default 420 s): a row it cannot finish fails the step.
   --dry-run   here (make check): the same steps on the CUDA driver double and PyTorch on the CPU,
               with libjansson made unreachable as on the GPU machine, so no step can fail there on
               a typo (default budget 900 s: no device time is spent).
@@ -26,7 +28,7 @@ batch under 24 GiB), spill, gpt (tests/gpu/bench_workloads.py gpt: a GPT trained
 natively, in tensor mode and in segment mode, interleaved, with memshim's own account and a CPU
 profile: where memshim's time per step goes; issue 24), bench (bench_workloads.py bench: training
 shapes under native, expandable segments, cudaMallocAsync and memshim: throughput and the largest
-batch under one cap, within --bench-budget; gpu-bench.json and gpu-bench.md; issue 26), report
+batch under one cap, within --bench-budget, run alone; gpu-bench.json and gpu-bench.md; issue 26), report
 (memshim-report over every report written). --steps NAME,NAME runs those steps only (the others
 are recorded as skipped; `machine` gives the facts the others need, so keep it first). A step whose inputs
 failed is skipped with the reason (no VMM: the memshim steps; no PyTorch: torch). Ends with
@@ -116,12 +118,17 @@ def prepare():
 # ---- the run -------------------------------------------------------------------------------------
 
 STEPS = ("machine", "vmm-costs", "glue", "doctor", "demo", "torch", "spill", "oom", "gpt", "bench", "report")
+# The bench runs alone, with its own budget (issue 31: it shared the check's and skipped rows): the
+# default steps leave it out; `--steps machine,glue,bench` runs it. The dry run runs every step.
+DEFAULT_STEPS = tuple(x for x in STEPS if x != "bench")
+BENCH_COMPANIONS = {"machine", "glue", "bench"}
+BENCH_BUDGET_S, BENCH_BUDGET_MAX_S = 420, 540
 # the step whose result a fact is: a fact of a step not selected (--steps) is not checked
 PROVIDES = {"torch": "machine", "gpu": "machine", "vmm": "vmm-costs", "glue": "glue"}
 
 
 class Run:
-    def __init__(self, out, dry, budget, selected=STEPS, bench_budget=240):
+    def __init__(self, out, dry, budget, selected=STEPS, bench_budget=BENCH_BUDGET_S):
         self.out, self.dry, self.budget, self.t0 = out, dry, budget, time.time()
         self.selected, self.bench_budget = set(selected), bench_budget
         self.steps, self.facts = [], {}
@@ -136,20 +143,22 @@ class Run:
     def left(self):
         return self.budget - (time.time() - self.t0)
 
-    def step(self, name, fn, timeout, needs=()):
+    def step(self, name, fn, timeout, needs=(), own_budget=False):
+        """Run one step within `timeout`, cut to what the check's budget leaves, unless the step has
+        a budget of its own (the bench: `timeout` is that budget, whatever the others took)."""
         missing = [n for n in needs if not self.facts.get(n) and PROVIDES[n] in self.selected]
         rec = {"name": name, "ok": None, "seconds": 0.0, "timed_out": False}
         if name not in self.selected:
             rec["skipped"] = "not selected (--steps)"
         elif missing:
             rec["skipped"] = f"needs {', '.join(missing)}"
-        elif self.left() < 15:
+        elif self.left() < 15 and not own_budget:
             rec["skipped"] = f"the budget ({self.budget:.0f} s) is spent"
         if "skipped" in rec:
             say(f"{name}: skipped ({rec['skipped']})")
             self.steps.append(rec)
             return
-        limit = max(10, min(timeout, self.left() - 10))
+        limit = timeout if own_budget else max(10, min(timeout, self.left() - 10))
         say(f"{name} (up to {limit:.0f} s)")
         t0 = time.time()
         try:
@@ -370,7 +379,8 @@ class Run:
         """Issue 26: every workload under every allocator, throughput and frontier, within its budget."""
         ok, d = self.workloads("bench", limit)
         data = d.pop("data", None) or {}
-        d["rows"] = [[r["workload"], r["allocator"], r.get("tokens_per_s"), (r.get("frontier") or {}).get("largest"),
+        d["rows"] = [[r["workload"], r["allocator"], r.get("tokens_per_s"),
+                      [(r.get("frontier") or {}).get("largest"), (r.get("frontier") or {}).get("first_failure")],
                       r.get("skipped") or r.get("error")] for r in data.get("rows", [])]
         return ok, d
 
@@ -387,6 +397,16 @@ class Run:
             runs = None
         return rc == 0 and rc2 == 0, {"rc": rc, "runs": runs, "dirs": dirs, "file": os.path.join(self.out, "report.txt")}
 
+    def bench_limit(self):
+        """The bench's own budget (the dry run measures nothing: it gets the time a loaded CPU
+        machine needs for every row, fresh frontier workers included)."""
+        return max(self.bench_budget, 400) if self.dry else self.bench_budget
+
+    def bench_step(self):
+        # on the GPU the bench runs alone, on its own budget; the dry run shares the check's (one
+        # command in make check)
+        self.step("bench", self.bench, self.bench_limit(), needs=("torch", "vmm", "glue"), own_budget=not self.dry)
+
     def run(self):
         os.makedirs(self.out, exist_ok=True)
         self.step("machine", self.machine, 60)
@@ -398,9 +418,7 @@ class Run:
         self.step("spill", self.spill, 150, needs=("torch", "vmm", "gpu") if not self.dry else ())
         self.step("oom", self.oom, 60, needs=("torch", "vmm"))
         self.step("gpt", self.gpt, 240 if self.dry else 90, needs=("torch", "vmm", "glue"))
-        # the dry run measures nothing: it gets the time a loaded CPU machine needs for every row
-        self.step("bench", self.bench, max(self.bench_budget, 400) if self.dry else self.bench_budget,
-                  needs=("torch", "vmm", "glue"))
+        self.bench_step()
         self.step("report", self.report, 60)
         total = round(time.time() - self.t0, 1)
         summary = {"dry_run": self.dry, "budget_s": self.budget, "total_s": total, "steps": self.steps,
@@ -425,14 +443,21 @@ def main():
     g.add_argument("--dry-run", action="store_true")
     ap.add_argument("--budget", type=float, default=None,
                     help=f"seconds for every step together (default {BUDGET_S}; the dry run: {DRY_BUDGET_S})")
-    ap.add_argument("--steps", default=",".join(STEPS),
-                    help=f"the steps to run, comma-separated (default: all: {','.join(STEPS)}); the others are "
-                         "recorded as skipped")
-    ap.add_argument("--bench-budget", type=float, default=240, help="seconds for the bench step (default 240)")
+    ap.add_argument("--steps", default=None,
+                    help=f"the steps to run, comma-separated (default: {','.join(DEFAULT_STEPS)}; the dry run: all "
+                         f"of {','.join(STEPS)}); the others are recorded as skipped. The bench runs alone: "
+                         "--steps machine,glue,bench")
+    ap.add_argument("--bench-budget", type=float, default=BENCH_BUDGET_S,
+                    help=f"seconds for the bench step, its own (default {BENCH_BUDGET_S}, at most {BENCH_BUDGET_MAX_S})")
     a = ap.parse_args()
-    sel = [x.strip() for x in a.steps.split(",") if x.strip()]
+    steps = a.steps if a.steps is not None else ",".join(STEPS if a.dry_run else DEFAULT_STEPS)
+    sel = [x.strip() for x in steps.split(",") if x.strip()]
     if not sel or set(sel) - set(STEPS):
-        say(f"--steps {a.steps}: name steps among {', '.join(STEPS)}")
+        say(f"--steps {steps}: name steps among {', '.join(STEPS)}")
+        return 2
+    if "bench" in sel and not a.dry_run and (set(sel) - BENCH_COMPANIONS or not 60 <= a.bench_budget <= BENCH_BUDGET_MAX_S):
+        say(f"--steps {steps} --bench-budget {a.bench_budget:g}: the bench runs alone, with its own budget of 60 to "
+            f"{BENCH_BUDGET_MAX_S} s (--steps machine,glue,bench): run the other steps in another command")
         return 2
     if a.prepare:
         return prepare()

@@ -8,8 +8,9 @@ under memshim in tensor mode with LD_PRELOAD alone, as tests/gpu/test_torch.py r
     torch.OutOfMemoryError and the card's used memory meanwhile (before issue 25, under memshim:
     20 s and the whole card for the first, 10.8 s for the second; natively 28 ms);
   - a hand-written batch-size finder on a small MLP (forward and backward in bf16): doubles the
-    batch until torch.OutOfMemoryError, then bisects to within 1/32; each OOM is followed by
-    gc.collect() and torch.cuda.empty_cache(), as finders do;
+    batch until torch.OutOfMemoryError, then bisects to within 1/32 (tests/gpu/bracket.py's
+    search, the one the GPU bench's frontier uses); each OOM is followed by gc.collect() and
+    torch.cuda.empty_cache(), as finders do;
   - accelerate's find_executable_batch_size over the same step, if accelerate imports.
 `nvidia-smi --query-gpu=memory.used -lms 50` samples the card's used memory in a thread all along;
 each phase records its time, its answer and the most the card used during it.
@@ -36,7 +37,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 from pyharness import BUILD, case, finish, skip  # noqa: E402
+import bracket  # noqa: E402 - the one batch-size search, shared with the bench's frontier
 
 LIB = os.path.abspath(os.path.join(BUILD, "libmemshim.so"))
 GiB, MiB = 1 << 30, 1 << 20
@@ -81,6 +84,15 @@ class Sampler:
         self.stop.set()
         if self.proc:
             self.proc.terminate()
+
+
+# ================================================================================== the finder
+def hand_finder(fits, start):
+    """The hand-written batch-size finder: the batch doubled from `start` until it fails, then
+    bisected to within 1/32 (as finders do), through bracket.search, the search the GPU bench's
+    frontier uses (issue 31: one bisection for both). {answer, bracket}."""
+    b = bracket.search(fits, start, resolution=32, grow_limit=None)
+    return {"answer": b.largest, "first_failure": b.first_failure}
 
 
 # ================================================================================== the worker
@@ -191,15 +203,7 @@ def worker(mode, dry):
                 torch.cuda.empty_cache()
             return False
 
-    def hand():
-        lo, hi, b = 0, None, start
-        while hi is None:
-            lo, hi, b = (b, None, b * 2) if fits(b) else (lo, b, b)
-        while hi - lo > max(1, lo // 32):
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return {"answer": lo, "probes": probes[:]}
-    phase("hand_finder", hand)
+    phase("hand_finder", lambda: dict(hand_finder(fits, start), probes=probes[:]))
 
     try:
         from accelerate.utils import find_executable_batch_size

@@ -2,9 +2,11 @@
 # The GPU check in one go (docs/testing.md, "The GPU check"); the work is tests/gpu/gpu_checks.py.
 #   bash tests/gpu/run_gpu_checks.sh --prepare   here: build build-gpu/, the folder a device run carries
 #   bash tests/gpu/run_gpu_checks.sh             on the lent GPU machine (build-gpu/ carried): every step
-#                                                on the real driver, under 8 minutes, results as JSON in $OUT
-#   bash tests/gpu/run_gpu_checks.sh --dry-run   here: every step on the driver double (make check)
-#   ... --steps machine,gpt,bench --bench-budget 240   a subset, the bench step with its own budget
+#                                                but the bench on the real driver, under 8 minutes, results
+#                                                as JSON in $OUT
+#   ... --steps machine,glue,bench [--bench-budget 420]   the bench, alone, with its own budget (a
+#                                                row it cannot finish fails it): another device command
+#   bash tests/gpu/run_gpu_checks.sh --dry-run   here: every step, the bench too, on the driver double (make check)
 # Nothing is installed and nothing is fetched: the lent machine has no network.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

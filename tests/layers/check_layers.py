@@ -10,7 +10,10 @@ folders in their order), the header counted by the top folder that holds it, and
      backends, policy/base: msh.h with the log and the options, the driver table, the clocks)
      includes nothing outside itself. A strict order, so no two top folders include each other
      either (named apart below). shim/memshim.h, the public API, belongs to no floor;
-  2. no product C file is over MAX_LINES lines (mimalloc's one small file per concern).
+  2. no product C file is over MAX_LINES lines (mimalloc's one small file per concern);
+  3. every product C file opens with a comment saying what it is for, and the pool's files
+     (policy/pool/, docs/pool.md: "each file opening with what it owns and what it must never
+     do") say in it what they must never do.
 
 Prints one line per breach (file:line: what, and why it breaks the floors), then
 "N passed, N failed". Exit 1 on any breach. Reads only the tree: `python3 tests/layers/check_layers.py`
@@ -29,6 +32,8 @@ MAX_LINES = 1500
 # policy/pool/, issue 19); the check fails on an entry that no longer needs to be here.
 LONG_OK = {}
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
+OPENING = re.compile(r"\s*/\*(.*?)\*/", re.S)
+SAYS_NEVER = ("policy/pool/",)  # folders whose files' opening comments say what they must never do
 
 
 def include_dirs(root):
@@ -91,6 +96,13 @@ def main():
                 breach(f"{src}: {len(lines)} lines, over {MAX_LINES}: split it by concern")
             else:
                 passed += 1
+        opening = OPENING.match("\n".join(lines))
+        if not opening:
+            breach(f"{src}: does not open with a comment saying what it is for")
+        elif src.startswith(SAYS_NEVER) and src.endswith(".c") and "never" not in opening.group(1).lower():
+            breach(f"{src}: its opening comment does not say what it must never do")
+        else:
+            passed += 1
         mine = floor(src)
         for n, text in enumerate(lines, 1):
             m = INCLUDE.match(text)

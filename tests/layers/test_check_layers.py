@@ -4,6 +4,7 @@ Makefile, the tree as it is passes; an include that runs up a floor, one that ma
 folders include each other, a header found nowhere and a product C file over the line limit each
 fail, naming the file and line."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,6 +83,18 @@ def main():
             f.write("/* too_long.c */\n" + "int x;\n" * 1500)
         rc, out = run(tree)
         case("a product C file over 1500 lines fails", rc == 1 and "shim/too_long.c: 1501 lines" in out, out[-1500:])
+
+        tree = scratch(tmp)  # issue 31: the pool's files say what they must never do (docs/pool.md)
+        p = os.path.join(tree, "policy", "pool", "check.c")
+        text = open(p).read()
+        head, rest = text.split("*/", 1)
+        open(p, "w").write(re.sub(r"(?i)never", "not", head) + "*/" + rest)
+        with open(os.path.join(tree, "shim", "bare.c"), "w") as f:
+            f.write("int bare;\n")
+        rc, out = run(tree)
+        case("a pool file whose opening comment says nothing it must never do fails, and so does a file with no "
+             "opening comment", rc == 1 and "policy/pool/check.c: its opening comment does not say what it must never do"
+             in out and "shim/bare.c: does not open with a comment" in out, out[-1500:])
 
         tree = scratch(tmp)
         add_include(tree, "hooks/entry.c", "pool.h")

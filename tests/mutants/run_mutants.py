@@ -55,12 +55,14 @@ UNIT_FIRST = {
     "test_double": ("tests/cudadouble/",), "test_drvcost": ("policy/drvcost.c",), "test_torch": ("shim/torch.c",),
 }
 SCRIPT_FIRST = [  # (word in the suite's name, files whose mutants try it first)
-    ("preload", ("hooks/", "shim/", "policy/dev_cuda.c")),
+    ("preload", ("hooks/", "shim/", "policy/dev_cuda.c", "policy/base/drvlog.c")),
     ("--check", ("policy/pool/", "report/replay/", "report/replay/models/policy_memshim.c")),
     ("replay", ("report/replay/", "report/trace/", "report/replay/models/")),
     ("demo", ("shim/", "report/report.c")),
     ("reports", ("report/report.c", "shim/core.c", "policy/pool/")),
-    ("report tool", ("report/report.c",)),
+    ("report tool", ("report/report.c", "hooks/python/memshim/report.py")),
+    ("report page", ("hooks/python/memshim/report.py",)),
+    ("bench plan", ("tests/gpu/",)),
     ("GC", ("shim/core.c",)),
     ("pytorch", ("shim/torch.c", "hooks/python/")),
     ("reliability", ("hooks/", "policy/dev_cuda.c")),

@@ -203,6 +203,36 @@ ENV_EXTRA=(MEMSHIM_GC=threshold)
 run_prog gc_threshold_cost gc_threshold_cost
 ENV_EXTRA=()
 run_prog capture_reuse capture_reuse
+# issue 31: memshim_overhead.synchronizes equal to the double's counts, runtime synchronizes included
+mkdir -p "$TMP/sync-segment" "$TMP/sync-tensor"
+ENV_EXTRA=(MEMSHIM_REPORT_DIR="$TMP/sync-segment" MEMSHIM_REPORT_FORMAT=json)
+run_prog sync_ledger_segment sync_ledger
+ENV_EXTRA=(MEMSHIM_REPORT_DIR="$TMP/sync-tensor" MEMSHIM_REPORT_FORMAT=json TENSOR_MODE=1)
+run_prog sync_ledger_tensor sync_ledger
+# issue 31: a request refused before any driver work leaves its OOM files to the watcher thread,
+# and they are written even when the program ends right after the refusal
+mkdir -p "$TMP/oomthread" "$TMP/oomthread-exit"
+ENV_EXTRA=(CUDBL_CAPACITY=1G MEMSHIM_LIMIT=64M MEMSHIM_LOG=error MEMSHIM_REPORT_DIR="$TMP/oomthread"
+           MEMSHIM_SNAPSHOT="$TMP/oomthread/snap.pickle")
+run_prog oom_thread oom_thread
+ENV_EXTRA=(CUDBL_CAPACITY=1G MEMSHIM_LIMIT=64M MEMSHIM_LOG=error MEMSHIM_REPORT_DIR="$TMP/oomthread-exit"
+           MEMSHIM_SNAPSHOT="$TMP/oomthread-exit/snap.pickle" EXIT_AT_ONCE=1)
+run_prog oom_thread_exit oom_thread
+ENV_EXTRA=(CUDBL_CAPACITY=1G MEMSHIM_LIMIT=64M MEMSHIM_LOG=error)
+run_prog oom_thread_no_reports oom_thread
+# issue 31: the docs' "never" claims that only a program around memshim can count (no malloc for
+# the pool's own memory, no fsync at an epoch close)
+mkdir -p "$TMP/never"
+ENV_EXTRA=(CUDBL_CAPACITY=8G MEMSHIM_REPORT_DIR="$TMP/never")
+run_prog never_calls never_calls
+if [ -f "$TMP/oomthread-exit/snap-oom0000.pickle" ] && ls "$TMP"/oomthread-exit/memshim-*-oom0000.json >/dev/null 2>&1 &&
+    python3 -c 'import json,glob,sys; r=json.load(open(glob.glob(sys.argv[1] + "/memshim-*-oom0000.json")[0])); \
+sys.exit(0 if r["last_oom"]["case"] == "larger_than_device" else 1)' "$TMP/oomthread-exit"; then
+    ok "oom_thread_written_at_exit (a refusal right before the end still gets its OOM report and snapshot)"
+else
+    fail "oom_thread_written_at_exit" "$(ls "$TMP/oomthread-exit" | tr '\n' ' ')"
+fi
+ENV_EXTRA=()
 # issue 24: a warm training step's driver calls, reports and the snapshot ring on
 mkdir -p "$TMP/step-reports"
 ENV_EXTRA=(MEMSHIM_REPORT_DIR="$TMP/step-reports" MEMSHIM_SNAPSHOT="$TMP/step-snapshot.pickle" MEMSHIM_LOG=info)

@@ -10,9 +10,16 @@ The promises are extracted from the docs by fixed rules, never listed by hand:
   fallback:slug          every row of docs/pytorch.md's "Fallbacks to segment mode" table
   advice:kind            every rule of docs/reports.md's advice table (#advice)
   reason:word            every epoch reason named in docs/reports.md's schema section
+  never:FILE#words       every sentence of README.md and docs/*.md that says something never
+                         happens (the word "never" outside code spans and code blocks; not the
+                         option value of MEMSHIM_EMPTY_CACHE/MEMSHIM_GC in a list of values),
+                         named by the words around it (issue 31)
 
 tests/promises/index.txt maps each promise to the tests that cover it, by name:
     PROMISE-ID | tests/FILE | TEST NAME
+or, for a `never:` sentence that is not a claim about what memshim does (a measurement's story,
+another program's behaviour, the test double's, a rule of the tests themselves), says why:
+    PROMISE-ID | n/a | WHY
 A name must be a real test of that file: a C test's TEST(name), or a substring of the name
 string of a Python case() call (read with the ast module, f-string text parts
 included), or, in a shell suite, of a line that names a check. Report fields that
@@ -105,6 +112,43 @@ def schema_promises(schema):
     return out
 
 
+POLICY_VALUES = ("oom", "epoch", "threshold", "idle")
+
+
+def never_sentences(md):
+    """The sentences (and table cells, list items) of a markdown text that contain the word
+    "never" as a claim: code blocks and code spans left out, and "never" as one value in a list
+    of the empty-cache or GC policies' values."""
+    paras, block, code = [], [], False
+
+    def flush():
+        if block:
+            paras.append(" ".join(x.strip() for x in block))
+            block.clear()
+    for line in md.splitlines():
+        if line.startswith("```"):
+            code = not code
+            flush()
+            continue
+        if code or (line.startswith("    ") and not block) or not line.strip():
+            flush()
+            continue
+        if line.startswith(("|", "#")) or re.match(r"^\s*([-*]|\d+\.)\s", line):
+            flush()
+        block.append(line)
+    flush()
+    out = []
+    for para in paras:
+        para = re.sub(r"`[^`]*`", "CODE", para)
+        for sent in re.split(r"(?<=[.;:!?])\s+(?=[A-Z(*])|\s\|\s", para):
+            words = re.findall(r"[A-Za-z0-9_%'-]+", sent)
+            at = [i for i, w in enumerate(words) if w.lower() == "never"]
+            at = [i for i in at if not any(w.lower() in POLICY_VALUES for w in words[max(0, i - 1):i + 2])]
+            if at:
+                out.append((sent.strip(), words, at[0]))
+    return out
+
+
 def extract():
     """{promise id: where the docs make it}"""
     prom = {}
@@ -139,6 +183,13 @@ def extract():
         m = re.fullmatch(r"`([a-z-]+)`", cells[0])
         if m:
             prom[f"advice:{m.group(1)}"] = "docs/reports.md#advice"
+    for rel in ["README.md"] + sorted("docs/" + f for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")):
+        for sent, words, i in never_sentences(read(rel)):
+            base = f"never:{rel}#" + slug(" ".join(words[max(0, i - 3):i + 4]))
+            pid, k = base, 2
+            while pid in prom:
+                pid, k = f"{base}-{k}", k + 1
+            prom[pid] = f"{rel}: {sent[:200]}"
     return prom
 
 
@@ -214,9 +265,16 @@ def main():
     fields = truth_fields()
     entries = read_index()
     covered, problems = {}, []
+    na = set()
     for n, pid, rel, name in entries:
         if pid not in prom:
             problems.append(f"index.txt:{n}: '{pid}' is not a promise the docs make (stale: remove or rename it)")
+            continue
+        if rel == "n/a":
+            if not pid.startswith("never:"):
+                problems.append(f"index.txt:{n}: {pid}: only a never: sentence may be n/a (with why)")
+            else:
+                na.add(pid)
             continue
         if not rel.startswith("tests/") or not os.path.isfile(os.path.join(ROOT, rel)):
             problems.append(f"index.txt:{n}: {pid}: no test file {rel}")
@@ -230,7 +288,7 @@ def main():
         covered.setdefault(pid, []).append(f"{rel}: {name}")
     missing = []
     for pid in sorted(prom):
-        if pid in covered or covered_by_fields(pid, fields):
+        if pid in covered or pid in na or covered_by_fields(pid, fields):
             continue
         missing.append(f"{pid}  (promised in {prom[pid]})")
     by_fields = sum(1 for p in prom if p not in covered and covered_by_fields(p, fields))
@@ -244,7 +302,8 @@ def main():
     for p in prom:
         kinds[p.split(":")[0]] = kinds.get(p.split(":")[0], 0) + 1
     print(f"{len(prom)} promises ({', '.join(f'{v} {k}' for k, v in sorted(kinds.items()))}): {len(covered)} named "
-          f"in index.txt by {len(tests)} tests, {by_fields} by test_report_truth.py's FIELDS; "
+          f"in index.txt by {len(tests)} tests, {by_fields} by test_report_truth.py's FIELDS, {len(na)} never: "
+          f"sentences that are no claim about memshim (n/a, with why); "
           f"{len(missing)} without a test, {len(problems)} broken index lines")
     print(f"{passed + len(entries) - len(problems)} passed, {len(missing) + len(problems)} failed, 0 skipped")
     return 1 if missing or problems else 0

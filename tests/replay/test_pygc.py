@@ -98,18 +98,23 @@ with tempfile.TemporaryDirectory() as tmp:
     case("an epoch closed inside the cudaMalloc hook does not run Python code there",
          p.returncode == 0 and "RESULT 0 False" in p.stdout, (p.stdout + p.stderr)[-400:])
 
-    for mode in ("pydll", "cdll"):
-        rdir = os.path.join(tmp, mode)
+    for mode, policy in (("pydll", "oom"), ("cdll", "oom"), ("pydll", "never")):
+        rdir = os.path.join(tmp, mode + policy)
         env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSHIM_")}
         env.update({"LD_LIBRARY_PATH": os.path.join(BUILD, "double"), "CUDBL_CAPACITY": "1G",
-                    "MEMSHIM_LIMIT": "64M", "MEMSHIM_GC": "oom", "MEMSHIM_REPORT_DIR": rdir,
+                    "MEMSHIM_LIMIT": "64M", "MEMSHIM_GC": policy, "MEMSHIM_REPORT_DIR": rdir,
                     "MEMSHIM_LOG": "error"})
         p = subprocess.run([sys.executable, "-c", CHILD, mode, LIB], env=env, capture_output=True, text=True,
                            timeout=120)
         reps = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(rdir, "*-epoch*.json")))]
         pol = reps[0]["policies"] if reps else {}
         oom = reps[0]["oom"] if reps else {}
-        if mode == "pydll":
+        if policy == "never":  # issue 31: docs/configuration.md, "memshim never runs Python's garbage collector"
+            case("MEMSHIM_GC=never, GIL held: memshim never runs gc.collect(); the allocation blocked by garbage "
+                 "cycles fails cleanly",
+                 p.returncode == 0 and "FIRST True BIG False" in p.stdout and pol.get("gc_runs", 1) == 0
+                 and oom.get("rescued_by_gc", 1) == 0, (p.stdout + p.stderr)[-500:] + str(pol) + str(oom))
+        elif mode == "pydll":
             case("GIL held: an allocation blocked by garbage cycles succeeds after memshim's gc.collect()",
                  p.returncode == 0 and "FIRST True BIG True" in p.stdout and pol.get("gc_runs", 0) >= 1
                  and oom.get("rescued_by_gc", 0) >= 1, (p.stdout + p.stderr)[-500:] + str(pol) + str(oom))

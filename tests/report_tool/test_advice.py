@@ -228,6 +228,17 @@ def main():
         case("OOM rule: larger than the limit alone is named as such, with no spill suggestion (issue 25)",
              len(oa) == 1 and "larger than MEMSHIM_LIMIT (38912.0 MiB) alone" in oa[0]["text"]
              and "MEMSHIM_SPILL" not in oa[0]["text"] and "short_bytes" not in oa[0].get("figures", {}), adv)
+        # issue 31: a limit refuses it, not memory: never "no allocator could serve it" for a limit,
+        # and the limit named by what set it (no MEMSHIM_LIMIT in the config: the memory fraction)
+        write_run(D("oom-alone-fraction"), [(30 * GiB, 36 * GiB, 38 * GiB)] * 3, total=80 * GiB, ooms=1,
+                  last_oom=alone)
+        adv2, p = advice(D("oom-alone-fraction"))
+        ob = [a for a in adv2 if a["kind"] == "oom"]
+        case("OOM rule: larger than a limit alone says the limit refuses it, naming what set it (issue 31)",
+             len(ob) == 1 and "no allocator could serve it" not in oa[0]["text"] + ob[0]["text"]
+             and "cannot fit under that limit" in oa[0]["text"] and "raise MEMSHIM_LIMIT" in oa[0]["text"]
+             and "larger than the limit set_per_process_memory_fraction set (38912.0 MiB) alone" in ob[0]["text"]
+             and "raise the memory fraction" in ob[0]["text"], (adv, adv2))
 
         # 5. unfinished and interrupted runs, unknown reasons
         write_run(D("nosummary"), [(GiB, 2 * GiB, 2 * GiB)] * 3, total=80 * GiB, summary=False)

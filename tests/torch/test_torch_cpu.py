@@ -317,8 +317,9 @@ print("STATS", st["mode"], st["torch"]["allocated_bytes.all.current"] == torch.c
         case("OOM: the glue's exception becomes torch.OutOfMemoryError through PyTorch's translation, with "
              "PyTorch's opening words and memshim's diagnosis",
              msg.startswith("CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 ")
-             and "memshim (tensor mode): larger than the limit (1.00 GiB)" in msg
-             and "before any driver work" in msg and "MEMSHIM_LIMIT" in msg, out + err[-1500:])
+             and "memshim (tensor mode): larger than the limit (1.00 GiB) set by set_per_process_memory_fraction(0.25)"
+             in msg and "before any driver work" in msg and "raise the memory fraction" in msg
+             and "could ever" not in msg, out + err[-1500:])
         case("num_ooms counts it, and the job continues with a smaller request",
              o.get("OOMS") == "1" and o.get("CONTINUE") == "True", out + err[-1500:])
         now = json.loads(o["NOW"]) if o.get("NOW", "none") != "none" else ""

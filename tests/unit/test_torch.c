@@ -481,6 +481,34 @@ TEST(one_limit_for_the_main_and_capture_pools)
     CHECK(msh_torch_limit(0) == 1024 * MiB);
 }
 
+/* Issue 31: a request refused under a limit is not one "no memory could ever hold": the message
+ * names the limit, what set it, and the knob that raises it; the device's own case keeps saying
+ * that nothing on this GPU could hold it. */
+TEST(oom_message_names_the_limit_and_what_set_it)
+{
+    memshim_torch_set_memory_fraction(0.25, 0); /* 256 MiB of the 1 GiB device */
+    char msg[2048];
+    CHECK(memshim_torch_alloc(300 * MiB, 0, NULL) == NULL); /* larger than the limit alone */
+    memshim_torch_oom_message(0, 300 * MiB, msg, sizeof msg);
+    CHECKF(strstr(msg, "larger than the limit (256.00 MiB) set by set_per_process_memory_fraction(0.25)") &&
+               strstr(msg, "before any driver work") && strstr(msg, "raise the memory fraction") &&
+               !strstr(msg, "could ever hold") && !strstr(msg, "MEMSHIM_LIMIT"),
+           "%s", msg);
+    void *m = memshim_torch_alloc(200 * MiB, 0, NULL);
+    REQUIRE(m);
+    CHECK(memshim_torch_alloc(100 * MiB, 0, NULL) == NULL); /* fits the limit, not what is left of it */
+    memshim_torch_oom_message(0, 100 * MiB, msg, sizeof msg);
+    CHECKF(strstr(msg, "does not fit now") && strstr(msg, "limit 256.00 MiB (set by set_per_process_memory_fraction(0.25))"),
+           "%s", msg);
+    memshim_torch_free(m, 200 * MiB, 0, NULL);
+    memshim_torch_set_memory_fraction(1.0, 0);
+    CHECK(memshim_torch_alloc(2048 * MiB, 0, NULL) == NULL); /* larger than the device */
+    memshim_torch_oom_message(0, 2048 * MiB, msg, sizeof msg);
+    CHECKF(strstr(msg, "larger than the device (1.00 GiB): no memory on this GPU could ever hold it") &&
+               !strstr(msg, "set by"),
+           "%s", msg);
+}
+
 TEST(base_allocation_of_an_interior_pointer)
 {
     void *a = memshim_torch_alloc(6 * MiB, 0, NULL);

@@ -27,7 +27,7 @@ rank far above the others, runs that did not finish or were interrupted, ranks w
   --plot OUT      per-epoch peak allocated and reserved, fragmentation and allocated memory at
                   epoch end, one line per rank: OUT.png or OUT.svg, drawn with matplotlib when it
                   is importable, else by this script (--plot-engine builtin: always by this script)
-  --html OUT      one self-contained page: charts (inline SVG), tables, sites, advice
+  --html OUT      one self-contained page: charts (inline SVG), tables, memshim's own cost, sites, advice
   --tensorboard LOGDIR  the per-epoch figures as TensorBoard scalars (memshim/...), one
                   TensorBoard run per process and device (needs the tensorboard package)
   --per-process   in runs of several processes, also print every process's epoch rows
@@ -827,12 +827,20 @@ def advise(run):
                 if not o:
                     return t + ": the reports do not say why (no last_oom)"
                 cap = o["limit_bytes"] or o["device_total_bytes"]
-                if o.get("case") in ("larger_than_device", "larger_than_limit"):
-                    dev = o["case"] == "larger_than_device"
-                    return t + (f": the last asked for {mib(o['requested_bytes'])} MiB, larger than "
-                                f"{'the device' if dev else 'MEMSHIM_LIMIT'} ({mib(o['device_total_bytes'] if dev else o['limit_bytes'])}"
-                                " MiB) alone: no allocator could serve it (memshim refused it before any driver work); "
-                                + ("a smaller batch or shape" if dev else "raise MEMSHIM_LIMIT, or a smaller batch or shape"))
+                if o.get("case") == "larger_than_device":
+                    return t + (f": the last asked for {mib(o['requested_bytes'])} MiB, larger than the device "
+                                f"({mib(o['device_total_bytes'])} MiB) alone: no allocator could serve it (memshim "
+                                "refused it before any driver work); a smaller batch or shape")
+                if o.get("case") == "larger_than_limit":
+                    # a limit refuses it, not memory (issue 31): name the limit that did, and its knob
+                    env = limit_bytes(s["newest"]["config"].get("MEMSHIM_LIMIT"), o["device_total_bytes"])
+                    by_env = env is not None and abs(env - o["limit_bytes"]) < 2 * MiB  # the pool's page rounding
+                    who = "MEMSHIM_LIMIT" if by_env else "the limit set_per_process_memory_fraction set"
+                    knob = "raise MEMSHIM_LIMIT" if by_env else "raise the memory fraction"
+                    return t + (f": the last asked for {mib(o['requested_bytes'])} MiB, larger than {who} "
+                                f"({mib(o['limit_bytes'])} MiB) alone: it cannot fit under that limit whatever is "
+                                f"freed (memshim refused it before any driver work); {knob}, or a smaller batch or "
+                                "shape")
                 t += (f": the last asked for {mib(o['requested_bytes'])} MiB with {mib(o['live_bytes'])} MiB live and "
                       f"{mib(o['reserved_bytes'])} MiB reserved of {mib(cap)} MiB "
                       f"({'MEMSHIM_LIMIT' if o['limit_bytes'] else 'the device'})")
@@ -1654,18 +1662,33 @@ def to_tensorboard(runs, logdir):
 
 # ---- HTML ---------------------------------------------------------------------------------------
 
+# No table or chart may run past the page (issue 31: the epoch table of 23 columns needed a
+# horizontal scroll): the epoch rows are two tables (memory; work, latency and PyTorch's figures),
+# headers and slashed figures may break after `_` and `/` (<wbr>), a long word breaks rather than
+# overflow, and the charts scale down.
 CSS = """body{font-family:sans-serif;margin:2em;color:#222;max-width:1200px}
-table{border-collapse:collapse;margin:.5em 0 1.5em;font-size:13px}
-td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}th{background:#f0f0f0}
+table{border-collapse:collapse;margin:.5em 0 1.5em;font-size:13px;max-width:100%}
+td,th{border:1px solid #ccc;padding:2px 6px;text-align:right;overflow-wrap:break-word}th{background:#f0f0f0}
 td.l,th.l{text-align:left}section.run{border-top:2px solid #888;margin-top:2em}
+.charts svg{max-width:100%;height:auto}
 li{margin:.3em 0}.na{color:#999}code{background:#f4f4f4}"""
+
+# The epoch rows on the page: DETAIL_HEADERS split in two tables, each row named by its report.
+HTML_EPOCH_TABLES = (
+    ("epochs", ["host", "pid", "rank", "dev", "kind", "epoch", "reason", "steps", "alloc_end", "alloc_peak",
+                "resv_peak", "resv/alloc", "frag", "step_a/r", "gap@pk"]),
+    ("epochs-work", ["pid", "rank", "dev", "kind", "epoch", "maps", "unmaps", "reclaim", "ooms", "a.p50us", "a.p99us",
+                     "pt_alloc", "pt_resv"]),
+)
 
 
 def html_table(headers, rows, cls, left=()):
-    e = html.escape
+    def e(v, heading=False):  # a line may break before `_` in a heading and after `/` anywhere
+        t = html.escape(str(v)).replace("/", "/<wbr>")
+        return t.replace("_", "<wbr>_") if heading else t
     lc = ' class="l"'
     out = [f'<table class="{cls}"><thead><tr>' +
-           "".join(f'<th{lc if h in left else ""}>{e(h)}</th>' for h in headers) + "</tr></thead><tbody>"]
+           "".join(f'<th{lc if h in left else ""}>{e(h, True)}</th>' for h in headers) + "</tr></thead><tbody>"]
     for r in rows:
         out.append("<tr>" + "".join(f'<td{lc if headers[i] in left else ""}>{e(c)}</td>'
                                     for i, c in enumerate(r)) + "</tr>")
@@ -1711,8 +1734,14 @@ def to_html(runs, paths, nrecs, skipped):
         draw_run(fig, run, 0)
         out.append('<h3>Charts</h3><div class="charts">' + to_svg(fig, standalone=False) + "</div>")
         out.append("<h3>Epochs</h3>")
-        out.append(html_table(DETAIL_HEADERS, [detail_row(r) for s in run["streams"] for r in s["recs"]], "epochs",
-                              left=("host", "kind", "reason")))
+        rows = [dict(zip(DETAIL_HEADERS, detail_row(r))) for s in run["streams"] for r in s["recs"]]
+        for cls, cols in HTML_EPOCH_TABLES:
+            out.append(html_table(cols, [[row[c] for c in cols] for row in rows], cls, left=("host", "kind", "reason")))
+        # issue 24/31: what memshim cost, from each stream's last report, as the text report says it
+        cost = [(s, s["recs"][-1]) for s in run["streams"] if s["recs"]]
+        out.append("<h3>memshim's own cost</h3><ul class=\"cost\">" + "".join(
+            f"<li>memshim's own cost{e(' (' + who(s, run) + ')') if len(run['streams']) > 1 else ''}, "
+            f"{e(last['kind'])} report: {e(overhead_text(last['overhead']))}</li>" for s, last in cost) + "</ul>")
         out.append("<h3>Sites at the peak</h3>")
         for s in run["streams"]:
             si = s["sites"]
