@@ -498,6 +498,29 @@ class Worker:
             out.update(tokens_per_s=r["tokens_per_s"], ms_per_step=r["ms_per_step"], **self.peaks())
         return out
 
+    def op_emptydel(self, c):
+        """Issue 30: what `x = torch.empty(n); del x` costs from Python per pair, for a few sizes (the
+        allocator's whole path as a script sees it: the op, PyTorch's allocator or the pluggable one,
+        memshim's front end). The fastest of 5 loops of `calls` pairs after a warm loop."""
+        torch = self.torch
+        dev = "cpu" if self.dry else "cuda"
+        out = {}
+        for nbytes in c.get("sizes", (512, 65536, 4 << 20)):
+            n = max(1, nbytes // 4)
+            for _ in range(1000):
+                x = torch.empty(n, dtype=torch.float32, device=dev)
+                del x
+            best = None
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(c.get("calls", 20000)):
+                    x = torch.empty(n, dtype=torch.float32, device=dev)
+                    del x
+                dt = (time.perf_counter() - t0) / c.get("calls", 20000)
+                best = dt if best is None else min(best, dt)
+            out[str(nbytes)] = round(best * 1e6, 4)
+        return {"us_per_pair": out, "device": dev}
+
     def op_profile(self, c):
         """CPU time per op over a few steps under torch.profiler (CPU activity only)."""
         from torch.profiler import ProfilerActivity, profile
@@ -1054,6 +1077,10 @@ def gpt(out, budget, dry):
             if r.get("error") or procs[a].dead:
                 rows[a]["error"] = r.get("error") or procs[a].dead
         B.throughput(procs, s, rows, reports=True)
+        for a in ("native", "memshim"):  # issue 30: torch.empty + del, natively and in tensor mode
+            if B.left() >= 20 and not procs[a].dead:
+                rows[a]["empty_del"] = procs[a].ask({"op": "emptydel", "calls": 2000 if dry else 20000},
+                                                    min(60, max(5, B.left())))
         for a in ("native", "memshim"):
             if B.left() < 10:
                 prof[a] = {"skipped": "the budget ran out"}
@@ -1109,6 +1136,12 @@ def gpt_markdown(res):
                      f"{reps or r.get('error', '')} |")
     sp = res["split"]
     lines += ["", "split: " + json.dumps({k: v for k, v in sp.items() if k != "ms_per_step"}), ""]
+    ed = {r["allocator"]: (r.get("empty_del") or {}).get("us_per_pair") for r in res["rows"]}
+    if ed.get("native") and ed.get("memshim"):  # issue 30: within 0.1 us of native is the target
+        lines.append("torch.empty + del per pair (us, fastest of 5 loops): " + "; ".join(
+            f"{k} B: native {ed['native'][k]:.3f}, tensor mode {ed['memshim'][k]:.3f} "
+            f"({ed['memshim'][k] - ed['native'][k]:+.3f})" for k in ed["native"] if k in ed["memshim"]))
+        lines.append("")
     for r in res["rows"]:  # issue 24: what memshim says it cost, per timed window
         for i, rep in enumerate(r.get("memshim_report") or []):
             o = (rep or {}).get("memshim_overhead")
