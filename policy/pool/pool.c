@@ -71,13 +71,17 @@ static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64
             if (rc != ENOSPC || !region_add(pool, area, rsize)) return ENOMEM;
         }
         bool fresh = b->addr >= page_va(pool, b->reg, b->reg->hi_page);
-        hi0 = b->reg->hi_page;
         if (!fresh && capturing(pool) && fit_kind(pool, b, b->addr, b->addr + b->size, stream, NULL) == FIT_SYNC) {
             rc = ECAPTURE; /* the learned step's address needs a synchronize */
         } else {
             for (;;) {
                 size_t cap = cap_pages(pool);
                 if (rm->dev_cap < cap) cap = rm->dev_cap;
+                /* what a cancel (EDRAIN below) restores, as of this claim: the wait below drops
+                 * the lock, and other threads' claims meanwhile raise the line's top (a top
+                 * lowered under pages they mapped ahead gets them mapped twice) */
+                hi0 = b->reg->hi_page;
+                pressure0 = pool->pressure_reclaims;
                 rc = claim_pages(pool, b, &j, cap);
                 if (rc != EAGAIN) break;
                 /* another thread maps or unmaps one of our pages: wait for it to publish */
