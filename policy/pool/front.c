@@ -60,6 +60,7 @@ void front_step(struct msh_pool *pool)
     if (pk > f->peak_held) f->peak_held = pk;
     f->clean_steps++;
     if (f->bins) front_drain(pool, FRONT_DRAIN_IDLE, 0);
+    front_churn(pool, 0);
 }
 
 static inline uint32_t bin_hash(uint64_t stream, uint64_t rsize)
@@ -186,18 +187,32 @@ size_t front_drain(struct msh_pool *pool, int what, uint64_t stream)
     if (!f->bins) return 0;
     struct blk *list = NULL;
     size_t n = 0;
+    /* A step mark trims the bins a stream did not use over the last two steps, on the streams
+     * that ran in the last (one of their bins used since the mark before): a stream whose thread
+     * was off the CPU meanwhile (a job's optimizer marks steps on one thread; another feeds its
+     * own stream) tells nothing about its sizes, and its blocks stay; two steps, because such a
+     * thread's own steps need not match the marks (at half their pace, a size it uses every step
+     * of its own is unused over one of them; 4 threads on 4 streams on 2 CPUs drained and missed
+     * that way, tests/bench/bench_front.c). */
+    if (what == FRONT_DRAIN_IDLE)
+        for (uint32_t i = 0; i < FRONT_BINS; i++)
+            if (f->bins[i].rsize && f->bins[i].last > f->mark) f->bins[i].ks->front_seen = f->tick;
     for (uint32_t i = 0; i < FRONT_BINS; i++) {
         struct bin *bn = &f->bins[i];
         if (!bn->rsize) continue;
         if (what == FRONT_DRAIN_ALL || (what == FRONT_DRAIN_STREAM && bn->stream == stream) ||
             (what == FRONT_DRAIN_DEMAND && bn->ks->demand))
             bin_take(f, bn, 0, &list, &n);
-        else if (what == FRONT_DRAIN_IDLE && bn->last <= f->mark) /* not used since the last mark: most goes */
+        else if (what == FRONT_DRAIN_IDLE && bn->last <= f->mark_prev && bn->ks->front_seen == f->tick &&
+                 f->tick > f->mark) /* not used since the mark before last: most goes */
             bin_take(f, bn, bn->depth / 4, &list, &n);
         else if (what == FRONT_DRAIN_STALE && bn->last + FRONT_BINS / 2 <= f->tick) /* not used lately */
             bin_take(f, bn, 0, &list, &n);
     }
-    if (what == FRONT_DRAIN_IDLE) f->mark = f->tick;
+    if (what == FRONT_DRAIN_IDLE) {
+        f->mark_prev = f->mark;
+        f->mark = f->tick;
+    }
     if (what == FRONT_DRAIN_STALE) f->evict = false;
     /* A forgotten stream's bins must go too (its handle may come back for a new stream); empty
      * bins stay otherwise (the next put of their size finds them), until the table fills. */
@@ -207,12 +222,21 @@ size_t front_drain(struct msh_pool *pool, int what, uint64_t stream)
     if (!n) return 0;
     pool->st.front_drains++;
     pool->st.front_drained += n;
+    /* blocks a step left unused count against the bins as blocks drained for other sizes do:
+     * sizes that do not come back (a varying sequence length) are churn too (front_churn) */
+    if (what == FRONT_DRAIN_IDLE) f->win_drained += n;
     size_t bytes = 0;
     /* The blocks are in no bin now; each is freed as the free it stood for, with one event per
      * stream (free_binned may drop the lock to record it: these blocks are in no structure
      * another thread walks). */
     struct sref tags[8];
     int ntags = 0;
+    /* Every drain records one event per stream, a step's trim of unused bins included: one
+     * record per stream and step. Freed plainly instead, the blocks a step trims from a thread
+     * that was off the CPU for that step (a job whose optimizer marks steps on another thread)
+     * are memory other streams can have only after they ask for events (want_events), and their
+     * asking stops that stream's bins: four threads on four streams paid 300,000 driver calls
+     * over 1,000 steps that way (tests/bench/bench_front.c, hit side none 4). */
     /* a full drain for a request: the requester's own stream takes its blocks back in stream
      * order, no event needed (seq 1, no event: free_binned's plain free) */
     if (what == FRONT_DRAIN_ALL && stream != MSH_STREAM_COMPLETED)
@@ -261,6 +285,9 @@ void front_churn(struct msh_pool *pool, size_t drained)
 {
     struct front *f = &pool->front;
     f->win_drained += drained;
+    /* windows of FRONT_WINDOW puts (closed at a request's drain or a step mark; a window closed
+     * at every step mark of 32 puts or more judged a 4-stream warm-up by a few dozen blocks and
+     * sent the front end out for FRONT_COOL allocations in 3 runs of 8, 1 of 8 without it) */
     if (pool->st.front_puts - f->win_puts < FRONT_WINDOW) return;
     uint64_t hits = pool->st.front_hits - f->win_hits;
     if (f->win_drained > hits) { /* more of what it kept went back for other sizes than served its own */

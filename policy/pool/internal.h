@@ -170,6 +170,8 @@ struct kstream {
     uint32_t latest;      /* the latest event recorded on it (a reference), or NO_EV: a tag of it
                            * without an event, numbered before, may wait on this one */
     uint8_t used, home_known;
+    uint64_t front_seen;  /* the front end's tick at the latest step mark that found one of its
+                           * bins used since the mark before (front_drain, FRONT_DRAIN_IDLE) */
 };
 
 struct step;
@@ -178,7 +180,7 @@ struct step;
 #define FRONT_BINS 1024     /* slots of the bin table (a power of two; at most 3/4 used) */
 #define FRONT_DEPTH 128     /* blocks one bin keeps */
 #define FRONT_STEPS 2        /* under a limit: step marks with room before the front end serves */
-#define FRONT_WINDOW 1024    /* puts over which hits and drains are compared (churn) */
+#define FRONT_WINDOW 256     /* puts over which hits and drains are compared (churn) */
 #define FRONT_COOL 32768     /* allocations the front end stays out after churn */
 struct bin {
     uint64_t stream, rsize;   /* rsize 0: a slot never used */
@@ -205,7 +207,8 @@ struct front {
      * allocations (the pool path alone, as before it) and then tries again. */
     uint64_t win_puts, win_hits, win_drained;
     uint64_t cool_until;      /* st.allocs before which the front end stays out (churn) */
-    uint64_t mark;            /* tick at the last step mark (bins not used since give back) */
+    uint64_t mark, mark_prev; /* tick at the last step mark and at the one before (bins not
+                               * used since the one before give back) */
     bool evict;               /* the table is full: bins not used lately go at the next miss */
     bool enabled;             /* params.front */
     bool serving;             /* front_on(), as the last miss found it: what a put checks (the
