@@ -200,7 +200,8 @@ size_t front_drain(struct msh_pool *pool, int what, uint64_t stream)
     for (uint32_t i = 0; i < FRONT_BINS; i++) {
         struct bin *bn = &f->bins[i];
         if (!bn->rsize) continue;
-        if (what == FRONT_DRAIN_ALL || (what == FRONT_DRAIN_STREAM && bn->stream == stream) ||
+        if (what == FRONT_DRAIN_ALL || what == FRONT_DRAIN_GONE ||
+            (what == FRONT_DRAIN_STREAM && bn->stream == stream) ||
             (what == FRONT_DRAIN_DEMAND && bn->ks->demand))
             bin_take(f, bn, 0, &list, &n);
         else if (what == FRONT_DRAIN_IDLE && bn->last <= f->mark_prev && bn->ks->front_seen == f->tick &&
@@ -231,12 +232,17 @@ size_t front_drain(struct msh_pool *pool, int what, uint64_t stream)
      * another thread walks). */
     struct sref tags[8];
     int ntags = 0;
-    /* Every drain records one event per stream, a step's trim of unused bins included: one
-     * record per stream and step. Freed plainly instead, the blocks a step trims from a thread
-     * that was off the CPU for that step (a job whose optimizer marks steps on another thread)
-     * are memory other streams can have only after they ask for events (want_events), and their
-     * asking stops that stream's bins: four threads on four streams paid 300,000 driver calls
-     * over 1,000 steps that way (tests/bench/bench_front.c, hit side none 4). */
+    /* A drain records one event per stream whenever the pool knows another stream, a step's
+     * trim of unused bins included (one record per stream and step at most). Freed plainly
+     * instead, the blocks a step trims are memory the other streams can have only after they ask
+     * for events (want_events), and their asking stops that stream's bins: four threads on four
+     * streams paid 300,000 driver calls over 1,000 steps that way (tests/bench/bench_front.c,
+     * hit side none 4). With one stream known, an event has no one to order: a trim, a stale
+     * bin's or a forgotten stream's drain frees plainly, as the frees they stood for did (a
+     * stream that comes later asks for events the usual way). */
+    uint32_t nks = 0;
+    for (uint32_t i = 0; i < MAX_KSTREAMS && nks < 2; i++) nks += pool->ks[i].used;
+    bool handing = what != FRONT_DRAIN_GONE && (what == FRONT_DRAIN_ALL || what == FRONT_DRAIN_DEMAND || nks > 1);
     /* a full drain for a request: the requester's own stream takes its blocks back in stream
      * order, no event needed (seq 1, no event: free_binned's plain free) */
     if (what == FRONT_DRAIN_ALL && stream != MSH_STREAM_COMPLETED)
@@ -247,9 +253,9 @@ size_t front_drain(struct msh_pool *pool, int what, uint64_t stream)
         b->bnext = NULL;
         bytes += b->size;
         struct sref *t = NULL;
-        for (int i = 0; i < ntags && !t; i++)
+        for (int i = 0; i < ntags && !t && handing; i++)
             if (tags[i].stream == b->s[0].stream) t = &tags[i];
-        if (!t && ntags < 8) {
+        if (!t && ntags < 8 && handing) {
             t = &tags[ntags++];
             *t = (struct sref){.stream = b->s[0].stream, .ev = NO_EV};
         }

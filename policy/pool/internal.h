@@ -218,7 +218,8 @@ struct front {
     uint64_t trim_act;        /* hits + puts at the trim thread's last look (msh_pool_trim) */
     uint32_t trim_ms;         /* when they last changed (ms since the pool was created) */
 };
-enum { FRONT_DRAIN_ALL = 0, FRONT_DRAIN_STREAM, FRONT_DRAIN_DEMAND, FRONT_DRAIN_IDLE, FRONT_DRAIN_STALE };
+/* GONE: every bin, for a pool being destroyed (no event: nothing runs after) */
+enum { FRONT_DRAIN_ALL = 0, FRONT_DRAIN_STREAM, FRONT_DRAIN_DEMAND, FRONT_DRAIN_IDLE, FRONT_DRAIN_STALE, FRONT_DRAIN_GONE };
 
 struct msh_pool {
     pthread_mutex_t lock;

@@ -309,7 +309,8 @@ void msh_pool_destroy(struct msh_pool *pool)
     if (!pool) return;
     step_stop(pool);
     pthread_mutex_lock(&pool->lock);
-    front_drain(pool, FRONT_DRAIN_ALL, MSH_STREAM_COMPLETED); /* its blocks' tags and events go back as frees do */
+    /* its blocks go back as plain frees: the device is synchronized below, no one follows */
+    front_drain(pool, FRONT_DRAIN_GONE, MSH_STREAM_COMPLETED);
     pthread_mutex_unlock(&pool->lock);
     front_destroy(pool);
     dev_synchronize(pool);

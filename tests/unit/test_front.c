@@ -409,6 +409,39 @@ TEST(a_bin_unused_for_two_steps_gives_most_back)
     msh_pool_destroy(p);
 }
 
+/* A trimmed block is handed to whoever asks: with another stream known, its free records one
+ * event on its stream (the other waits on it, never synchronizes); with one stream alone there is
+ * no one to order, and neither a trim nor destroying the pool records any. */
+TEST(a_trim_records_an_event_only_when_another_stream_could_want_its_blocks)
+{
+    if (!streams_up()) SKIP("the driver double did not start");
+    for (int two = 0; two < 2; two++) {
+        struct msh_pool *p = pool_new(0, true);
+        REQUIRE(p);
+        uint64_t cold[4], hot = 0, x = 0;
+        for (int i = 0; i < 4; i++) REQUIRE(msh_pool_alloc(p, 700 * 1024, sa, &cold[i]) == 0);
+        for (int i = 0; i < 4; i++) REQUIRE(msh_pool_free(p, cold[i], sa) == 0);
+        if (two) { /* stream B exists (its own block, freed on it) */
+            REQUIRE(msh_pool_alloc(p, 5 * MiB, sb, &x) == 0);
+            REQUIRE(msh_pool_free(p, x, sb) == 0);
+        }
+        long rec = cudbl_call_count("cuEventRecord");
+        for (int step = 0; step < 3; step++) {
+            REQUIRE(msh_pool_alloc(p, 300 * 1024, sa, &hot) == 0);
+            REQUIRE(msh_pool_free(p, hot, sa) == 0);
+            msh_pool_step(p);
+        }
+        CHECK(stats(p).binned_blocks < 4 + 1 + (size_t)two); /* the 700 KiB bin was trimmed */
+        long n = cudbl_call_count("cuEventRecord") - rec;
+        CHECKF(n == two, "%s: %ld events recorded by the trims", two ? "two streams" : "one stream", n);
+        rec = cudbl_call_count("cuEventRecord");
+        CHECK(pool_ok(p));
+        msh_pool_destroy(p); /* binned blocks left: freed plainly */
+        CHECKF(cudbl_call_count("cuEventRecord") == rec, "%ld events recorded by destroy",
+               cudbl_call_count("cuEventRecord") - rec);
+    }
+}
+
 TEST(forgetting_a_stream_drains_its_bins)
 {
     if (!streams_up()) SKIP("the driver double did not start");
