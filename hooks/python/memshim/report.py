@@ -8,10 +8,10 @@ files. Reports of schema 1 and 2 are read (docs/reports.md); a field a report do
 shown as n/a. Files that are not memshim reports are named on stderr and skipped.
 
 The reports are grouped into runs. A process without a rank is a run of its own. Processes with
-a rank (RANK, LOCAL_RANK, OMPI_COMM_WORLD_RANK or SLURM_PROCID: torchrun, mpirun, Slurm) are
-grouped by the launcher's job id their reports carry (run_id: TORCHELASTIC_RUN_ID or
-SLURM_JOB_ID), then taken in order of their start time; they join one run until a rank repeats or
-a process starts more than 60 s after every process of the run has ended, which starts the next
+a rank (as their launcher set it: torchrun, DeepSpeed, mpirun, Slurm; docs/reports.md, "Who wrote
+a report") are grouped by the launcher's job id their reports carry (run_id: TORCHELASTIC_RUN_ID
+or SLURM_JOB_ID), then taken in order of their start time; they join one run until a rank repeats
+or a process starts more than 60 s after every process of the run has ended, which starts the next
 run.
 
 For each run it prints one row per epoch (per-rank columns when the run has several processes),
@@ -254,6 +254,7 @@ def parse(path, obj, warnings):
         "mode": f.get("mode", s, "a string"),
         "steps": f.get("steps", nonneg_int, "an integer"),
         "wall": f.get("wall_time_unix", nonneg_num, "a number"),
+        "start_unix": f.get("start_unix", nonneg_num, "a number"),  # since issue 32; None in older reports
         "t_start": f.get("t_start_s", nonneg_num, "a number"),
         "t_end": f.get("t_end_s", nonneg_num, "a number"),
         "alloc_run_peak": f.get("memory.allocated_run_peak_bytes", nonneg_int, "an integer"),
@@ -441,8 +442,13 @@ def build_stream(recs):
     device_total = max(totals) if totals else None
     limits = [r["last_oom"]["limit_bytes"] for r in recs if r["last_oom"] and r["last_oom"]["limit_bytes"]]
     limit = limits[-1] if limits else limit_bytes(newest["config"].get("MEMSHIM_LIMIT"), device_total)
-    times = [r["wall"] for r in recs if r["wall"] is not None]
-    starts = [r["wall"] - r["t_end"] for r in recs if r["wall"] is not None and r["t_end"] is not None]
+    # When the process started and last wrote: start_unix (to the microsecond) where the reports carry
+    # it, else wall_time_unix (whole seconds) less t_end_s
+    times = [r["start_unix"] + r["t_end"] if r["start_unix"] is not None and r["t_end"] is not None else r["wall"]
+             for r in recs if r["wall"] is not None or r["start_unix"] is not None]
+    times = [t for t in times if t is not None]
+    starts = [r["start_unix"] if r["start_unix"] is not None else r["wall"] - r["t_end"]
+              for r in recs if r["start_unix"] is not None or (r["wall"] is not None and r["t_end"] is not None)]
     p99s = [r["latency"]["alloc_ns"]["p99"] for r in recs
             if r["kind"] == "epoch" and r["latency"] and r["latency"]["alloc_ns"]["p99"] is not None]
     return {
