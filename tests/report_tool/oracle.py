@@ -1,7 +1,10 @@
 """An independent oracle for memshim-report (issue 32 item 4): what the tool must derive from a
 directory of memshim reports, recomputed from the raw per-epoch records by the rules docs/reports.md
 states ("memshim-report", "Advice", "How a run is recognised"), written from those rules and
-sharing no code with hooks/python/memshim/report.py (it imports nothing of memshim).
+sharing no code with hooks/python/memshim/report.py (it imports nothing of memshim). Where the
+rules leave a choice open it takes the one stated here: of two copies of a report the first in
+the order the directory is read (names sorted) is kept; of equally bad ranks the first in rank
+order is quoted (the comparison accepts any of them).
 
 It covers the figures the tool derives across files, processes and epochs: which files are
 duplicates, the runs (grouping by job id, start order, repeated ranks and late starts, across hosts
