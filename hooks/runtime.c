@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "core.h"
+#include "cuda_real.h"
 #include "drvlog.h"
 #include "hooks.h"
 #include "msh.h"
@@ -126,7 +127,6 @@ static void *rt_get(int i)
 typedef cudaError_t (*malloc_fn)(void **, size_t);
 typedef cudaError_t (*free_fn)(void *);
 typedef cudaError_t (*getdev_fn)(int *);
-typedef cudaError_t (*setdev_fn)(int);
 typedef cudaError_t (*sync_fn)(void);
 typedef cudaError_t (*meminfo_fn)(size_t *, size_t *);
 typedef cudaError_t (*malloc_async_fn)(void **, size_t, cudaStream_t);
@@ -146,37 +146,36 @@ static int rt_current_device(void)
     return dev;
 }
 
-/* Devices whose primary context the runtime has made current on this thread. */
-static __thread uint64_t ctx_ready;
-
-/* msh_core_pool needs the runtime's context for `dev` current on this thread, as it would be
- * inside the real cudaMalloc. cudaFree(NULL) is the documented idiom that creates and binds it. */
+/* Every runtime call the hooks stand in for makes a context current when the thread has none: the
+ * primary context of the thread's device, as the runtime does on first use. A hook that serves the
+ * call itself must leave the thread so too (a caller's next kernel launch relies on it), and must
+ * ask the driver each time: the program may have popped or replaced the context since (a cache of
+ * "bound on this thread" went stale and left such a thread without a context: issue 32).
+ * cudaFree(NULL) is the documented idiom that creates and binds it. */
 static bool rt_bind_context(int dev)
 {
-    if (dev < 0 || dev >= 64) return false;
-    if (ctx_ready & (UINT64_C(1) << dev)) return true;
+    if (dev < 0) return false;
+    CUcontext cur = NULL;
+    if (msh_cu.cuCtxGetCurrent && MSH_DRV(cuCtxGetCurrent, &cur) == CUDA_SUCCESS && cur) return true;
     free_fn real_free = (free_fn)rt_get(RT_cudaFree);
-    if (!real_free || MSH_RT(cudaFree, real_free(NULL)) != cudaSuccess) return false;
-    ctx_ready |= UINT64_C(1) << dev;
-    return true;
+    return real_free && MSH_RT(cudaFree, real_free(NULL)) == cudaSuccess;
 }
 
 /* cudaFree's guarantee (DESIGN.md 2): the device is synchronized before the memory can be reused.
- * The block may belong to another device than the current one; synchronize that one. Through the
- * runtime, so a sticky error comes back as the runtime's cudaFree would return it; counted and
- * timed in memshim's ledger (memshim_overhead.synchronizes.device) like every wait memshim makes. */
+ * The block may belong to another device than the current one: that device is synchronized with
+ * its context pushed and popped (shim/core.c), never by switching the runtime's current device,
+ * which would replace a context the caller made current itself (issue 32). Like the runtime's
+ * cudaFree, the caller's own device gets its context bound when the thread has none. The
+ * runtime's synchronize is counted and timed in memshim's ledger
+ * (memshim_overhead.synchronizes.device) like every wait memshim makes. */
 static cudaError_t rt_sync_device(int dev)
 {
     sync_fn sync = (sync_fn)rt_get(RT_cudaDeviceSynchronize);
     if (!sync) return cudaErrorInitializationError;
     int cur = rt_current_device();
     if (cur == dev || dev < 0) return MSH_RT(cudaDeviceSynchronize, sync());
-    setdev_fn set = (setdev_fn)rt_get(RT_cudaSetDevice);
-    if (!set) return cudaErrorInitializationError;
-    cudaError_t r = MSH_RT(cudaSetDevice, set(dev));
-    if (r == cudaSuccess) r = MSH_RT(cudaDeviceSynchronize, sync());
-    if (cur >= 0) MSH_RT(cudaSetDevice, set(cur));
-    return r;
+    if (cur >= 0) rt_bind_context(cur);
+    return msh_core_sync_device(dev) == 0 ? cudaSuccess : cudaErrorUnknown;
 }
 
 static cudaError_t rt_passthrough_alloc(malloc_fn real, void **devPtr, size_t size, int dev,
@@ -443,6 +442,7 @@ MSH_EXPORT cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *at
     int dev = -1;
     cudaError_t r;
     if (msh_hooks_pool_range((uint64_t)(uintptr_t)ptr, &base, &size, &dev) > 0) {
+        rt_bind_context(rt_current_device()); /* the runtime's call would have (issue 32) */
         memset(attributes, 0, sizeof *attributes);
         attributes->type = cudaMemoryTypeDevice;
         attributes->device = dev;
@@ -466,6 +466,7 @@ MSH_EXPORT cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *handle, void *dev
     int dev = -1;
     cudaError_t r;
     if (msh_hooks_pool_range((uint64_t)(uintptr_t)devPtr, &base, &size, &dev)) {
+        rt_bind_context(rt_current_device()); /* the runtime's call would have (issue 32) */
         msh_hooks_ipc_refused("cudaIpcGetMemHandle", (uint64_t)(uintptr_t)devPtr, dev);
         r = cudaErrorNotSupported;
     } else {

@@ -61,9 +61,6 @@ static pthread_mutex_t report_lock = PTHREAD_MUTEX_INITIALIZER;
 static bool report_on, report_inited;
 static char report_dir[PATH_MAX];
 static char host[64];
-/* The launcher's job id, when there is one (TORCHELASTIC_RUN_ID, else SLURM_JOB_ID with its
- * step): every rank of one job carries the same, so memshim-report groups runs by it exactly. */
-static char run_id[80];
 
 #ifdef MSH_JANSSON_STATIC
 /* `make JANSSON=static` (the pip package, the GPU check): jansson is linked into the library,
@@ -164,11 +161,6 @@ bool msh_report_init(void)
     if (gethostname(host, sizeof host - 1)) strcpy(host, "host");
     for (char *p = host; *p; p++)
         if (*p == '/' || *p == '.') *p = *p == '.' ? 0 : '_';
-    const char *te = getenv("TORCHELASTIC_RUN_ID"), *sj = getenv("SLURM_JOB_ID"), *ss = getenv("SLURM_STEP_ID");
-    if (te && *te) snprintf(run_id, sizeof run_id, "torchelastic:%.64s", te);
-    else if (sj && *sj) snprintf(run_id, sizeof run_id, "slurm:%.32s%s%.16s", sj, ss && *ss ? "." : "", ss && *ss ? ss : "");
-    for (char *p = run_id; *p; p++) /* printable ASCII only: it goes into JSON and tables */
-        if (*p < 0x20 || *p > 0x7e) *p = '?';
     if (msh_cfg.report_dir[0]) {
         if (msh_resolve_path(msh_cfg.report_dir, report_dir, sizeof report_dir)) {
             msh_warn("MEMSHIM_REPORT_DIR='%.200s' is too long after expansion; reports are off",
@@ -187,24 +179,11 @@ bool msh_report_init(void)
     return report_on;
 }
 
-long msh_report_rank(void)
-{
-    const char *names[] = {"RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"};
-    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
-        const char *v = getenv(names[i]);
-        if (!v || !*v) continue;
-        char *end;
-        long r = strtol(v, &end, 10);
-        if (!*end && r >= 0 && r < 1000000) return r;
-    }
-    return -1;
-}
-
 int msh_report_path(const struct msh_report *r, int device, char *out, size_t len)
 {
     char rank[32] = "";
     long rk = msh_report_rank();
-    if (rk >= 0) snprintf(rank, sizeof rank, "-rank%ld", rk);
+    if (rk >= 0) snprintf(rank, sizeof rank, "-rank%ld", rk); /* the same rank as the report's */
     char what[48];
     if (!strcmp(r->kind, "epoch")) snprintf(what, sizeof what, "epoch%04llu", (unsigned long long)r->epoch);
     else if (!strcmp(r->kind, "oom")) snprintf(what, sizeof what, "oom%04llu", (unsigned long long)r->oom_index);
@@ -220,6 +199,7 @@ static void set_d(json_t *o, const char *k, double v) { J.object_set_new(o, k, J
 static void set_s(json_t *o, const char *k, const char *v) { J.object_set_new(o, k, J.string(v ? v : "")); }
 static void set_b(json_t *o, const char *k, bool v) { J.object_set_new(o, k, v ? J.boolean_true() : J.boolean_false()); }
 static void set_sn(json_t *o, const char *k, const char *v) { J.object_set_new(o, k, v ? J.string(v) : J.null()); }
+static void set_ni(json_t *o, const char *k, long v) { J.object_set_new(o, k, v >= 0 ? J.integer((json_int_t)v) : J.null()); }
 
 /* ---- versions ---------------------------------------------------------------------------------- */
 
@@ -414,8 +394,16 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_s(root, "memshim_version", r->memshim_version);
     set_s(root, "host", host);
     set_i(root, "pid", getpid());
-    set_i(root, "rank", msh_report_rank());
-    set_sn(root, "run_id", run_id[0] ? run_id : NULL);
+    /* who wrote it (report/identity.c): one reading of the environment for all of it */
+    struct msh_identity id;
+    msh_report_identity(&id);
+    set_i(root, "rank", id.rank);
+    set_ni(root, "local_rank", id.local_rank);
+    set_ni(root, "world_size", id.world_size);
+    set_ni(root, "node_rank", id.node_rank);
+    set_ni(root, "restart", id.restart);
+    set_sn(root, "launcher", id.launcher);
+    set_sn(root, "run_id", id.run_id[0] ? id.run_id : NULL);
     set_i(root, "device", d->device);
     set_u(root, "epoch", r->epoch);
     if (!strcmp(r->kind, "oom")) set_u(root, "oom_index", r->oom_index);
@@ -426,6 +414,12 @@ static json_t *build(const struct msh_report *r, const struct msh_report_device 
     set_d(root, "t_end_s", r->t_end);
     set_u(root, "steps", r->steps);
     set_u(root, "wall_time_unix", (uint64_t)time(NULL));
+    /* When memshim started in this process on the wall clock, to the microsecond: memshim-report
+     * orders processes by it (an elastic restart starts its ranks within the second the last attempt
+     * ended in, where wall_time_unix's whole seconds cannot tell the attempts apart). */
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    set_d(root, "start_unix", (double)now.tv_sec + (double)now.tv_nsec / 1e9 - r->t_end);
     J.object_set_new(root, "versions", versions_json(r, d));
 
     const struct msh_pool_stats *st = &d->st;

@@ -106,7 +106,16 @@ bool msh_report_init(void);
 int msh_report_write(const struct msh_report *r);
 /* The file a report would go to (for logs and tests). */
 int msh_report_path(const struct msh_report *r, int device, char *out, size_t len);
-/* The process's rank from RANK, LOCAL_RANK, OMPI_COMM_WORLD_RANK or SLURM_PROCID; -1: none. */
+/* Who wrote a report (report/identity.c): the launcher whose variables gave the figures (NULL:
+ * none), the process's rank, local rank, world size, node rank and restart count (-1: unknown),
+ * and the launcher's job id ("": none). Read from the environment at each call. */
+struct msh_identity {
+    const char *launcher;
+    long rank, local_rank, world_size, node_rank, restart;
+    char run_id[80];
+};
+void msh_report_identity(struct msh_identity *id);
+/* The identity's rank; -1: none. */
 long msh_report_rank(void);
 /* Write `len` bytes to `path` through a temp file with an unguessable name in the same directory
  * (O_EXCL|O_NOFOLLOW|O_CLOEXEC, `mode`) renamed into place. 0 or an errno; never leaves the temp

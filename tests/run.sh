@@ -72,6 +72,9 @@ quick|all)
         run_suite "report tool (memshim-report)" env BUILD="$BUILD" python3 tests/report_tool/test_report_tool.py
         run_suite "report tool (advice rules, charts)" env BUILD="$BUILD" python3 tests/report_tool/test_advice.py
         run_suite "report page in Chromium (errors, charts, widths)" env BUILD="$BUILD" python3 tests/report_tool/test_html_browser.py
+        # issue 32: identity as each launcher sets it, and the runs memshim-report makes of it
+        run_suite "report tool (identity per launcher)" env BUILD="$BUILD" python3 tests/report_tool/test_launchers.py
+        run_suite "report tool (oracle, random report sets)" env BUILD="$BUILD" python3 tests/report_tool/test_oracle.py
         run_suite "python GC step (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_pygc.py
         run_suite "allocation sites (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_sites.py
         run_suite "spill to host (CPython + double)" env BUILD="$BUILD" python3 tests/replay/test_spill_job.py

@@ -345,8 +345,8 @@ static const struct opt opts[O_COUNT] = {
                     "pickle `torch.cuda.memory._dump_snapshot()` writes, for "
                     "`torch.cuda._memory_viz` and pytorch.org/memory_viz) to this file at exit, "
                     "and one beside it at each out-of-memory (`NAME-oomNNNN.pickle`, at most 16). "
-                    "Without `%r`, a rank (`RANK`, `LOCAL_RANK`, ...) is added as `-rankR` before "
-                    "the extension; `%r` in a job with no rank is 0. Empty: no snapshot.",
+                    "Without `%r`, the rank its launcher set (docs/reports.md, \"Who wrote a "
+                    "report\") is added as `-rankR` before the extension; `%r` in a job with no rank is 0. Empty: no snapshot.",
                     F(snapshot), 0, 0, 0, NULL, NULL},
     [O_SNAPSHOT_EVENTS] = {"MEMSHIM_SNAPSHOT_EVENTS", T_COUNT, "100000", NULL,
                            "a whole number from 1 to 16777216", "events",

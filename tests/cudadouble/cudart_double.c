@@ -505,6 +505,19 @@ cudaError_t CUDARTAPI cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *pGr
     return ret_cu(drv.streamEndCapture((CUstream)stream, (CUgraph *)pGraph));
 }
 
+/* The _ptsz twins libcudart 13 exports (memshim hooks them): stream 0 is the thread's own. */
+cudaError_t CUDARTAPI cudaStreamBeginCapture_ptsz(cudaStream_t stream, enum cudaStreamCaptureMode mode);
+cudaError_t CUDARTAPI cudaStreamBeginCapture_ptsz(cudaStream_t stream, enum cudaStreamCaptureMode mode)
+{
+    return cudaStreamBeginCapture(PTSZ_STREAM(stream), mode);
+}
+
+cudaError_t CUDARTAPI cudaStreamEndCapture_ptsz(cudaStream_t stream, cudaGraph_t *pGraph);
+cudaError_t CUDARTAPI cudaStreamEndCapture_ptsz(cudaStream_t stream, cudaGraph_t *pGraph)
+{
+    return cudaStreamEndCapture(PTSZ_STREAM(stream), pGraph);
+}
+
 cudaError_t CUDARTAPI cudaStreamIsCapturing(cudaStream_t stream, enum cudaStreamCaptureStatus *pCaptureStatus)
 {
     NEED_CONTEXT();

@@ -60,7 +60,7 @@ SCRIPT_FIRST = [  # (word in the suite's name, files whose mutants try it first)
     ("replay", ("report/replay/", "report/trace/", "report/replay/models/")),
     ("demo", ("shim/", "report/report.c")),
     ("reports", ("report/report.c", "shim/core.c", "policy/pool/")),
-    ("report tool", ("report/report.c", "hooks/python/memshim/report.py")),
+    ("report tool", ("report/report.c", "report/identity.c", "hooks/python/memshim/report.py")),
     ("report page", ("hooks/python/memshim/report.py",)),
     ("bench plan", ("tests/gpu/",)),
     ("GC", ("shim/core.c",)),

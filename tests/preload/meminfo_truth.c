@@ -19,7 +19,10 @@
  *     With MEMSHIM_SPILL=host a request past that may still be served by moving cold pages to
  *     the host (free counts device memory only): then the double must have copied pages;
  *   - with no limit, free is the driver's figure: memshim's cached pages are memory the device
- *     holds for memshim, and the same request then still succeeds.
+ *     holds for memshim, and the same request then still succeeds. And it never understates what
+ *     another process could take: a plain driver allocation (the double's own cuMemAlloc_v2,
+ *     resolved on its handle so memshim never sees it, as another process's would be) of two pages
+ *     more than free fails, and one of free succeeds (issue 32).
  */
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -107,6 +110,24 @@ TEST(free_memory_is_what_can_be_allocated)
 
     /* one request of what free says */
     size_t want = f / PAGE * PAGE;
+    if (!limited) {
+        CUresult (*plain_alloc)(CUdeviceptr *, size_t), (*plain_free)(CUdeviceptr);
+        void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+        REQUIRE(h);
+        *(void **)&plain_alloc = dlsym(h, "cuMemAlloc_v2");
+        *(void **)&plain_free = dlsym(h, "cuMemFree_v2");
+        REQUIRE(plain_alloc && plain_free);
+        CUdeviceptr q = 0;
+        CUresult r = plain_alloc(&q, want + 2 * PAGE);
+        CHECKF(r != CUDA_SUCCESS, "free says %zu MiB; another process's plain allocation took %zu MiB: free "
+               "understated", f / MiB, (want + 2 * PAGE) / MiB);
+        if (r == CUDA_SUCCESS) plain_free(q);
+        q = 0;
+        r = want ? plain_alloc(&q, want) : CUDA_SUCCESS;
+        CHECKF(r == CUDA_SUCCESS, "free says %zu MiB; another process's plain allocation of it failed: free "
+               "overstated", f / MiB);
+        if (q) plain_free(q);
+    }
     void *big = want ? get(want) : NULL;
     CHECKF(!want || big, "one request of the %zu MiB reported free failed", want / MiB);
     if (limited && big) {

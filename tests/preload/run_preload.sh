@@ -127,10 +127,13 @@ ENV_EXTRA=(MEMSHIM_MODE=off EXPECT_OFF=1)
 run_prog lookups_off lookups
 run_prog offmode offmode
 
-# ---- issue 27: every entry point leaves the caller's device, context, stack, capture mode and
-# last error as they were, from four thread states, on two devices
+# ---- issues 27 and 32: every function memshim exports or substitutes leaves the caller's device,
+# context, stack, capture mode and last error as the real CUDA would, from every thread state, on
+# two and on three devices
 ENV_EXTRA=(CUDBL_DEVICES=2)
 run_prog caller_state caller_state
+ENV_EXTRA=(CUDBL_DEVICES=3)
+run_prog caller_state_3_devices caller_state
 
 # ---- MEMSHIM_LIMIT as seen by cudaMemGetInfo / cuMemGetInfo_v2 -------------------------------
 ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=256M EXPECT_TOTAL_MIB=256)

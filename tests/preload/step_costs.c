@@ -8,9 +8,13 @@
  * the default one). After warm-up steps, the timed steps may make only the calls PyTorch's own
  * allocator makes for the same step: for each hand-off's free, one event recorded on the side
  * stream (what record_stream asks of any allocator) and one query of it before its block is
- * reused (PyTorch's process_events queries its pending events at each allocation); nothing else:
- * no create, map, synchronize, capture query or capture-mode exchange. Counted by the double,
- * function by function, around the steady steps only.
+ * reused, at most (PyTorch's process_events queries its pending events at each allocation; the
+ * pool asks only when the block is about to be reused and it was not seen done before), each after one
+ * read of the current context (memshim's device calls push their device's context only when
+ * another is current; here device 0's is); nothing else: no create, map, synchronize, context
+ * push or pop, capture query or capture-mode exchange. Counted by the double, function by
+ * function, around the steady steps only, and held to exactly those numbers (issue 32): a
+ * hand-off that records nothing, queries twice or reads the context twice fails.
  */
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -76,19 +80,27 @@ static void measure(cudaStream_t side, const char *what)
     syscall(SYS_getppid, 0x5eed);
     for (int s = 0; s < STEPS; s++) REQUIRE(step(side) == 0);
     syscall(SYS_getppid, 0xd0e);
-    long other = 0, records = 0, queries = 0;
+    long other = 0, records = 0, queries = 0, reads = 0;
     for (size_t f = 0; f < NFN; f++) {
         long n = cudbl_call_count(FNS[f]) - before[f];
         if (n) printf("    %-34s %ld calls in %d steps\n", FNS[f], n, STEPS);
         if (!strcmp(FNS[f], "cuEventRecord")) records = n;
         else if (!strcmp(FNS[f], "cuEventQuery")) queries = n;
-        else if (strcmp(FNS[f], "cuCtxGetCurrent")) other += n; /* asked before each record: no GPU work */
+        else if (!strcmp(FNS[f], "cuCtxGetCurrent")) reads = n;
+        else other += n;
     }
-    printf("    %s: per step: %d allocations and frees, %.1f event records, %.1f event queries, %.1f other driver calls\n", what,
-           2 * (NACT + NCAST + 2), (double)records / STEPS, (double)queries / STEPS, (double)other / STEPS);
-    CHECKF(records <= STEPS, "%ld event records in %d steps: more than one per record_stream hand-off", records, STEPS);
-    CHECKF(queries <= STEPS, "%ld event queries in %d steps: more than one per record_stream hand-off", queries, STEPS);
-    CHECKF(other == 0, "%ld driver calls besides event records in %d warm steps", other, STEPS);
+    printf("    %s: per step: %d allocations and frees, %.1f event records, %.1f event queries, %.1f context reads, "
+           "%.1f other driver calls\n", what, 2 * (NACT + NCAST + 2), (double)records / STEPS, (double)queries / STEPS,
+           (double)reads / STEPS, (double)other / STEPS);
+    CHECKF(records == STEPS, "%ld event records in %d steps: not one per record_stream hand-off", records, STEPS);
+    /* At most one query per record: the pool asks about a hand-off's event only when its block
+     * is about to be reused, and its poll of recorded events at a miss may have seen it done
+     * before (the front end serves most of a warm step with no miss: 5 queries in 20 steps here) */
+    CHECKF(queries <= records, "%ld event queries for %ld event records in %d steps: more than one per hand-off",
+           queries, records, STEPS);
+    CHECKF(reads == records + queries, "%ld context reads for %ld event records and %ld queries: not one before each",
+           reads, records, queries);
+    CHECKF(other == 0, "%ld driver calls besides event records and queries in %d warm steps", other, STEPS);
 }
 
 TEST(a_warm_training_step_makes_only_the_calls_pytorch_makes)

@@ -79,6 +79,12 @@ RUNS = [
 ]
 
 
+# A launcher's variables in this script's own environment (a CI runner inside Slurm or mpirun) would
+# give the demo another identity than its RANK (docs/reports.md, "Who wrote a report")
+LAUNCHER_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|TORCHELASTIC_.*|SLURM_.*|"
+                           r"OMPI_.*|PMI_.*|MPI_LOCAL.*|CROSS_RANK)$")
+
+
 def build_spy():
     if os.path.exists(SPY) and os.path.getmtime(SPY) >= max(os.path.getmtime(SPY_SRC), os.path.getmtime(
             os.path.join(ROOT, "tests", "cudadouble", "cudbl.h"))):
@@ -99,7 +105,8 @@ def run_demo(cfg, tmp):
     d = tempfile.mkdtemp(prefix=re.sub(r"\W+", "-", cfg["name"])[:40] + "-", dir=tmp)
     rdir, trace, spylog = os.path.join(d, "reports"), os.path.join(d, "trace.txt"), os.path.join(d, "spy.log")
     cap = cfg.get("cap", 2048 * MiB)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEMSHIM_", "CUDBL_", "RANK", "LOCAL_RANK"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEMSHIM_", "CUDBL_", "RANK", "LOCAL_RANK"))
+           and not LAUNCHER_VARS.match(k)}
     env.update({"LD_LIBRARY_PATH": os.path.join(BUILD, "double"), "LD_PRELOAD": SPY + ":" + LIB,
                 "CUDBL_CAPACITY": str(cap), "CUDBL_GRANULARITY": str(GRAN), "MEMSHIM_REPORT_DIR": rdir,
                 "MEMSHIM_TRACE_FILE": trace, "REPORT_SPY_LOG": spylog, "MEMSHIM_LOG": "error",
@@ -781,6 +788,17 @@ FIELDS = {
     "schema_version": (R, lambda c, v, i: eq(v, 2, "schema 2 (a new schema needs its fields declared here)")),
     "pid": (T, lambda c, v, i: eq(v, c.run["pid"], "the demo's process id")),
     "rank": (T, lambda c, v, i: eq(v, c.run["rank"], "the RANK variable of the run (-1: none)")),
+    # the runs set RANK alone (launcher row "env"): no launcher says more (tests/report_tool/
+    # test_launchers.py holds these per launcher)
+    "local_rank": (T, lambda c, v, i: eq(v, None, "the runs set no LOCAL_RANK")),
+    "world_size": (T, lambda c, v, i: eq(v, None, "the runs set no WORLD_SIZE")),
+    "node_rank": (T, lambda c, v, i: eq(v, None, "the runs set no GROUP_RANK")),
+    "restart": (T, lambda c, v, i: eq(v, None, "the runs set no restart count")),
+    # the wall clock at the report less t_end_s: whole seconds in wall_time_unix bound it
+    "start_unix": (R, lambda c, v, i: need(c.r["wall_time_unix"] - 0.05 <= v + c.r["t_end_s"] <= c.r["wall_time_unix"] + 1.05
+                                           and c.run["unix0"] - 1 <= v <= c.run["unix1"],
+                                           f"{v} + t_end_s {c.r['t_end_s']} is not the report's time "
+                                           f"{c.r['wall_time_unix']} (whole seconds), or outside the run")),
     "device": (T, lambda c, v, i: eq(v, 0, "the demo uses device 0")),
     "epoch": (T, check_epoch_index),
     "oom_index": (T, check_oom_index),
@@ -982,7 +1000,8 @@ FIELDS = {
 }
 # Declared fields that these runs cannot produce (no failure when never seen): PyTorch's own
 # memory_stats() exist only in segment mode once PyTorch initialized CUDA (a GPU).
-OPTIONAL = {"torch_memory_stats.*", "spill.sites[].line", "spill.sites[].host_bytes", "spill.sites[].blocks"}  # spill.sites: only with spill on (test_spill_job.py)
+OPTIONAL = {"local_rank", "world_size", "node_rank", "restart",  # null unless a launcher sets them (above)
+            "torch_memory_stats.*", "spill.sites[].line", "spill.sites[].host_bytes", "spill.sites[].blocks"}  # spill.sites: only with spill on (test_spill_job.py)
 
 
 def numeric_leaves(obj, path="", idx=()):

@@ -8,10 +8,10 @@ files. Reports of schema 1 and 2 are read (docs/reports.md); a field a report do
 shown as n/a. Files that are not memshim reports are named on stderr and skipped.
 
 The reports are grouped into runs. A process without a rank is a run of its own. Processes with
-a rank (RANK, LOCAL_RANK, OMPI_COMM_WORLD_RANK or SLURM_PROCID: torchrun, mpirun, Slurm) are
-grouped by the launcher's job id their reports carry (run_id: TORCHELASTIC_RUN_ID or
-SLURM_JOB_ID), then taken in order of their start time; they join one run until a rank repeats or
-a process starts more than 60 s after every process of the run has ended, which starts the next
+a rank (as their launcher set it: torchrun, DeepSpeed, mpirun, Slurm; docs/reports.md, "Who wrote
+a report") are grouped by the launcher's job id their reports carry (run_id: TORCHELASTIC_RUN_ID
+or SLURM_JOB_ID), then taken in order of their start time; they join one run until a rank repeats
+or a process starts more than 60 s after every process of the run has ended, which starts the next
 run.
 
 For each run it prints one row per epoch (per-rank columns when the run has several processes),
@@ -254,6 +254,7 @@ def parse(path, obj, warnings):
         "mode": f.get("mode", s, "a string"),
         "steps": f.get("steps", nonneg_int, "an integer"),
         "wall": f.get("wall_time_unix", nonneg_num, "a number"),
+        "start_unix": f.get("start_unix", nonneg_num, "a number"),  # since issue 32; None in older reports
         "t_start": f.get("t_start_s", nonneg_num, "a number"),
         "t_end": f.get("t_end_s", nonneg_num, "a number"),
         "alloc_run_peak": f.get("memory.allocated_run_peak_bytes", nonneg_int, "an integer"),
@@ -441,8 +442,13 @@ def build_stream(recs):
     device_total = max(totals) if totals else None
     limits = [r["last_oom"]["limit_bytes"] for r in recs if r["last_oom"] and r["last_oom"]["limit_bytes"]]
     limit = limits[-1] if limits else limit_bytes(newest["config"].get("MEMSHIM_LIMIT"), device_total)
-    times = [r["wall"] for r in recs if r["wall"] is not None]
-    starts = [r["wall"] - r["t_end"] for r in recs if r["wall"] is not None and r["t_end"] is not None]
+    # When the process started and last wrote: start_unix (to the microsecond) where the reports carry
+    # it, else wall_time_unix (whole seconds) less t_end_s
+    times = [r["start_unix"] + r["t_end"] if r["start_unix"] is not None and r["t_end"] is not None else r["wall"]
+             for r in recs if r["wall"] is not None or r["start_unix"] is not None]
+    times = [t for t in times if t is not None]
+    starts = [r["start_unix"] if r["start_unix"] is not None else r["wall"] - r["t_end"]
+              for r in recs if r["start_unix"] is not None or (r["wall"] is not None and r["t_end"] is not None)]
     p99s = [r["latency"]["alloc_ns"]["p99"] for r in recs
             if r["kind"] == "epoch" and r["latency"] and r["latency"]["alloc_ns"]["p99"] is not None]
     return {
@@ -703,9 +709,11 @@ def advise(run):
 
         # capacity: the peak near the device (or MEMSHIM_LIMIT); the dominant site, when one is
         cap = s["capacity"]
-        cand = [r for r in s["epochs"] if r["resv_peak"]] or [r for r in s["recs"] if r["resv_peak"]]
-        if cap and cand:
-            r = max(cand, key=lambda x: x["resv_peak"])
+        if cap and s["resv_peak"]:
+            # the highest peak reserved: an epoch's, or the run's peak a summary or OOM report carries
+            # when no epoch report has it (one was lost, or the peak came in the epoch the exit closed)
+            at = [r for r in s["epochs"] if r["resv_peak"] == s["resv_peak"]]
+            r = at[0] if at else {"epoch": None, "resv_peak": s["resv_peak"], "alloc_peak": None}
             sh = r["resv_peak"] / cap
             if sh >= CAPACITY_SHARE:
                 fig = {"epoch": r["epoch"], "reserved_peak_bytes": r["resv_peak"], "allocated_peak_bytes": r["alloc_peak"],
@@ -729,7 +737,8 @@ def advise(run):
                            ("" if top else " (the reports name no sites to say where)"))
 
                 def render(on, r=r, cap=cap, sh=sh, fix=fix, what=s["capacity_name"]):
-                    return (f"near capacity{on}: peak reserved {mib(r['resv_peak'])} MiB at epoch {r['epoch']} is "
+                    when = f"at epoch {r['epoch']}" if r["epoch"] is not None else "in the run (no epoch report has it)"
+                    return (f"near capacity{on}: peak reserved {mib(r['resv_peak'])} MiB {when} is "
                             f"{pct(sh)} of the {mib(cap)} MiB {'limit (MEMSHIM_LIMIT)' if what == 'MEMSHIM_LIMIT' else 'device'}"
                             f"{fix}")
                 items.append((("capacity",), sh, s, fig, render))
@@ -758,51 +767,55 @@ def advise(run):
 
         small = tiny(s)
         # fragmentation inside PyTorch's segments (segment mode, schema 2)
+        def frag(rv, al):  # reserved at least 1.10 x allocated and 64 MiB more
+            return rv >= FRAG_RATIO * al and rv - al >= FRAG_MIN_BYTES
+
+        # in any epoch where both hold (the largest gap of all may be a small share of a large peak)
         tor = [(r, r["torch"]) for r in s["epochs"] if r["torch"] and r["torch"]["reserved_peak_bytes"] is not None
-               and r["torch"]["allocated_peak_bytes"]]
+               and r["torch"]["allocated_peak_bytes"]
+               and frag(r["torch"]["reserved_peak_bytes"], r["torch"]["allocated_peak_bytes"])]
         if tor and not small:
             r, t = max(tor, key=lambda x: x[1]["reserved_peak_bytes"] - x[1]["allocated_peak_bytes"])
             rv, al = t["reserved_peak_bytes"], t["allocated_peak_bytes"]
-            if rv >= FRAG_RATIO * al and rv - al >= FRAG_MIN_BYTES:
-                fig = {"epoch": r["epoch"], "torch_reserved_peak_bytes": rv, "torch_allocated_peak_bytes": al,
-                       "ratio": rv / al}
+            fig = {"epoch": r["epoch"], "torch_reserved_peak_bytes": rv, "torch_allocated_peak_bytes": al,
+                   "ratio": rv / al}
 
-                def render(on, r=r, rv=rv, al=al):
-                    return (f"fragmentation{on}: PyTorch's caching allocator reserved {mib(rv)} MiB for a live peak "
-                            f"of {mib(al)} MiB ({rv / al:.2f}x) at epoch {r['epoch']}: tensor mode (memshim places "
-                            "every tensor; README, \"Tensor mode\") or "
-                            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets that memory be used")
-                items.append((("torch-frag",), rv / al, s, fig, render))
+            def render(on, r=r, rv=rv, al=al):
+                return (f"fragmentation{on}: PyTorch's caching allocator reserved {mib(rv)} MiB for a live peak "
+                        f"of {mib(al)} MiB ({rv / al:.2f}x) at epoch {r['epoch']}: tensor mode (memshim places "
+                        "every tensor; README, \"Tensor mode\") or "
+                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets that memory be used")
+            items.append((("torch-frag",), rv / al, s, fig, render))
 
         # fragmentation in memshim's own pool: reserved well above allocated at an epoch's peak
         cand = [r for r in s["epochs"] if r["alloc_peak"]] or [r for r in s["recs"] if r["alloc_peak"]]
+        cand = [r for r in cand if frag(r["resv_peak"], r["alloc_peak"])]
         if cand and not small:
             r = max(cand, key=lambda x: x["resv_peak"] - x["alloc_peak"])
             rv, al, tp = r["resv_peak"], r["alloc_peak"], r["touched_peak"]
-            if rv >= FRAG_RATIO * al and rv - al >= FRAG_MIN_BYTES:
-                defrag = r["config"].get("MEMSHIM_DEFRAG")
-                fig = {"epoch": r["epoch"], "reserved_peak_bytes": rv, "allocated_peak_bytes": al, "ratio": rv / al,
-                       "touched_peak_bytes": tp, "fragmentation": r["frag"], "mode": r["mode"],
-                       "MEMSHIM_DEFRAG": defrag}
-                parts = ""
-                if tp is not None and al <= tp <= rv:
-                    fig["shared_page_bytes"], fig["cached_page_bytes"] = tp - al, rv - tp
-                    parts = (f" ({mib(tp - al)} MiB in pages shared with live blocks, {mib(rv - tp)} MiB in cached "
-                             "pages)")
-                if defrag == "0":
-                    fix = "; MEMSHIM_DEFRAG=1 (now 0) lets the pool reclaim and remap cached pages under pressure"
-                else:
-                    fix = ("; the pool reclaims cached pages itself when memory runs short (MEMSHIM_DEFRAG=" +
-                           (defrag or "n/a") + "), and MEMSHIM_EMPTY_CACHE=epoch gives them back to the driver at "
-                           "each epoch for other processes")
-                if r["mode"] == "segment":
-                    fix += ("; in segment mode PyTorch's caching allocator chooses the segments: tensor mode or "
-                            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+            defrag = r["config"].get("MEMSHIM_DEFRAG")
+            fig = {"epoch": r["epoch"], "reserved_peak_bytes": rv, "allocated_peak_bytes": al, "ratio": rv / al,
+                   "touched_peak_bytes": tp, "fragmentation": r["frag"], "mode": r["mode"],
+                   "MEMSHIM_DEFRAG": defrag}
+            parts = ""
+            if tp is not None and al <= tp <= rv:
+                fig["shared_page_bytes"], fig["cached_page_bytes"] = tp - al, rv - tp
+                parts = (f" ({mib(tp - al)} MiB in pages shared with live blocks, {mib(rv - tp)} MiB in cached "
+                         "pages)")
+            if defrag == "0":
+                fix = "; MEMSHIM_DEFRAG=1 (now 0) lets the pool reclaim and remap cached pages under pressure"
+            else:
+                fix = ("; the pool reclaims cached pages itself when memory runs short (MEMSHIM_DEFRAG=" +
+                       (defrag or "n/a") + "), and MEMSHIM_EMPTY_CACHE=epoch gives them back to the driver at "
+                       "each epoch for other processes")
+            if r["mode"] == "segment":
+                fix += ("; in segment mode PyTorch's caching allocator chooses the segments: tensor mode or "
+                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
 
-                def render(on, r=r, rv=rv, al=al, parts=parts, fix=fix):
-                    return (f"fragmentation{on}: memshim held {mib(rv)} MiB at the peak of epoch "
-                            f"{r['epoch']} for {mib(al)} MiB live ({rv / al:.2f}x){parts}{fix}")
-                items.append((("pool-frag", r["mode"], defrag), rv / al, s, fig, render))
+            def render(on, r=r, rv=rv, al=al, parts=parts, fix=fix):
+                return (f"fragmentation{on}: memshim held {mib(rv)} MiB at the peak of epoch "
+                        f"{r['epoch']} for {mib(al)} MiB live ({rv / al:.2f}x){parts}{fix}")
+            items.append((("pool-frag", r["mode"], defrag), rv / al, s, fig, render))
 
         # OOMs: failed requests after the whole rescue chain
         n_oom = max([r["ooms"] for r in s["recs"] if r["ooms"] is not None], default=0)
@@ -860,11 +873,11 @@ def advise(run):
                 return t
             items.append((("oom", s["label"]), n_oom, s, fig, render))
 
-    # one rank far above the median rank
-    if run["ranked"] and len(run["streams"]) >= 3:
-        peaks = [s["alloc_peak"] for s in run["streams"]]
+    # one rank far above the median rank; a rank's peak is the highest of its devices'
+    if run["ranked"] and len(run["procs"]) >= 3:
+        peaks = [max(s["alloc_peak"] for s in p["streams"]) for p in run["procs"]]
         med = statistics.median(peaks)
-        top = max(run["streams"], key=lambda s: (s["alloc_peak"], -(s["rank"] or 0)))
+        top = max(run["streams"], key=lambda s: (s["alloc_peak"], -(s["rank"] or 0), -s["device"]))
         if med and top["alloc_peak"] >= IMBALANCE_RATIO * med and top["alloc_peak"] - med >= IMBALANCE_MIN_BYTES \
                 and not tiny(top):
             fig = {"rank": top["rank"], "allocated_peak_bytes": top["alloc_peak"], "median_bytes": med,
