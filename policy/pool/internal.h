@@ -202,10 +202,10 @@ struct front {
     uint64_t tick;            /* hits and puts so far: the bins' clock */
     size_t grown_aside;       /* pages the pool grew by for requests with blocks binned, no drain */
     /* Churn: the bins' blocks drained for other sizes rather than reused (sizes that come once:
-     * a step's trim; a step that frees what the next different size needs: drained for a reclaim
-     * or a synchronize, not for growth, pool.c): counted over windows of FRONT_WINDOW puts; when
-     * the drained outnumber the hits, the front end stays out for FRONT_COOL allocations (the
-     * pool path alone, as before it) and then tries again. */
+     * a step's trim, a full table's stale bins; a step that frees what the next different size
+     * needs): counted over windows of FRONT_WINDOW puts; when the drained outnumber the hits and
+     * the hits are under a quarter of the puts, the front end stays out for FRONT_COOL
+     * allocations (the pool path alone, as before it) and then tries again. */
     uint64_t win_puts, win_hits, win_drained;
     uint64_t cool_until;      /* st.allocs before which the front end stays out (churn) */
     uint64_t mark, mark_prev; /* tick at the last step mark and at the one before (bins not

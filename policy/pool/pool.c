@@ -544,13 +544,7 @@ static int pool_alloc_slow(struct msh_pool *pool, size_t size, uint64_t rsize, u
         else pool->st.front_kept++;
         rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
     }
-    /* Churn counts the blocks drained for a reclaim, a synchronize or a failing request: those
-     * cost the job something the bins caused. A drain instead of growth only hands the pool its
-     * own pages back (a growing first step frees temporaries into the bins that the next
-     * activation's pages then take): counted, it sent the front end out for good on 4 of the 16
-     * replays (0% of the allocations of passes 2-3 served; not counted: 50-100%, median 92%) */
-    if (binned0 > pool->front.blocks)
-        front_churn(pool, rm.needs_victims || rc == ENOMEM ? binned0 - pool->front.blocks : 0);
+    if (binned0 > pool->front.blocks) front_churn(pool, binned0 - pool->front.blocks);
     size_t need = rc == ENOMEM ? pages_at_least(pool, rsize) : 0;
     if (rc == ENOMEM && ocase == MSH_OOM_NOW && pool->gc_fn && pool->st.live_blocks &&
         need <= room_pages(pool, &rm, true)) {

@@ -444,10 +444,11 @@ TEST(a_trim_records_an_event_only_when_another_stream_could_want_its_blocks)
 
 /* A first step that grows: each temporary freed into a bin is drained when the next activation
  * needs pages (the pool's own pages, given back rather than grown past), and its size misses next
- * time. Those drains are not churn: the steps after the growth hit. Counted as churn, they sent
- * the front end out for 32768 allocations, past the whole run on 4 of the 16 replays. A step that
- * drains for a reclaim still counts (the churn rule itself: the_front_end_states...). */
-TEST(drains_instead_of_growth_do_not_send_the_front_end_out)
+ * time; some come back before that (hits). Drained blocks outnumber hits, as in a varying job's
+ * (the_front_end_states...), but the bins serve more than a quarter of what is put in them: not
+ * churn. Judged by the drains alone, the front end went out for 32768 allocations, past the whole
+ * run on 4 of the 16 replays. */
+TEST(a_growing_step_whose_temporaries_come_back_keeps_the_front_end_on)
 {
     if (!streams_up()) SKIP("the driver double did not start");
     struct msh_pool *p = pool_new(0, true);
@@ -456,8 +457,8 @@ TEST(drains_instead_of_growth_do_not_send_the_front_end_out)
     static uint64_t act[N];
     uint64_t t = 0;
     for (int i = 0; i < N; i++) {
-        for (int k = 0; k < 3; k++) { /* temporaries, made and freed */
-            REQUIRE(msh_pool_alloc(p, (size_t)(k + 1) * MiB + 4096, sa, &t) == 0);
+        for (int k = 0; k < 5; k++) { /* temporaries made and freed, the first size three times */
+            REQUIRE(msh_pool_alloc(p, (size_t)(k < 3 ? 1 : k - 1) * MiB + 4096, sa, &t) == 0);
             REQUIRE(msh_pool_free(p, t, sa) == 0);
         }
         /* an activation kept, larger than the chunk mapped ahead: new pages each time */
