@@ -93,7 +93,8 @@ print()
 print("### 1b. The front end (issue 30): hit rate, and what it may not make worse")
 print()
 print("Allocations served from the front end's bins (a block freed on the same stream with the same")
-print("size) with no limit, in the first pass and in passes 2-3 of the trace replayed three times; the")
+print("size), as a share of the trace's allocations, with no limit, in the first pass and in passes 2-3")
+print("of the trace replayed three times (while it is out for churn, none are served); the")
 print("minimum capacity, passes 2-3 at it (map+unmap) and the peak reserved with no limit, with the front")
 print("end and without it (memshim-replay --no-front), on the same streams.")
 print()
@@ -108,8 +109,9 @@ for d in first:
     a, b = fr[key(d)], nf[key(d)]
     h, m = a["front_hits"], a["front_misses"]
     h2, m2 = a["front_later_hits"], a["front_later_misses"]
-    p1 = h / (h + m) if h + m else 0.0
-    p2 = h2 / (h2 + m2) if h2 + m2 else 0.0
+    n = a["allocs"] or 1
+    p1 = h / n
+    p2 = h2 / (2 * n)
     r1.append(p1)
     r2.append(p2)
     st = "churn (out)" if h2 + m2 == 0 and h + m else "on"
@@ -121,7 +123,7 @@ for d in first:
     print(f"| {name(d)} | {100 * p1:.0f}% | {100 * p2:.0f}% | {st} | {a['min_capacity_bytes'] // MiB} / {b['min_capacity_bytes'] // MiB} | "
           f"{sa} / {sb} | {ua:.3f} / {ub:.3f} |")
 print()
-print(f"hit rate, first pass: {100 * min(r1):.0f}% to {100 * max(r1):.0f}% (median {100 * statistics.median(r1):.0f}%); "
+print(f"allocations served, first pass: {100 * min(r1):.0f}% to {100 * max(r1):.0f}% (median {100 * statistics.median(r1):.0f}%); "
       f"passes 2-3: {100 * min(r2):.0f}% to {100 * max(r2):.0f}% (median {100 * statistics.median(r2):.0f}%); "
       f"minimum capacity or steady state worse with the front end: {len(worse)} of {len(r1)} traces {worse if worse else ''}")
 
