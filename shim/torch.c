@@ -439,13 +439,6 @@ static bool is_backstop(const struct capgroup *g)
     return g->id0 == BACKSTOP_ID && g->id1 == BACKSTOP_ID;
 }
 
-/* The token under which a group's begin..end window is open in capture.c. */
-static uint64_t torch_token(int device, uint64_t id0, uint64_t id1)
-{
-    uint64_t x = id0 * 0x9E3779B97F4A7C15ull ^ (id1 + 0x632BE59BD9B4E019ull) * 0xC2B2AE3D27D4EB4Full;
-    return x ^ ((uint64_t)(unsigned)device << 56);
-}
-
 static struct capgroup *group_find_locked(int device, uint64_t id0, uint64_t id1)
 {
     for (int i = 0; i < CAPG_MAX; i++)
@@ -641,7 +634,9 @@ static void group_use(int device, unsigned long long id0, unsigned long long id1
         }
     }
     pthread_mutex_unlock(&caps_lock);
-    if (g && begin) msh_capture_open(device, MSH_CAPTURE_TORCH, torch_token(device, id0, id1));
+    /* The window alone is no capture (issue 31): use_mem_pool opens one and captures nothing, and
+     * torch.cuda.graph's capture opens in capture.c when its stream begins (every begin route is
+     * hooked), so nothing is deferred and no capture mode exchanged for the window itself. */
 }
 
 MSH_EXPORT void memshim_torch_begin_allocate_to_pool(int device, unsigned long long id0, unsigned long long id1,
@@ -667,16 +662,10 @@ MSH_EXPORT void memshim_torch_retain_pool(int device, unsigned long long id0, un
 MSH_EXPORT void memshim_torch_end_allocate_to_pool(int device, unsigned long long id0, unsigned long long id1)
 {
     if (!dev_ok(device)) return;
-    bool open = false;
     CAPS_LOCK();
     struct capgroup *g = group_find_locked(device, id0, id1);
-    if (g && g->active > 0) {
-        g->active--;
-        open = true;
-    }
+    if (g && g->active > 0) g->active--;
     pthread_mutex_unlock(&caps_lock);
-    /* the last capture of the device ending runs what was deferred (capture.c) */
-    if (open) msh_capture_close(MSH_CAPTURE_TORCH, torch_token(device, id0, id1));
 }
 
 MSH_EXPORT void memshim_torch_release_pool(int device, unsigned long long id0, unsigned long long id1)

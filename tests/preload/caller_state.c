@@ -18,7 +18,10 @@
  * another device's block, cudaMemGetInfo) where a context is current, where the runtime's contract
  * changes none of it either (with no context it would make the device's primary one current: not
  * held here). Each call also runs with a capture open elsewhere in the process, where memshim
- * relaxes the thread's capture mode around its driver work. Run with CUDBL_DEVICES=2.
+ * relaxes the thread's capture mode around its driver work: a real stream capture, begun through
+ * the runtime's hook on a third device in relaxed mode (so that it prohibits nothing the calls do
+ * on devices 0 and 1; PyTorch's pool window alone is no capture since issue 31). Run with
+ * CUDBL_DEVICES=3.
  */
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -253,17 +256,27 @@ static bool resolve(void)
 TEST(every_entry_leaves_the_callers_cuda_state_as_it_was)
 {
     int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) SKIP("needs CUDBL_DEVICES=2");
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n < 3) SKIP("needs CUDBL_DEVICES=3");
     REQUIRE(resolve());
     /* both devices' pools exist (the main thread ends on device 0) */
     REQUIRE(cudaSetDevice(1) == cudaSuccess && cudaMalloc(&d1_block_rt, MiB) == cudaSuccess);
     REQUIRE(cudaSetDevice(0) == cudaSuccess && cudaMalloc(&d1_block_drv, MiB) == cudaSuccess);
     CHECK(run_table("no capture open") == 0);
-    /* a capture open elsewhere (PyTorch's pool window): memshim relaxes the capture mode around
-     * its driver work, and must give the thread its own mode back */
+    /* a capture open elsewhere (device 2's stream, with PyTorch's pool window open as during
+     * torch.cuda.graph): memshim relaxes the capture mode around its driver work, and must give
+     * the thread its own mode back */
+    cudaStream_t cs;
+    cudaGraph_t g = NULL;
+    REQUIRE(cudaSetDevice(2) == cudaSuccess && cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking) == cudaSuccess);
     begin_pool(0, 77, 0, NULL);
-    CHECK(run_table("a capture window open") == 0);
+    REQUIRE(cudaStreamBeginCapture(cs, cudaStreamCaptureModeRelaxed) == cudaSuccess);
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    CHECK(run_table("a capture open") == 0);
+    CHECK(cudaSetDevice(2) == cudaSuccess && cudaStreamEndCapture(cs, &g) == cudaSuccess && g);
     end_pool(0, 77, 0);
+    if (g) cudaGraphDestroy(g);
+    cudaStreamDestroy(cs);
+    cudaSetDevice(0);
     cudaFree(d1_block_rt);
     cudaFree(d1_block_drv);
 }

@@ -95,7 +95,9 @@ else
            cuPointerGetAttribute cuPointerGetAttributes cuIpcGetMemHandle
            cudaDeviceEnablePeerAccess cudaStreamBeginCapture cudaStreamBeginCapture_ptsz
            cudaStreamEndCapture cudaStreamEndCapture_ptsz cuCtxEnablePeerAccess
-           cuStreamBeginCapture_v2 cuStreamBeginCapture_v2_ptsz cuStreamEndCapture cuStreamEndCapture_ptsz"
+           cuStreamBeginCapture_v2 cuStreamBeginCapture_v2_ptsz cuStreamEndCapture cuStreamEndCapture_ptsz
+           cuStreamBeginCapture cuStreamBeginCapture_ptsz cuStreamBeginCaptureToGraph
+           cuStreamBeginCaptureToGraph_ptsz cudaStreamBeginCaptureToGraph cudaStreamBeginCaptureToGraph_ptsz dlsym"
     exported=$(nm -D --defined-only "$LIB" | awk '$2 != "A" {print $3}' | sed 's/@.*//' | sort -u)
     extra=""
     for s in $exported; do
@@ -128,8 +130,8 @@ run_prog lookups_off lookups
 run_prog offmode offmode
 
 # ---- issue 27: every entry point leaves the caller's device, context, stack, capture mode and
-# last error as they were, from four thread states, on two devices
-ENV_EXTRA=(CUDBL_DEVICES=2)
+# last error as they were, from four thread states, on two devices (a third one captures)
+ENV_EXTRA=(CUDBL_DEVICES=3)
 run_prog caller_state caller_state
 
 # ---- MEMSHIM_LIMIT as seen by cudaMemGetInfo / cuMemGetInfo_v2 -------------------------------
@@ -203,6 +205,8 @@ ENV_EXTRA=(MEMSHIM_GC=threshold)
 run_prog gc_threshold_cost gc_threshold_cost
 ENV_EXTRA=()
 run_prog capture_reuse capture_reuse
+# issue 31: every route that begins a capture is seen before the next allocation on its stream
+run_prog capture_routes capture_routes
 # issue 24: a warm training step's driver calls, reports and the snapshot ring on
 mkdir -p "$TMP/step-reports"
 ENV_EXTRA=(MEMSHIM_REPORT_DIR="$TMP/step-reports" MEMSHIM_SNAPSHOT="$TMP/step-snapshot.pickle" MEMSHIM_LOG=info)

@@ -256,6 +256,24 @@ static bool capdrv_up(struct capdrv *c)
     return true;
 }
 
+/* The stream capture's begin and end as memshim's hooks make them (hooks/driver.c): the capture is
+ * counted open before the driver's begin, closed once its end returns. This binary has the core
+ * without the hooks (tests/preload/capture_routes.c runs every route through them). */
+static CUresult hooked_begin(struct capdrv *c, CUstream s)
+{
+    msh_capture_open(0, MSH_CAPTURE_STREAM, (uint64_t)(uintptr_t)s);
+    CUresult r = c->begin(s, CU_STREAM_CAPTURE_MODE_GLOBAL);
+    if (r != CUDA_SUCCESS) msh_capture_close(MSH_CAPTURE_STREAM, (uint64_t)(uintptr_t)s);
+    return r;
+}
+
+static CUresult hooked_end(struct capdrv *c, CUstream s, CUgraph *g)
+{
+    CUresult r = c->end(s, g);
+    msh_capture_close(MSH_CAPTURE_STREAM, (uint64_t)(uintptr_t)s);
+    return r;
+}
+
 /* One graph captured into pool (id0, 0) as torch.cuda.graph does it: begin_allocate_to_pool, then
  * the stream capture; a block allocated on the capturing stream (routed to the pool) and a
  * captured kernel that writes it; the end of the capture, then end_allocate_to_pool. */
@@ -264,10 +282,10 @@ static CUgraph capture_one(struct capdrv *c, unsigned long long id0, size_t size
     memshim_torch_begin_allocate_to_pool(0, id0, 0, NULL);
     CUgraph g = NULL;
     *out = NULL;
-    if (c->begin(c->s, CU_STREAM_CAPTURE_MODE_GLOBAL) == CUDA_SUCCESS) {
+    if (hooked_begin(c, c->s) == CUDA_SUCCESS) {
         *out = memshim_torch_alloc((ssize_t)size, 0, c->s);
         if (*out) cudbl_launch(c->s, (CUdeviceptr)(uintptr_t)*out, size, 1, noop_kernel, NULL);
-        if (c->end(c->s, &g) != CUDA_SUCCESS) g = NULL;
+        if (hooked_end(c, c->s, &g) != CUDA_SUCCESS) g = NULL;
     }
     memshim_torch_end_allocate_to_pool(0, id0, 0);
     return g;
@@ -342,21 +360,21 @@ TEST(freeing_a_released_pool_inside_the_next_capture_keeps_it_valid)
     msh_torch_capture_counts(&destroyed0, &deferred0, NULL);
     long h0 = handles();
     memshim_torch_begin_allocate_to_pool(0, 32, 0, NULL);
-    REQUIRE(c.begin(c.s, CU_STREAM_CAPTURE_MODE_GLOBAL) == CUDA_SUCCESS);
+    REQUIRE(hooked_begin(&c, c.s) == CUDA_SUCCESS);
     memshim_torch_free(out1, 4 * MiB, 0, c.s); /* `out = ...` drops the old output, mid-capture */
     out2 = memshim_torch_alloc(4 * MiB, 0, c.s);
     CHECK(out2 != NULL);
     if (out2) cudbl_launch(c.s, (CUdeviceptr)(uintptr_t)out2, 4 * MiB, 1, noop_kernel, NULL);
-    CUgraph g2 = NULL;
-    CUresult er = c.end(c.s, &g2);
-    CHECKF(er == CUDA_SUCCESS && g2, "the capture was invalidated (%d)", (int)er);
     uint64_t destroyed1 = 0, deferred1 = 0;
     msh_torch_capture_counts(&destroyed1, &deferred1, NULL);
     CHECK(destroyed1 == destroyed0 && deferred1 == deferred0 + 1);
     CHECK(handles() >= h0); /* nothing of pool 31 was given back during the capture */
-    memshim_torch_end_allocate_to_pool(0, 32, 0); /* the capture is over: pool 31 goes now */
+    CUgraph g2 = NULL;
+    CUresult er = hooked_end(&c, c.s, &g2); /* the capture is over: pool 31 goes now */
+    CHECKF(er == CUDA_SUCCESS && g2, "the capture was invalidated (%d)", (int)er);
     msh_torch_capture_counts(&destroyed1, &deferred1, NULL);
     CHECK(destroyed1 == destroyed0 + 1);
+    memshim_torch_end_allocate_to_pool(0, 32, 0);
     memshim_torch_free(out2, 4 * MiB, 0, c.s);
     if (g2) c.graph_destroy(g2);
     memshim_torch_release_pool(0, 32, 0);
@@ -378,13 +396,13 @@ TEST(the_main_pool_defers_its_driver_work_during_a_capture)
     long unmaps0 = cudbl_call_count("cuMemUnmap"), syncs0 = cudbl_call_count("cuCtxSynchronize");
     long rec0 = cudbl_call_count("cuEventRecord");
     memshim_torch_begin_allocate_to_pool(0, 41, 0, NULL);
-    REQUIRE(c.begin(c.s, CU_STREAM_CAPTURE_MODE_GLOBAL) == CUDA_SUCCESS);
+    REQUIRE(hooked_begin(&c, c.s) == CUDA_SUCCESS);
     memshim_empty_cache();
     memshim_torch_free(r, 2 * MiB, 0, c.s2); /* its free needs an event on c.s: parked */
     CHECK(cudbl_call_count("cuMemUnmap") == unmaps0 && cudbl_call_count("cuCtxSynchronize") == syncs0);
     CHECK(cudbl_call_count("cuEventRecord") == rec0);
     CUgraph g = NULL;
-    CUresult er = c.end(c.s, &g);
+    CUresult er = hooked_end(&c, c.s, &g);
     CHECKF(er == CUDA_SUCCESS && g, "the capture was invalidated (%d)", (int)er);
     memshim_torch_end_allocate_to_pool(0, 41, 0);
     CHECK(cudbl_call_count("cuMemUnmap") > unmaps0);     /* the deferred empty-cache ran */
@@ -449,6 +467,7 @@ TEST(one_limit_for_the_main_and_capture_pools)
     void *m = memshim_torch_alloc(160 * MiB, 0, NULL);
     REQUIRE(m);
     memshim_torch_begin_allocate_to_pool(0, 11, 0, NULL);
+    msh_capture_open(0, MSH_CAPTURE_STREAM, (uint64_t)(uintptr_t)S_CAPTURING); /* as the begin hook does */
     void *c = memshim_torch_alloc_in_pool(160 * MiB, 0, S_CAPTURING, 11, 0);
     CHECK(c == NULL); /* 320 MiB together: over the shared limit */
     char msg[1024];
@@ -465,6 +484,7 @@ TEST(one_limit_for_the_main_and_capture_pools)
     CHECK(c == NULL);
     memshim_torch_oom_message(0, 160 * MiB, msg, sizeof msg);
     CHECKF(strstr(msg, "capture was in progress"), "%s", msg);
+    msh_capture_close(MSH_CAPTURE_STREAM, (uint64_t)(uintptr_t)S_CAPTURING);
     memshim_torch_end_allocate_to_pool(0, 11, 0);
     /* The next capture into the pool gets them: the main pool's cache goes back outside captures */
     memshim_empty_cache();
