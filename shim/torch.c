@@ -745,6 +745,19 @@ static int stream_capturing(void *stream)
 static __thread struct msh_pool *last_oom_pool; /* the pool whose request failed last (this thread) */
 static __thread bool last_oom_capture;
 
+/* Issue 31: the main pool's cache goes back to the driver for a capture pool's request only when it
+ * covers what the request lacked under the limit the pools share (as the pool's own empty-cache
+ * step: only when the request would then fit); otherwise releasing it costs the main pool its
+ * pages and serves nothing. */
+static bool main_cache_would_help(struct msh_pool *cap_pool, struct msh_pool *main_pool)
+{
+    struct msh_pool_oom o;
+    struct msh_pool_counters k;
+    msh_pool_last_oom(cap_pool, &o);
+    msh_pool_counters(main_pool, &k);
+    return o.kind == MSH_OOM_NOW && k.cached_pages && o.short_bytes <= k.cached_pages * k.gran;
+}
+
 /* Allocate in a pinned capture pool (caps_lock not held). */
 static void *cap_alloc(struct cap *c, size_t size, void *stream)
 {
@@ -755,7 +768,7 @@ static void *cap_alloc(struct cap *c, size_t size, void *stream)
         /* The limit is shared: the main pool's cached pages may be what stands in the way (while
          * the device captures, the main pool defers the release and this still fails). */
         struct msh_pool *main_pool = msh_core_pool_get(c->device);
-        if (main_pool && msh_pool_empty_cache(main_pool))
+        if (main_pool && main_cache_would_help(c->pool, main_pool) && msh_pool_empty_cache(main_pool))
             rc = msh_pool_alloc(c->pool, size, (uint64_t)(uintptr_t)stream, &a);
     }
     relaxed_end(saved);
@@ -1177,7 +1190,8 @@ MSH_EXPORT int memshim_torch_oom_message(int device, size_t size, char *buf, siz
     const char *gc = msh_cfg.gc == MSH_GC_NEVER ? "no gc.collect() (MEMSHIM_GC=never)"
                      : msh_cfg.gc == MSH_GC_EPOCH ? "no gc.collect() (MEMSHIM_GC=epoch runs it only at epoch ends)"
                      : o.steps & MSH_OOM_STEP_GC  ? "gc.collect() where this thread holds the GIL"
-                                                  : "no gc.collect() (freeing every tensor would not make room)";
+                     : last_oom_capture ? "no gc.collect() (not for a CUDA-graph capture pool: code it runs could be captured)"
+                                        : "no gc.collect() (freeing every tensor would not make room)";
     const char *rel = msh_cfg.empty_cache == MSH_EC_NEVER      ? "no release to the driver (MEMSHIM_EMPTY_CACHE=never)"
                       : o.steps & MSH_OOM_STEP_EMPTY_CACHE ? "release of cached pages to the driver"
                                                            : "its cache kept (releasing it would not make room)";
@@ -1212,6 +1226,13 @@ MSH_EXPORT int memshim_torch_oom_message(int device, size_t size, char *buf, siz
     if (n < 0) {
         buf[0] = 0;
         return 0;
+    }
+    if (p && o.kind == MSH_OOM_NOW && o.others_bytes && (size_t)n < len) { /* issue 31 */
+        char others[32];
+        fmt_size(others, sizeof others, o.others_bytes);
+        int m = snprintf(buf + n, len - (size_t)n, " The device's other memshim pools (CUDA-graph capture pools, or "
+                         "the main pool) hold %s under the same limit.", others);
+        if (m > 0) n += m;
     }
     if (o.kind == MSH_OOM_NOW && (o.capture || msh_capture_any()) && (size_t)n < len) {
         int m = snprintf(buf + n, len - (size_t)n,

@@ -501,6 +501,86 @@ TEST(one_limit_for_the_main_and_capture_pools)
     CHECK(msh_torch_limit(0) == 1024 * MiB);
 }
 
+/* ---- issue 31 item 2: the OOM rescue sees every pool of the device ------------------------------ */
+
+#define DEAD_GRAPH_BYTES (200 * MiB)
+static void *dead_graph_out;   /* a dropped graph's output, still referenced from a cycle */
+static int dead_graph_gcs;
+
+/* What gc.collect() does for a graph dropped in a reference cycle: the output tensor goes, and
+ * the CUDAGraph's destructor releases its pool. */
+static size_t collect_dead_graph(void *arg)
+{
+    (void)arg;
+    dead_graph_gcs++;
+    if (!dead_graph_out) return 0;
+    memshim_torch_free(dead_graph_out, DEAD_GRAPH_BYTES, 0, S_CAPTURING);
+    dead_graph_out = NULL;
+    memshim_torch_release_pool(0, 61, 0);
+    return 1;
+}
+
+/* Under one limit for the device (256 MiB), a dead graph's capture pool holds 200 MiB that only
+ * a collection gives back; the main pool holds 8 MiB and asks for 160 MiB. The gc step must run:
+ * what it can free is the capture pool's, not the main pool's (the gate counted the requesting
+ * pool's room only: 8 + 48 MiB, so it skipped the collection, failed the request and said
+ * freeing every tensor would not make room). */
+TEST(gc_frees_a_dead_graphs_capture_pool_for_the_main_pool)
+{
+    memshim_torch_set_memory_fraction(0.25, 0);
+    REQUIRE(msh_torch_limit(0) == 256 * MiB);
+    void *small = memshim_torch_alloc(8 * MiB, 0, NULL);
+    REQUIRE(small);
+    memshim_torch_begin_allocate_to_pool(0, 61, 0, NULL);
+    dead_graph_out = memshim_torch_alloc_in_pool(DEAD_GRAPH_BYTES, 0, S_CAPTURING, 61, 0);
+    memshim_torch_end_allocate_to_pool(0, 61, 0);
+    REQUIRE(dead_graph_out);
+    dead_graph_gcs = 0;
+    memshim_set_gc_callback(collect_dead_graph, NULL);
+    void *m = memshim_torch_alloc(160 * MiB, 0, NULL);
+    char msg[2048] = "";
+    if (!m) memshim_torch_oom_message(0, 160 * MiB, msg, sizeof msg);
+    printf("    160 MiB beside a dead graph's 200 MiB capture pool: %s, %d collection(s)\n",
+           m ? "served" : "refused", dead_graph_gcs);
+    CHECKF(m != NULL, "the request failed: %s", msg);
+    CHECK(dead_graph_gcs == 1);
+    CHECK(memshim_torch_pool_uses(0, 61, 0) == 0 && dead_graph_out == NULL);
+    CHECKF(!strstr(msg, "freeing every tensor would not make room"), "%s", msg);
+    memshim_set_gc_callback(NULL, NULL);
+    if (m) memshim_torch_free(m, 160 * MiB, 0, NULL);
+    memshim_torch_free(small, 8 * MiB, 0, NULL);
+    if (dead_graph_out) collect_dead_graph(NULL);
+    memshim_empty_cache();
+    memshim_torch_set_memory_fraction(1.0, 0);
+}
+
+/* The empty-cache decision for a capture pool's request: the main pool's cache goes back to the
+ * driver when it covers what the request lacks under the shared limit, and stays when it cannot
+ * (before, any failed capture-pool request emptied it, helping or not). */
+TEST(the_main_pools_cache_goes_back_for_a_capture_pool_only_when_it_makes_room)
+{
+    memshim_torch_set_memory_fraction(0.25, 0); /* 256 MiB for the device's pools together */
+    void *keep = memshim_torch_alloc(96 * MiB, 0, NULL);
+    void *gone = memshim_torch_alloc(64 * MiB, 0, NULL);
+    REQUIRE(keep && gone);
+    memshim_torch_free(gone, 64 * MiB, 0, NULL); /* 64 MiB cached in the main pool, 96 MiB of room */
+    memshim_torch_begin_allocate_to_pool(0, 71, 0, NULL);
+    long h0 = handles();
+    void *c1 = memshim_torch_alloc_in_pool(200 * MiB, 0, S_CAPTURING, 71, 0); /* lacks 104 MiB > 64 */
+    long h1 = handles();
+    printf("    200 MiB in a capture pool: %s; main pool's handles %ld -> %ld\n", c1 ? "served" : "refused", h0, h1);
+    CHECK(c1 == NULL);
+    CHECKF(h1 == h0, "the main pool's cache went back though it could not make room (%ld -> %ld handles)", h0, h1);
+    void *c2 = memshim_torch_alloc_in_pool(150 * MiB, 0, S_CAPTURING, 71, 0); /* lacks 54 MiB <= 64 */
+    CHECKF(c2 != NULL, "the main pool's cache would have made room");
+    memshim_torch_end_allocate_to_pool(0, 71, 0);
+    if (c2) memshim_torch_free(c2, 150 * MiB, 0, S_CAPTURING);
+    memshim_torch_release_pool(0, 71, 0);
+    memshim_torch_free(keep, 96 * MiB, 0, NULL);
+    memshim_empty_cache();
+    memshim_torch_set_memory_fraction(1.0, 0);
+}
+
 TEST(base_allocation_of_an_interior_pointer)
 {
     void *a = memshim_torch_alloc(6 * MiB, 0, NULL);
