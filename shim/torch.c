@@ -296,7 +296,9 @@ static size_t limit_for(const struct tdev *t)
         size_t f = (size_t)(t->fraction * (double)t->total);
         if (!lim || f < lim) lim = f;
     }
-    return lim;
+    /* At or above the device: no limit (issue 31; the pool holds the same rule, limit_now).
+     * set_per_process_memory_fraction(1.0) is how jobs and the GPU bench reset a cap. */
+    return t->total && lim >= t->total ? 0 : lim;
 }
 
 void msh_torch_pool_params(int device, size_t total, struct msh_pool_params *prm)

@@ -271,8 +271,11 @@ int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params
         return rc ? rc : EIO;
     }
     size_t free_b = 0, total = 0;
-    if (dev->ops->mem_info(dev, &free_b, &total) == 0) pool->device_total = total;
+    if (dev_mem_info(pool, &free_b, &total) == 0) pool->device_total = total;
     if (pool->prm.share) pool->prm.limit_bytes = 0; /* the share's limit applies (limit_now) */
+    /* A limit at or above the device is no limit (issue 31): the device is the cap anyway, and a
+     * limit would put the pool in page mode, one handle per page. */
+    if (total && pool->prm.limit_bytes >= total) pool->prm.limit_bytes = 0;
     pool->limit = pool->prm.limit_bytes ? round_up(pool->prm.limit_bytes, pool->gran) : 0;
     if (pool->prm.limit_bytes && pool->limit > pool->prm.limit_bytes)
         pool->limit -= pool->gran; /* a cap is a cap: round down to whole pages */
@@ -500,7 +503,7 @@ int msh_pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint64_t
         df = rm.dev_free + rm.drv_held > now ? rm.dev_free + rm.drv_held - now : 0;
     } else { /* no job asked: this is the request's one question */
         pthread_mutex_unlock(&pool->lock);
-        if (pool->dev->ops->mem_info(pool->dev, &df, &dt)) df = dt = 0;
+        if (dev_mem_info(pool, &df, &dt)) df = dt = 0;
         pthread_mutex_lock(&pool->lock);
     }
     fill_oom(pool, size, df, dt);

@@ -139,8 +139,11 @@ ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=256M EXPECT_TOTAL_MIB=256)
 run_prog meminfo_limit_bytes meminfo_limit
 ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=0.5 EXPECT_TOTAL_MIB=1024)
 run_prog meminfo_limit_fraction meminfo_limit
-ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=100G EXPECT_TOTAL_MIB=2048)
+# issue 31: a limit at or above the device is none (the driver's own figures, no page mode)
+ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=100G EXPECT_NO_LIMIT=1)
 run_prog meminfo_limit_above_device meminfo_limit
+ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=1 EXPECT_NO_LIMIT=1)
+run_prog meminfo_limit_whole_device meminfo_limit
 # issue 27: what free says can be allocated, and (under a limit) no more, in every combination
 # of defragmentation, empty-cache policy, limit, spill and mode, on a 1 GiB device
 for lim in none 256M 0.25; do

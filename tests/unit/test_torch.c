@@ -496,9 +496,12 @@ TEST(one_limit_for_the_main_and_capture_pools)
     memshim_torch_free(c, 160 * MiB, 0, S_CAPTURING);
     memshim_torch_release_pool(0, 11, 0);
     memshim_torch_set_memory_fraction(1.0, 0);
-    CHECK(msh_torch_limit(0) == 1024 * MiB);
+    CHECK(msh_torch_limit(0) == 0); /* the whole device: no limit (issue 31) */
     memshim_torch_set_memory_fraction(1.5, 0); /* refused: the limit is unchanged */
-    CHECK(msh_torch_limit(0) == 1024 * MiB);
+    CHECK(msh_torch_limit(0) == 0);
+    memshim_torch_set_memory_fraction(0.5, 0);
+    CHECK(msh_torch_limit(0) == 512 * MiB);
+    memshim_torch_set_memory_fraction(1.0, 0);
 }
 
 /* ---- issue 31 item 2: the OOM rescue sees every pool of the device ------------------------------ */
