@@ -208,6 +208,7 @@ void msh_hooks_adjust_meminfo(int device, size_t *free_b, size_t *total_b)
     uint64_t limit = msh_cfg.limit_bytes;
     if (!limit && msh_cfg.limit_fraction > 0)
         limit = (uint64_t)(msh_cfg.limit_fraction * (double)*total_b);
+    if (limit >= *total_b) limit = 0; /* at or above the device: no limit (issue 31), the driver's figures */
     if (c.limit && (!limit || c.limit < limit)) limit = c.limit;
     if (!limit) return;
     size_t total = limit < *total_b ? (size_t)limit : *total_b;

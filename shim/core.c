@@ -352,7 +352,7 @@ struct msh_pool *msh_core_pool(int device)
             devices[device].ops->mem_info(&devices[device], &f, &t);
             prm.limit_bytes = msh_cfg.limit_bytes;
             if (msh_cfg.limit_fraction > 0) prm.limit_bytes = (size_t)(msh_cfg.limit_fraction * (double)t);
-            if (prm.limit_bytes && t && prm.limit_bytes >= t) prm.limit_bytes = 0; /* the device is the cap (issue 31) */
+            if (prm.limit_bytes && t && prm.limit_bytes > t) prm.limit_bytes = t; /* the pool takes t as none */
             prm.small_max = msh_cfg.small_max;
             prm.defrag = msh_cfg.defrag;
             if (msh_cfg.empty_cache == MSH_EC_THRESHOLD) prm.release_threshold = msh_cfg.empty_cache_threshold;

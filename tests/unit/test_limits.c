@@ -96,6 +96,31 @@ TEST(a_fraction_of_one_costs_the_driver_what_no_limit_costs)
     CHECK(memshim_torch_get_memory_fraction(0) == 1.0);
 }
 
+/* The pool's own rule, whoever creates it (MEMSHIM_LIMIT in segment mode, memshim-replay): a limit
+ * of the device's whole memory is none. */
+TEST(a_pool_limit_of_the_whole_device_is_none)
+{
+    struct msh_device *dev = msh_core_device(0);
+    REQUIRE(dev);
+    long c[2];
+    for (int lim = 0; lim < 2; lim++) {
+        struct msh_pool_params prm;
+        msh_pool_params_default(&prm);
+        prm.limit_bytes = lim ? 2 * GiB : 0;
+        prm.no_learn = true;
+        struct msh_pool *pool = NULL;
+        REQUIRE(msh_pool_create(dev, &prm, &pool) == 0);
+        uint64_t a[N];
+        long c0 = cudbl_call_count("cuMemCreate");
+        for (int i = 0; i < N; i++) REQUIRE(msh_pool_alloc(pool, SZ, MSH_STREAM_COMPLETED, &a[i]) == 0);
+        c[lim] = cudbl_call_count("cuMemCreate") - c0;
+        for (int i = 0; i < N; i++) msh_pool_free(pool, a[i], MSH_STREAM_COMPLETED);
+        msh_pool_destroy(pool);
+    }
+    printf("    a pool's 40 x 30 MiB: %ld creates with no limit, %ld with a limit of the whole device\n", c[0], c[1]);
+    CHECK(c[0] > 0 && c[1] == c[0]);
+}
+
 /* cuMemGetInfo: asked by a request only when its answer can change what the job does (several
  * creates, or a chunk ahead), and every ask counted where the cost model sees it (the pool's
  * mem_info calls). Under a limit, small requests that each need one new page ask nothing; a

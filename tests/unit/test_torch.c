@@ -524,16 +524,17 @@ static size_t collect_dead_graph(void *arg)
 }
 
 /* Under one limit for the device (256 MiB), a dead graph's capture pool holds 200 MiB that only
- * a collection gives back; the main pool holds 8 MiB and asks for 160 MiB. The gc step must run:
- * what it can free is the capture pool's, not the main pool's (the gate counted the requesting
- * pool's room only: 8 + 48 MiB, so it skipped the collection, failed the request and said
- * freeing every tensor would not make room). */
-TEST(gc_frees_a_dead_graphs_capture_pool_for_the_main_pool)
+ * a collection gives back; the main pool holds 8 MiB (or nothing) and asks for 160 MiB. The gc
+ * step must run: what it can free is the capture pool's, not the main pool's (the gate counted the
+ * requesting pool's room only: 8 + 48 MiB, so it skipped the collection, failed the request and
+ * said freeing every tensor would not make room; with nothing live in the main pool it did not
+ * even look). */
+static void dead_graph_case(size_t small_bytes)
 {
     memshim_torch_set_memory_fraction(0.25, 0);
     REQUIRE(msh_torch_limit(0) == 256 * MiB);
-    void *small = memshim_torch_alloc(8 * MiB, 0, NULL);
-    REQUIRE(small);
+    void *small = small_bytes ? memshim_torch_alloc((ssize_t)small_bytes, 0, NULL) : NULL;
+    REQUIRE(small || !small_bytes);
     memshim_torch_begin_allocate_to_pool(0, 61, 0, NULL);
     dead_graph_out = memshim_torch_alloc_in_pool(DEAD_GRAPH_BYTES, 0, S_CAPTURING, 61, 0);
     memshim_torch_end_allocate_to_pool(0, 61, 0);
@@ -543,18 +544,24 @@ TEST(gc_frees_a_dead_graphs_capture_pool_for_the_main_pool)
     void *m = memshim_torch_alloc(160 * MiB, 0, NULL);
     char msg[2048] = "";
     if (!m) memshim_torch_oom_message(0, 160 * MiB, msg, sizeof msg);
-    printf("    160 MiB beside a dead graph's 200 MiB capture pool: %s, %d collection(s)\n",
-           m ? "served" : "refused", dead_graph_gcs);
+    printf("    160 MiB beside a dead graph's 200 MiB capture pool, %zu MiB live in the main pool: %s, %d "
+           "collection(s)\n", small_bytes / MiB, m ? "served" : "refused", dead_graph_gcs);
     CHECKF(m != NULL, "the request failed: %s", msg);
     CHECK(dead_graph_gcs == 1);
     CHECK(memshim_torch_pool_uses(0, 61, 0) == 0 && dead_graph_out == NULL);
     CHECKF(!strstr(msg, "freeing every tensor would not make room"), "%s", msg);
     memshim_set_gc_callback(NULL, NULL);
     if (m) memshim_torch_free(m, 160 * MiB, 0, NULL);
-    memshim_torch_free(small, 8 * MiB, 0, NULL);
+    if (small) memshim_torch_free(small, (ssize_t)small_bytes, 0, NULL);
     if (dead_graph_out) collect_dead_graph(NULL);
     memshim_empty_cache();
     memshim_torch_set_memory_fraction(1.0, 0);
+}
+
+TEST(gc_frees_a_dead_graphs_capture_pool_for_the_main_pool)
+{
+    dead_graph_case(8 * MiB);
+    dead_graph_case(0);
 }
 
 /* The empty-cache decision for a capture pool's request: the main pool's cache goes back to the
