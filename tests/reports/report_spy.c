@@ -21,7 +21,7 @@
 
 static const char *const calls[] = {"cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
                                     "cuStreamWaitEvent", "cuEventRecord", "cuCtxSynchronize", "cuMemAddressReserve",
-                                    "cuMemAddressFree", "cuMemAlloc", "cuMemFree", "cuEventQuery"};
+                                    "cuMemAddressFree", "cuMemAlloc", "cuMemFree", "cuEventQuery", "cuMemGetInfo"};
 
 struct mapbuf { char *s; size_t n, cap; };
 
