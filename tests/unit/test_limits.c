@@ -54,8 +54,10 @@ static struct drv_counts forty_of_30(void)
 }
 
 /* Beside another process holding 1.7 GiB of the 2 GiB card, a request takes itself plus rounding
- * to pages: the device's free memory (what the other process gets next) falls by no more. First,
- * while no limit was ever set (before issue 31 a fraction of 1.0 was a limit, and page mode). */
+ * to pages: the device's free memory (what the other process gets next) falls by no more. And the
+ * pool is not far from anything there: one handle per page, each reclaimable alone, as near a
+ * limit. First, while no limit was ever set (before issue 31 a fraction of 1.0 was a limit, and
+ * page mode). */
 TEST(beside_a_co_tenant_a_request_takes_itself_plus_rounding)
 {
     CUdeviceptr other = 0;
@@ -68,14 +70,17 @@ TEST(beside_a_co_tenant_a_request_takes_itself_plus_rounding)
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
         size_t used0 = 0;
         cudbl_device_mark_peak(0, 1, &used0);
+        long c0 = cudbl_call_count("cuMemCreate");
         void *p = memshim_torch_alloc((ssize_t)sizes[i], 0, NULL);
+        long creates = cudbl_call_count("cuMemCreate") - c0;
         size_t peak = cudbl_device_mark_peak(0, 1, NULL);
         size_t rise = peak - used0, allowed = (sizes[i] + 2 * MiB - 1) / (2 * MiB) * (2 * MiB);
-        printf("    %zu MiB beside 1.7 GiB of another process: the device's use rose by %zu MiB\n", sizes[i] / MiB,
-               rise / MiB);
+        printf("    %zu MiB beside 1.7 GiB of another process: the device's use rose by %zu MiB, %ld creates\n",
+               sizes[i] / MiB, rise / MiB, creates);
         CHECK(p != NULL);
         CHECKF(rise <= allowed, "%zu MiB for a %zu MiB request (its pages: %zu MiB)", rise / MiB, sizes[i] / MiB,
                allowed / MiB);
+        CHECKF(creates == (long)(allowed / (2 * MiB)), "%ld creates for %zu pages", creates, allowed / (2 * MiB));
         if (p) memshim_torch_free(p, (ssize_t)sizes[i], 0, NULL);
         memshim_empty_cache();
     }
