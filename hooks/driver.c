@@ -208,6 +208,7 @@ void msh_hooks_adjust_meminfo(int device, size_t *free_b, size_t *total_b)
     uint64_t limit = msh_cfg.limit_bytes;
     if (!limit && msh_cfg.limit_fraction > 0)
         limit = (uint64_t)(msh_cfg.limit_fraction * (double)*total_b);
+    if (limit >= *total_b) limit = 0; /* at or above the device: no limit (issue 31), the driver's figures */
     if (c.limit && (!limit || c.limit < limit)) limit = c.limit;
     if (!limit) return;
     size_t total = limit < *total_b ? (size_t)limit : *total_b;
@@ -619,12 +620,22 @@ static CUresult hk_cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Fla
     return r;
 }
 
-static CUresult drv_begin_capture(CUresult (*real)(CUstream, CUstreamCaptureMode), CUstream s, CUstreamCaptureMode mode)
+/* Every begin hook, whatever its form (the mode argument or not, ToGraph, per-thread): the capture
+ * is counted open before the real call, so that no pool synchronizes or unmaps between the driver's
+ * begin and memshim's bookkeeping, and closed again when the begin fails. begin_open returns
+ * whether this hook keeps the books (false: re-entered from memshim, or not serving: straight
+ * through). `s` is the stream as the pools will see it (a per-thread form's NULL is
+ * CU_STREAM_PER_THREAD). */
+static bool begin_open(CUstream s)
 {
-    if (msh_in_hook || !msh_hooks_serving()) return real(s, mode);
+    if (msh_in_hook || !msh_hooks_serving()) return false;
     msh_in_hook = 1;
     msh_hooks_capture_open(drv_current_device(), (uint64_t)(uintptr_t)s);
-    CUresult r = real(s, mode);
+    return true;
+}
+
+static CUresult begin_done(CUstream s, CUresult r)
+{
     if (r != CUDA_SUCCESS) msh_hooks_capture_close((uint64_t)(uintptr_t)s, true);
     msh_in_hook = 0;
     return r;
@@ -640,19 +651,62 @@ static CUresult drv_end_capture(CUresult (*real)(CUstream, CUgraph *), CUstream 
     return r;
 }
 
+#define PT_STREAM(s) ((s) ? (s) : CU_STREAM_PER_THREAD)
+
 static CUresult hk_cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode)
 {
     CUresult (*real)(CUstream, CUstreamCaptureMode) = REAL_DRV(cuStreamBeginCapture);
     if (!real) MSH_DRV_MISSING("cuStreamBeginCapture_v2");
-    return drv_begin_capture(real, s, mode);
+    return begin_open(s) ? begin_done(s, real(s, mode)) : real(s, mode);
 }
 
 static CUresult hk_cuStreamBeginCapture_v2_ptsz(CUstream s, CUstreamCaptureMode mode)
 {
     CUresult (*real)(CUstream, CUstreamCaptureMode) = REAL_DRV(cuStreamBeginCapture_ptsz);
     if (!real) MSH_DRV_MISSING("cuStreamBeginCapture_v2_ptsz");
-    return drv_begin_capture(real, s ? s : CU_STREAM_PER_THREAD, mode);
+    s = PT_STREAM(s);
+    return begin_open(s) ? begin_done(s, real(s, mode)) : real(s, mode);
 }
+
+/* CUDA 10.0's begin (no mode): what programs built then reference, and what a lookup of
+ * "cuStreamBeginCapture" below version 10010 returns. */
+static CUresult hk_cuStreamBeginCapture(CUstream s)
+{
+    CUresult (*real)(CUstream) = REAL_DRV(cuStreamBeginCapture_v1);
+    if (!real) MSH_DRV_MISSING("cuStreamBeginCapture");
+    return begin_open(s) ? begin_done(s, real(s)) : real(s);
+}
+
+static CUresult hk_cuStreamBeginCapture_ptsz(CUstream s)
+{
+    CUresult (*real)(CUstream) = REAL_DRV(cuStreamBeginCapture_v1_ptsz);
+    if (!real) MSH_DRV_MISSING("cuStreamBeginCapture_ptsz");
+    s = PT_STREAM(s);
+    return begin_open(s) ? begin_done(s, real(s)) : real(s);
+}
+
+#if MSH_HAVE_TO_GRAPH
+/* CUDA 12.3: a capture that appends to an existing graph (conditional nodes' bodies, graphs built
+ * in pieces); the stream captures exactly as with cuStreamBeginCapture. */
+static CUresult hk_cuStreamBeginCaptureToGraph(CUstream s, CUgraph g, const CUgraphNode *deps,
+                                               const CUgraphEdgeData *data, size_t n, CUstreamCaptureMode mode)
+{
+    CUresult (*real)(CUstream, CUgraph, const CUgraphNode *, const CUgraphEdgeData *, size_t, CUstreamCaptureMode) =
+        REAL_DRV(cuStreamBeginCaptureToGraph);
+    if (!real) MSH_DRV_MISSING("cuStreamBeginCaptureToGraph");
+    return begin_open(s) ? begin_done(s, real(s, g, deps, data, n, mode)) : real(s, g, deps, data, n, mode);
+}
+
+static CUresult hk_cuStreamBeginCaptureToGraph_ptsz(CUstream s, CUgraph g, const CUgraphNode *deps,
+                                                    const CUgraphEdgeData *data, size_t n, CUstreamCaptureMode mode)
+{
+    CUresult (*real)(CUstream, CUgraph, const CUgraphNode *, const CUgraphEdgeData *, size_t, CUstreamCaptureMode) =
+        REAL_DRV(cuStreamBeginCaptureToGraph_ptsz);
+    if (!real) MSH_DRV_MISSING("cuStreamBeginCaptureToGraph_ptsz");
+    s = PT_STREAM(s);
+    return begin_open(s) ? begin_done(s, real(s, g, deps, data, n, mode)) : real(s, g, deps, data, n, mode);
+}
+#endif
 
 static CUresult hk_cuStreamEndCapture(CUstream s, CUgraph *g)
 {
@@ -665,7 +719,7 @@ static CUresult hk_cuStreamEndCapture_ptsz(CUstream s, CUgraph *g)
 {
     CUresult (*real)(CUstream, CUgraph *) = REAL_DRV(cuStreamEndCapture_ptsz);
     if (!real) MSH_DRV_MISSING("cuStreamEndCapture_ptsz");
-    return drv_end_capture(real, s ? s : CU_STREAM_PER_THREAD, g);
+    return drv_end_capture(real, PT_STREAM(s), g);
 }
 
 /* The exported names are aliases of the static functions above: memshim's own references (the
@@ -694,6 +748,16 @@ EXPORT_ALIAS(cuStreamBeginCapture_v2, CUresult, (CUstream, CUstreamCaptureMode))
 EXPORT_ALIAS(cuStreamBeginCapture_v2_ptsz, CUresult, (CUstream, CUstreamCaptureMode))
 EXPORT_ALIAS(cuStreamEndCapture, CUresult, (CUstream, CUgraph *))
 EXPORT_ALIAS(cuStreamEndCapture_ptsz, CUresult, (CUstream, CUgraph *))
+EXPORT_ALIAS(cuStreamBeginCapture_ptsz, CUresult, (CUstream))
+#if MSH_HAVE_TO_GRAPH
+EXPORT_ALIAS(cuStreamBeginCaptureToGraph, CUresult,
+             (CUstream, CUgraph, const CUgraphNode *, const CUgraphEdgeData *, size_t, CUstreamCaptureMode))
+EXPORT_ALIAS(cuStreamBeginCaptureToGraph_ptsz, CUresult,
+             (CUstream, CUgraph, const CUgraphNode *, const CUgraphEdgeData *, size_t, CUstreamCaptureMode))
+#endif
+/* cuda.h maps cuStreamBeginCapture to the _v2 ABI; the symbol itself is CUDA 10.0's. */
+#undef cuStreamBeginCapture
+MSH_EXPORT CUresult cuStreamBeginCapture(CUstream) __attribute__((alias("hk_cuStreamBeginCapture")));
 /* The v1 cuStreamDestroy has the same signature (the 32-bit ABI change did not touch it). */
 #undef cuStreamDestroy
 MSH_EXPORT CUresult cuStreamDestroy(CUstream) __attribute__((alias("hk_cuStreamDestroy_v2")));
@@ -724,3 +788,11 @@ HOOK_ADDR(cuStreamBeginCapture_v2, PFN_cuStreamBeginCapture_v10010)
 HOOK_ADDR(cuStreamBeginCapture_v2_ptsz, PFN_cuStreamBeginCapture_v10010_ptsz)
 HOOK_ADDR(cuStreamEndCapture, PFN_cuStreamEndCapture_v10000)
 HOOK_ADDR(cuStreamEndCapture_ptsz, PFN_cuStreamEndCapture_v10000_ptsz)
+HOOK_ADDR(cuStreamBeginCapture, PFN_cuStreamBeginCapture_v10000)
+HOOK_ADDR(cuStreamBeginCapture_ptsz, PFN_cuStreamBeginCapture_v10000_ptsz)
+#if MSH_HAVE_TO_GRAPH
+HOOK_ADDR(cuStreamBeginCaptureToGraph, PFN_cuStreamBeginCaptureToGraph_v12030)
+HOOK_ADDR(cuStreamBeginCaptureToGraph_ptsz, PFN_cuStreamBeginCaptureToGraph_v12030_ptsz)
+#else
+void *const msh_hk_cuStreamBeginCaptureToGraph = NULL, *const msh_hk_cuStreamBeginCaptureToGraph_ptsz = NULL;
+#endif

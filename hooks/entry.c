@@ -52,17 +52,36 @@ static void resolve_lookups(void)
  * Built once, after the driver is loaded, then read-only. Each hooked function contributes the
  * address of its exported symbol in the driver and also what the driver's own lookup returns
  * for it, in case a driver hands out addresses other than its exported symbols. */
-#define SUBST_MAX 96
-static struct subst { void *real, *hook; } subst[SUBST_MAX];
+#define SUBST_MAX 128
+/* cap: what the capture-only substitution hands out for `real` (hooks/dlsym.c: the driver
+ * reached through the program's own handle), NULL when that route leaves it alone: the capture
+ * calls map to the same hooks, the lookups to lookups that substitute captures only. */
+static struct subst { void *real, *hook, *cap; } subst[SUBST_MAX];
 static int nsubst;
 static pthread_once_t subst_once = PTHREAD_ONCE_INIT;
 
+static CUresult cap_cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags);
+static CUresult cap_cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                                        CUdriverProcAddressQueryResult *status);
+
+static bool is_capture_hook(const void *hook)
+{
+    return hook == msh_hk_cuStreamBeginCapture_v2 || hook == msh_hk_cuStreamBeginCapture_v2_ptsz ||
+           hook == msh_hk_cuStreamBeginCapture || hook == msh_hk_cuStreamBeginCapture_ptsz ||
+           (hook && (hook == msh_hk_cuStreamBeginCaptureToGraph || hook == msh_hk_cuStreamBeginCaptureToGraph_ptsz)) ||
+           hook == msh_hk_cuStreamEndCapture || hook == msh_hk_cuStreamEndCapture_ptsz;
+}
+
 static void subst_add(void *real, void *hook)
 {
-    if (!real || real == hook) return;
+    if (!real || !hook || real == hook) return;
     for (int i = 0; i < nsubst; i++)
         if (subst[i].real == real) return; /* first mapping wins */
-    if (nsubst < SUBST_MAX) subst[nsubst++] = (struct subst){real, hook};
+    void *cap = is_capture_hook(hook) ? hook
+                : hook == (void *)hk_cuGetProcAddress_v2 ? (void *)cap_cuGetProcAddress_v2
+                : hook == (void *)hk_cuGetProcAddress    ? (void *)cap_cuGetProcAddress
+                                                         : NULL;
+    if (nsubst < SUBST_MAX) subst[nsubst++] = (struct subst){real, hook, cap};
 }
 
 static void build_subst(void)
@@ -93,8 +112,19 @@ static void build_subst(void)
     subst_add((void *)msh_cu.cuStreamBeginCapture_ptsz, msh_hk_cuStreamBeginCapture_v2_ptsz);
     subst_add((void *)msh_cu.cuStreamEndCapture, msh_hk_cuStreamEndCapture);
     subst_add((void *)msh_cu.cuStreamEndCapture_ptsz, msh_hk_cuStreamEndCapture_ptsz);
+    subst_add((void *)msh_cu.cuStreamBeginCapture_v1, msh_hk_cuStreamBeginCapture);
+    subst_add((void *)msh_cu.cuStreamBeginCapture_v1_ptsz, msh_hk_cuStreamBeginCapture_ptsz);
+#if MSH_HAVE_TO_GRAPH
+    subst_add((void *)msh_cu.cuStreamBeginCaptureToGraph, msh_hk_cuStreamBeginCaptureToGraph);
+    subst_add((void *)msh_cu.cuStreamBeginCaptureToGraph_ptsz, msh_hk_cuStreamBeginCaptureToGraph_ptsz);
+#endif
     subst_add((void *)msh_cu.cuGetProcAddress_v2, hk_v2);
     subst_add(dlsym(h, "cuGetProcAddress"), hk_v1);
+    /* A runtime whose driver table came through dlsym holds the capture-only lookups (hooks/dlsym.c):
+     * what it answers memshim's cudaGetDriverEntryPoint hook for "cuGetProcAddress" must become the
+     * full one here, as the driver's own would. */
+    subst_add((void *)cap_cuGetProcAddress_v2, hk_v2);
+    subst_add((void *)cap_cuGetProcAddress, hk_v1);
 
     lookup_v2_fn lookup = (lookup_v2_fn)msh_cu.cuGetProcAddress_v2;
     int ver = 0;
@@ -134,9 +164,13 @@ static void build_subst(void)
         {"cuStreamBeginCapture", 10010, per_thread, msh_hk_cuStreamBeginCapture_v2_ptsz},
         {"cuStreamEndCapture", 10000, legacy, msh_hk_cuStreamEndCapture},
         {"cuStreamEndCapture", 10000, per_thread, msh_hk_cuStreamEndCapture_ptsz},
+        {"cuStreamBeginCapture", 10000, legacy, msh_hk_cuStreamBeginCapture},
+        {"cuStreamBeginCapture", 10000, per_thread, msh_hk_cuStreamBeginCapture_ptsz},
+        {"cuStreamBeginCaptureToGraph", 12030, legacy, msh_hk_cuStreamBeginCaptureToGraph},
+        {"cuStreamBeginCaptureToGraph", 12030, per_thread, msh_hk_cuStreamBeginCaptureToGraph_ptsz},
     };
     for (size_t i = 0; i < sizeof q / sizeof q[0]; i++) {
-        if (ver < q[i].version) continue;
+        if (ver < q[i].version || !q[i].hook) continue;
         void *p = NULL;
         CUdriverProcAddressQueryResult st;
         if (lookup(q[i].name, &p, q[i].version, q[i].flags, &st) == CUDA_SUCCESS &&
@@ -156,6 +190,24 @@ void msh_entry_substitute(void **pfn)
             return;
         }
     }
+}
+
+bool msh_entry_substitute_capture(void **pfn)
+{
+    /* Also inside memshim's own hooks: a runtime that starts inside one (memshim's cudaMalloc
+     * calling the real one first) builds its driver table there. But not while memshim itself
+     * starts on this thread (msh_core_init would wait for itself). */
+    if (msh_in_hook && !msh_core_started()) return false;
+    if (!pfn || !*pfn || !msh_hooks_serving()) return false;
+    pthread_once(&subst_once, build_subst);
+    for (int i = 0; i < nsubst; i++) {
+        if (subst[i].real == *pfn) {
+            if (!subst[i].cap) return false;
+            *pfn = subst[i].cap;
+            return true;
+        }
+    }
+    return false;
 }
 
 /* ---- hooks --------------------------------------------------------------------------------- */
@@ -188,6 +240,32 @@ static CUresult hk_cuGetProcAddress(const char *symbol, void **pfn, int cudaVers
     msh_in_hook = 0;
     return r;
 }
+
+/* The lookups handed to a program that found the driver's own cuGetProcAddress with dlsym on its
+ * handle (libcudart 13, NCCL, cuda-python: hooks/dlsym.c): the same lookup, but only the capture
+ * calls (and the lookups themselves, so chained lookups stay covered) come back as memshim's; every
+ * other function stays the driver's, as that route always gave it (docs/interposition.md). */
+static CUresult cap_cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                                        CUdriverProcAddressQueryResult *status)
+{
+    pthread_once(&lookup_once, resolve_lookups);
+    if (!real_lookup_v2) MSH_DRV_MISSING("cuGetProcAddress_v2");
+    CUresult r = real_lookup_v2(symbol, pfn, cudaVersion, flags, status);
+    if (r == CUDA_SUCCESS) msh_entry_substitute_capture(pfn);
+    return r;
+}
+
+static CUresult cap_cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags)
+{
+    pthread_once(&lookup_once, resolve_lookups);
+    if (!real_lookup_v1 && !real_lookup_v2) MSH_DRV_MISSING("cuGetProcAddress");
+    CUresult r = real_lookup_v1 ? real_lookup_v1(symbol, pfn, cudaVersion, flags)
+                                : real_lookup_v2(symbol, pfn, cudaVersion, flags, NULL);
+    if (r == CUDA_SUCCESS) msh_entry_substitute_capture(pfn);
+    return r;
+}
+MSH_ABI_ASSERT(&cap_cuGetProcAddress_v2, PFN_cuGetProcAddress_v12000, "cap_cuGetProcAddress_v2");
+MSH_ABI_ASSERT(&cap_cuGetProcAddress, PFN_cuGetProcAddress_v11030, "cap_cuGetProcAddress");
 
 MSH_EXPORT CUresult cuGetProcAddress_v2(const char *, void **, int, cuuint64_t,
                                         CUdriverProcAddressQueryResult *)

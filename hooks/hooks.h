@@ -78,6 +78,10 @@ MSH_HIDDEN void msh_hooks_peer_enabled(int accessor, int owner);
  * When it is the real address of a driver function memshim hooks, replace it by memshim's hook;
  * leave every other pointer untouched. No-op unless memshim serves memory. */
 MSH_HIDDEN void msh_entry_substitute(void **pfn);
+/* The same for the driver reached without memshim's lookups (dlsym on a program's own handle to
+ * libcuda, hooks/dlsym.c): only the capture calls become memshim's hooks, and the lookups become
+ * lookups that substitute captures only. Returns whether *pfn was replaced. */
+MSH_HIDDEN bool msh_entry_substitute_capture(void **pfn);
 
 /* Internal (non-interposable) addresses of the exported driver hooks in driver.c/entry.c, so the
  * substitution hands out memshim's functions even if another library defines the same names. */
@@ -88,6 +92,8 @@ MSH_HIDDEN extern void *const msh_hk_cuMemAlloc_v2, *const msh_hk_cuMemFree_v2,
     *const msh_hk_cuMemUnmap, *const msh_hk_cuStreamDestroy_v2, *const msh_hk_cuMemGetAddressRange_v2,
     *const msh_hk_cuPointerGetAttribute, *const msh_hk_cuPointerGetAttributes,
     *const msh_hk_cuIpcGetMemHandle, *const msh_hk_cuCtxEnablePeerAccess, *const msh_hk_cuStreamBeginCapture_v2,
-    *const msh_hk_cuStreamBeginCapture_v2_ptsz, *const msh_hk_cuStreamEndCapture, *const msh_hk_cuStreamEndCapture_ptsz;
+    *const msh_hk_cuStreamBeginCapture_v2_ptsz, *const msh_hk_cuStreamEndCapture, *const msh_hk_cuStreamEndCapture_ptsz,
+    *const msh_hk_cuStreamBeginCapture, *const msh_hk_cuStreamBeginCapture_ptsz,
+    *const msh_hk_cuStreamBeginCaptureToGraph, *const msh_hk_cuStreamBeginCaptureToGraph_ptsz;
 
 #endif

@@ -34,6 +34,15 @@ cudaError_t CUDARTAPI cudaGetDriverEntryPoint_ptsz(const char *symbol, void **fu
                                                    enum cudaDriverEntryPointQueryResult *driverStatus);
 cudaError_t CUDARTAPI cudaStreamBeginCapture_ptsz(cudaStream_t stream, enum cudaStreamCaptureMode mode);
 cudaError_t CUDARTAPI cudaStreamEndCapture_ptsz(cudaStream_t stream, cudaGraph_t *pGraph);
+#if CUDART_VERSION >= 12030
+cudaError_t CUDARTAPI cudaStreamBeginCaptureToGraph_ptsz(cudaStream_t stream, cudaGraph_t graph,
+                                                         const cudaGraphNode_t *dependencies,
+                                                         const cudaGraphEdgeData *dependencyData,
+                                                         size_t numDependencies, enum cudaStreamCaptureMode mode);
+#define RT_TO_GRAPH(X) X(cudaStreamBeginCaptureToGraph) X(cudaStreamBeginCaptureToGraph_ptsz)
+#else
+#define RT_TO_GRAPH(X)
+#endif
 cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion_ptsz(
     const char *symbol, void **funcPtr, unsigned int cudaVersion, unsigned long long flags,
     enum cudaDriverEntryPointQueryResult *driverStatus);
@@ -46,7 +55,8 @@ cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion_ptsz(
     X(cudaGetDriverEntryPointByVersion_ptsz) X(cudaGetDevice) X(cudaSetDevice)              \
     X(cudaDeviceSynchronize) X(cudaStreamDestroy) X(cudaPointerGetAttributes)                \
     X(cudaIpcGetMemHandle) X(cudaDeviceEnablePeerAccess) X(cudaStreamBeginCapture)           \
-    X(cudaStreamBeginCapture_ptsz) X(cudaStreamEndCapture) X(cudaStreamEndCapture_ptsz)
+    X(cudaStreamBeginCapture_ptsz) X(cudaStreamEndCapture) X(cudaStreamEndCapture_ptsz)        \
+    RT_TO_GRAPH(X)
 
 enum rt_fn {
 #define X(name) RT_##name,
@@ -535,6 +545,44 @@ MSH_EXPORT cudaError_t cudaStreamBeginCapture_ptsz(cudaStream_t stream, enum cud
     REAL_RT(cudaStreamBeginCapture_ptsz, cap_begin_fn);
     return rt_begin_capture(real, stream ? stream : cudaStreamPerThread, mode);
 }
+
+#if CUDART_VERSION >= 12030
+/* CUDA 12.3: a capture into an existing graph; the stream captures as with cudaStreamBeginCapture. */
+typedef cudaError_t (*cap_to_graph_fn)(cudaStream_t, cudaGraph_t, const cudaGraphNode_t *, const cudaGraphEdgeData *,
+                                       size_t, enum cudaStreamCaptureMode);
+
+static cudaError_t rt_begin_to_graph(cap_to_graph_fn real, cudaStream_t stream, cudaGraph_t graph,
+                                     const cudaGraphNode_t *deps, const cudaGraphEdgeData *data, size_t n,
+                                     enum cudaStreamCaptureMode mode)
+{
+    if (msh_in_hook || !msh_hooks_serving()) return real(stream, graph, deps, data, n, mode);
+    msh_in_hook = 1;
+    msh_hooks_capture_open(rt_current_device(), (uint64_t)(uintptr_t)stream);
+    cudaError_t r = real(stream, graph, deps, data, n, mode);
+    if (r != cudaSuccess) msh_hooks_capture_close((uint64_t)(uintptr_t)stream, true);
+    msh_in_hook = 0;
+    return r;
+}
+
+MSH_EXPORT cudaError_t cudaStreamBeginCaptureToGraph(cudaStream_t stream, cudaGraph_t graph,
+                                                     const cudaGraphNode_t *dependencies,
+                                                     const cudaGraphEdgeData *dependencyData, size_t numDependencies,
+                                                     enum cudaStreamCaptureMode mode)
+{
+    REAL_RT(cudaStreamBeginCaptureToGraph, cap_to_graph_fn);
+    return rt_begin_to_graph(real, stream, graph, dependencies, dependencyData, numDependencies, mode);
+}
+
+MSH_EXPORT cudaError_t cudaStreamBeginCaptureToGraph_ptsz(cudaStream_t stream, cudaGraph_t graph,
+                                                          const cudaGraphNode_t *dependencies,
+                                                          const cudaGraphEdgeData *dependencyData,
+                                                          size_t numDependencies, enum cudaStreamCaptureMode mode)
+{
+    REAL_RT(cudaStreamBeginCaptureToGraph_ptsz, cap_to_graph_fn);
+    return rt_begin_to_graph(real, stream ? stream : cudaStreamPerThread, graph, dependencies, dependencyData,
+                             numDependencies, mode);
+}
+#endif
 
 MSH_EXPORT cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *pGraph)
 {

@@ -43,6 +43,12 @@
 #define RESERVE_CALL (19.0 * US)
 #define UNRESERVE_CALL (5.5 * US)
 
+/* [M] cuMemGetInfo, no H200 figure yet (tests/gpu/vmm_cost.c measures it: "mem_info"): public
+ * figures through torch.cuda.mem_get_info on driver 580, p50 7.3 us (B300), 11.1 us (SM100),
+ * 11.9 us (SM103), about 9 us on an H20 (sgl-project/sglang issue 25225), 4.85 us mean (pytorch
+ * issue 174625, GPU not named); the runtime and Python layers included: 9 us taken. */
+#define MEM_INFO_CALL (9.0 * US)
+
 /* Rows no H200 figure exists for yet (docs/benchmarks.md): [V] velox PR 6096: an event record
  * plus a stream wait between two streams, about 3 us on device (RTX 3080). [C] Cytnx PR 850: a
  * direct cudaFree of a small buffer on an idle device, 14 us (GTX 1660 SUPER / RTX 2080 Ti), the
@@ -66,6 +72,7 @@ static const struct msh_drvcost default_table = {
         [MSH_DRV_HOST_CREATE] = CREATE_CALL,  /* none measured for host memory: taken equal to create */
         [MSH_DRV_COPY_D2H] = 10.0 * US,       /* a synchronous copy's fixed cost: taken as a synchronize */
         [MSH_DRV_COPY_H2D] = 10.0 * US,
+        [MSH_DRV_MEM_INFO] = MEM_INFO_CALL,   /* [M] */
     },
     /* Spill copies over PCIe Gen5 x16 (the H100/H200 PCIe link): device to host 52.8 GB/s [N24],
      * host to device 57.0 GB/s [N6] (measured, nvbandwidth). Grace Hopper's NVLink-C2C instead:
@@ -291,6 +298,7 @@ const char *msh_drvcost_function(enum msh_drv_call k)
         [MSH_DRV_HOST_CREATE] = "cuMemCreate (host memory)",
         [MSH_DRV_COPY_D2H] = "cuMemcpy (device to host)",
         [MSH_DRV_COPY_H2D] = "cuMemcpy (host to device)",
+        [MSH_DRV_MEM_INFO] = "cuMemGetInfo",
     };
     return (unsigned)k < MSH_DRV_NKINDS ? fn[k] : "?";
 }

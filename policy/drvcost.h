@@ -17,7 +17,8 @@
 
 /* One kind per driver call an allocator pays for. MALLOC/FREE are cudaMalloc/cudaFree (PyTorch's
  * native allocator); the others are the VMM and stream calls memshim's pool (and PyTorch's
- * expandable segments) make. RESERVE/UNRESERVE: cuMemAddressReserve/Free. */
+ * expandable segments) make. RESERVE/UNRESERVE: cuMemAddressReserve/Free. MEM_INFO: cuMemGetInfo,
+ * which the pool asks before creating handles when the answer can change what it does (issue 31). */
 #define MSH_DRV_CALLS(X)                                                                           \
     X(CREATE, "create")                                                                            \
     X(RELEASE, "release")                                                                          \
@@ -33,7 +34,8 @@
     X(UNRESERVE, "unreserve")                                                                      \
     X(HOST_CREATE, "host_create")                                                                  \
     X(COPY_D2H, "copy_to_host")                                                                    \
-    X(COPY_H2D, "copy_to_device")
+    X(COPY_H2D, "copy_to_device")                                                                  \
+    X(MEM_INFO, "mem_info")
 #define MSH_DRV_ENUM_(e, s) MSH_DRV_##e,
 enum msh_drv_call { MSH_DRV_CALLS(MSH_DRV_ENUM_) MSH_DRV_NKINDS };
 #undef MSH_DRV_ENUM_

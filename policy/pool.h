@@ -219,6 +219,13 @@ struct msh_pool_oom {
     int kind;                     /* enum msh_oom_case */
     size_t cached_bytes;          /* mapped pages no live block touches */
     unsigned steps;               /* MSH_OOM_STEP_* */
+    /* Issue 31: the other pools of the device under the limit this one shares (CUDA-graph capture
+     * pools and the main pool, struct msh_pool_share): the bytes of handles they hold (a
+     * collection may free them: the gc step runs when freeing every pool's blocks would make
+     * room), and at least how much room the request still lacked after every step, beyond what
+     * this pool could reach (0: none lacked as far as its figures tell, or the case is not
+     * MSH_OOM_NOW): what another pool giving its cache back must free for it to fit. */
+    size_t others_bytes, short_bytes;
 };
 enum msh_oom_case { MSH_OOM_NOW = 0, MSH_OOM_DEVICE, MSH_OOM_LIMIT };
 #define MSH_OOM_STEP_GC 1u          /* the GC callback (gc.collect() in a Python job) */

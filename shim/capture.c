@@ -2,8 +2,8 @@
  * capture.c: the devices on which a CUDA-graph capture is in progress (capture.h), and the safe
  * point after the last one ends, where the pools run what they deferred meanwhile.
  *
- * A capture is open from PyTorch's begin_allocate_to_pool to its end_allocate_to_pool (shim/
- * torch.c) and from a stream-capture begin to its end seen by memshim's hooks (hooks/). Entries
+ * A capture is open from a stream-capture begin to its end seen by memshim's hooks (hooks/: every
+ * route a program can begin one by; PyTorch's pool window alone is none, capture.h). Entries
  * live in a small fixed table under one lock that nothing else takes; the per-device counters are
  * what the pools read, lock-free, at every decision that would need a synchronize or an unmap.
  * It must never call a CUDA function, and never hold its lock while the deferred work runs.

@@ -4,10 +4,11 @@
  * While a stream of a device captures (in the default global mode), a device synchronize
  * invalidates the capture, and memory the capture may use must not be unmapped: the pools of that
  * device defer every synchronize, unmap, release and destroy until the last capture ends
- * (docs/pytorch.md "CUDA graphs", docs/pool.md "Captures"). Two sources say a capture is on: the
- * window PyTorch opens with begin_allocate_to_pool (called before cudaStreamBeginCapture) and
- * closes with end_allocate_to_pool (after cudaStreamEndCapture), and memshim's hooks on the
- * runtime's and the driver's stream-capture calls, which also see captures PyTorch does not make.
+ * (docs/pytorch.md "CUDA graphs", docs/pool.md "Captures"). One source says a capture is on:
+ * memshim's hooks on every call that begins or ends a stream capture (the runtime's, the driver's,
+ * through symbols, entry-point lookups and dlsym on a driver handle; hooks/). PyTorch's pool window
+ * (begin_allocate_to_pool .. end_allocate_to_pool) is not one (issue 31): use_mem_pool opens it and
+ * captures nothing, and torch.cuda.graph's own capture is seen at its stream's begin.
  */
 #ifndef MSH_CAPTURE_H
 #define MSH_CAPTURE_H
@@ -15,7 +16,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-/* Kinds of what keeps a capture open, so that a stream handle and a pool id never collide. */
+/* Kinds of what keeps a capture open, so that tokens of different kinds never collide: stream
+ * captures (the hooks), and TORCH, which nothing opens since issue 31 (kept for the table's tests). */
 enum { MSH_CAPTURE_TORCH = 1, MSH_CAPTURE_STREAM = 2 };
 
 /* The counter of captures in progress that device's pools read (struct msh_pool_params.capturing,

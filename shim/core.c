@@ -355,7 +355,7 @@ struct msh_pool *msh_core_pool(int device)
             devices[device].ops->mem_info(&devices[device], &f, &t);
             prm.limit_bytes = msh_cfg.limit_bytes;
             if (msh_cfg.limit_fraction > 0) prm.limit_bytes = (size_t)(msh_cfg.limit_fraction * (double)t);
-            if (prm.limit_bytes && t && prm.limit_bytes > t) prm.limit_bytes = t;
+            if (prm.limit_bytes && t && prm.limit_bytes > t) prm.limit_bytes = t; /* the pool takes t as none */
             prm.small_max = msh_cfg.small_max;
             prm.defrag = msh_cfg.defrag;
             prm.front = msh_cfg.front;

@@ -245,7 +245,9 @@ static size_t limit_for(const struct tdev *t)
         size_t f = (size_t)(t->fraction * (double)t->total);
         if (!lim || f < lim) lim = f;
     }
-    return lim;
+    /* At or above the device: no limit (issue 31; the pool holds the same rule, limit_now).
+     * set_per_process_memory_fraction(1.0) is how jobs and the GPU bench reset a cap. */
+    return t->total && lim >= t->total ? 0 : lim;
 }
 
 void msh_torch_pool_params(int device, size_t total, struct msh_pool_params *prm)
@@ -386,13 +388,6 @@ uint64_t msh_torch_capture_lock_takes(void)
 static bool is_backstop(const struct capgroup *g)
 {
     return g->id0 == BACKSTOP_ID && g->id1 == BACKSTOP_ID;
-}
-
-/* The token under which a group's begin..end window is open in capture.c. */
-static uint64_t torch_token(int device, uint64_t id0, uint64_t id1)
-{
-    uint64_t x = id0 * 0x9E3779B97F4A7C15ull ^ (id1 + 0x632BE59BD9B4E019ull) * 0xC2B2AE3D27D4EB4Full;
-    return x ^ ((uint64_t)(unsigned)device << 56);
 }
 
 static struct capgroup *group_find_locked(int device, uint64_t id0, uint64_t id1)
@@ -592,7 +587,9 @@ static void group_use(int device, unsigned long long id0, unsigned long long id1
         }
     }
     pthread_mutex_unlock(&caps_lock);
-    if (g && begin) msh_capture_open(device, MSH_CAPTURE_TORCH, torch_token(device, id0, id1));
+    /* The window alone is no capture (issue 31): use_mem_pool opens one and captures nothing, and
+     * torch.cuda.graph's capture opens in capture.c when its stream begins (every begin route is
+     * hooked), so nothing is deferred and no capture mode exchanged for the window itself. */
 }
 
 MSH_EXPORT void memshim_torch_begin_allocate_to_pool(int device, unsigned long long id0, unsigned long long id1,
@@ -618,16 +615,10 @@ MSH_EXPORT void memshim_torch_retain_pool(int device, unsigned long long id0, un
 MSH_EXPORT void memshim_torch_end_allocate_to_pool(int device, unsigned long long id0, unsigned long long id1)
 {
     if (!dev_ok(device)) return;
-    bool open = false;
     CAPS_LOCK();
     struct capgroup *g = group_find_locked(device, id0, id1);
-    if (g && g->active > 0) {
-        g->active--;
-        open = true;
-    }
+    if (g && g->active > 0) g->active--;
     pthread_mutex_unlock(&caps_lock);
-    /* the last capture of the device ending runs what was deferred (capture.c) */
-    if (open) msh_capture_close(MSH_CAPTURE_TORCH, torch_token(device, id0, id1));
 }
 
 MSH_EXPORT void memshim_torch_release_pool(int device, unsigned long long id0, unsigned long long id1)
@@ -707,6 +698,19 @@ static int stream_capturing(void *stream)
 static __thread struct msh_pool *last_oom_pool; /* the pool whose request failed last (this thread) */
 static __thread bool last_oom_capture;
 
+/* Issue 31: the main pool's cache goes back to the driver for a capture pool's request only when it
+ * covers what the request lacked under the limit the pools share (as the pool's own empty-cache
+ * step: only when the request would then fit); otherwise releasing it costs the main pool its
+ * pages and serves nothing. */
+static bool main_cache_would_help(struct msh_pool *cap_pool, struct msh_pool *main_pool)
+{
+    struct msh_pool_oom o;
+    struct msh_pool_counters k;
+    msh_pool_last_oom(cap_pool, &o);
+    msh_pool_counters(main_pool, &k);
+    return o.kind == MSH_OOM_NOW && k.cached_pages && o.short_bytes <= k.cached_pages * k.gran;
+}
+
 /* Allocate in a pinned capture pool (caps_lock not held). */
 static void *cap_alloc(struct cap *c, size_t size, void *stream)
 {
@@ -717,7 +721,7 @@ static void *cap_alloc(struct cap *c, size_t size, void *stream)
         /* The limit is shared: the main pool's cached pages may be what stands in the way (while
          * the device captures, the main pool defers the release and this still fails). */
         struct msh_pool *main_pool = msh_core_pool_get(c->device);
-        if (main_pool && msh_pool_empty_cache(main_pool))
+        if (main_pool && main_cache_would_help(c->pool, main_pool) && msh_pool_empty_cache(main_pool))
             rc = msh_pool_alloc(c->pool, size, (uint64_t)(uintptr_t)stream, &a);
     }
     relaxed_end(saved);
@@ -1154,7 +1158,8 @@ MSH_EXPORT int memshim_torch_oom_message(int device, size_t size, char *buf, siz
     const char *gc = msh_cfg.gc == MSH_GC_NEVER ? "no gc.collect() (MEMSHIM_GC=never)"
                      : msh_cfg.gc == MSH_GC_EPOCH ? "no gc.collect() (MEMSHIM_GC=epoch runs it only at epoch ends)"
                      : o.steps & MSH_OOM_STEP_GC  ? "gc.collect() where this thread holds the GIL"
-                                                  : "no gc.collect() (freeing every tensor would not make room)";
+                     : last_oom_capture ? "no gc.collect() (not for a CUDA-graph capture pool: code it runs could be captured)"
+                                        : "no gc.collect() (freeing every tensor would not make room)";
     const char *rel = msh_cfg.empty_cache == MSH_EC_NEVER      ? "no release to the driver (MEMSHIM_EMPTY_CACHE=never)"
                       : o.steps & MSH_OOM_STEP_EMPTY_CACHE ? "release of cached pages to the driver"
                                                            : "its cache kept (releasing it would not make room)";
@@ -1197,6 +1202,13 @@ MSH_EXPORT int memshim_torch_oom_message(int device, size_t size, char *buf, siz
     if (n < 0) {
         buf[0] = 0;
         return 0;
+    }
+    if (p && o.kind == MSH_OOM_NOW && o.others_bytes && (size_t)n < len) { /* issue 31 */
+        char others[32];
+        fmt_size(others, sizeof others, o.others_bytes);
+        int m = snprintf(buf + n, len - (size_t)n, " The device's other memshim pools (CUDA-graph capture pools, or "
+                         "the main pool) hold %s under the same limit.", others);
+        if (m > 0) n += m;
     }
     if (o.kind == MSH_OOM_NOW && (o.capture || msh_capture_any()) && (size_t)n < len) {
         int m = snprintf(buf + n, len - (size_t)n,

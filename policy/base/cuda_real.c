@@ -88,6 +88,13 @@ static void load_driver(void)
     RESOLVE(cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess", PFN_cuCtxEnablePeerAccess_v4000);
     RESOLVE(cuStreamBeginCapture, "cuStreamBeginCapture_v2", PFN_cuStreamBeginCapture_v10010);
     RESOLVE(cuStreamBeginCapture_ptsz, "cuStreamBeginCapture_v2_ptsz", PFN_cuStreamBeginCapture_v10010_ptsz);
+    RESOLVE(cuStreamBeginCapture_v1, "cuStreamBeginCapture", PFN_cuStreamBeginCapture_v10000);
+    RESOLVE(cuStreamBeginCapture_v1_ptsz, "cuStreamBeginCapture_ptsz", PFN_cuStreamBeginCapture_v10000_ptsz);
+#if MSH_HAVE_TO_GRAPH
+    RESOLVE(cuStreamBeginCaptureToGraph, "cuStreamBeginCaptureToGraph", PFN_cuStreamBeginCaptureToGraph_v12030);
+    RESOLVE(cuStreamBeginCaptureToGraph_ptsz, "cuStreamBeginCaptureToGraph_ptsz",
+            PFN_cuStreamBeginCaptureToGraph_v12030_ptsz);
+#endif
     RESOLVE(cuStreamEndCapture, "cuStreamEndCapture", PFN_cuStreamEndCapture_v10000);
     RESOLVE(cuStreamEndCapture_ptsz, "cuStreamEndCapture_ptsz", PFN_cuStreamEndCapture_v10000_ptsz);
     RESOLVE(cuMemcpyDtoD, "cuMemcpyDtoD_v2", PFN_cuMemcpyDtoD_v3020);

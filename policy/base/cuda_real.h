@@ -18,6 +18,10 @@
 #include <cuda.h>
 #include <stdbool.h>
 
+/* cuStreamBeginCaptureToGraph and its edge data came with CUDA 12.3: built against older headers,
+ * memshim neither hooks nor calls it (a driver that has it is then not seen through that route). */
+#define MSH_HAVE_TO_GRAPH (CUDA_VERSION >= 12030)
+
 struct msh_cuda_driver {
     void *handle;
     bool loaded;
@@ -75,6 +79,14 @@ struct msh_cuda_driver {
     CUresult (*cuCtxEnablePeerAccess)(CUcontext, unsigned int);
     CUresult (*cuStreamBeginCapture)(CUstream, CUstreamCaptureMode);      /* _v2 */
     CUresult (*cuStreamBeginCapture_ptsz)(CUstream, CUstreamCaptureMode); /* _v2_ptsz */
+    CUresult (*cuStreamBeginCapture_v1)(CUstream);                        /* CUDA 10.0: no mode */
+    CUresult (*cuStreamBeginCapture_v1_ptsz)(CUstream);
+#if MSH_HAVE_TO_GRAPH
+    CUresult (*cuStreamBeginCaptureToGraph)(CUstream, CUgraph, const CUgraphNode *, const CUgraphEdgeData *,
+                                            size_t, CUstreamCaptureMode);
+    CUresult (*cuStreamBeginCaptureToGraph_ptsz)(CUstream, CUgraph, const CUgraphNode *, const CUgraphEdgeData *,
+                                                 size_t, CUstreamCaptureMode);
+#endif
     CUresult (*cuStreamEndCapture)(CUstream, CUgraph *);
     CUresult (*cuStreamEndCapture_ptsz)(CUstream, CUgraph *);
     CUresult (*cuMemcpyDtoD)(CUdeviceptr, CUdeviceptr, size_t);          /* _v2 */
@@ -94,6 +106,12 @@ extern struct msh_cuda_driver msh_cu;
 #define MSH_HAVE_CUDA_TYPEDEFS 1
 #endif
 #endif
+/* CUDA 10.0's cuStreamBeginCapture (no capture mode): cudaTypedefs.h declares its type only for the
+ * driver's own build (__CUDA_API_VERSION_INTERNAL); written here as the header writes it (C11
+ * allows the same typedef twice, should a header declare it too). */
+typedef CUresult (CUDAAPI *PFN_cuStreamBeginCapture_v10000)(CUstream hStream);
+typedef CUresult (CUDAAPI *PFN_cuStreamBeginCapture_v10000_ptsz)(CUstream hStream);
+
 #ifdef MSH_HAVE_CUDA_TYPEDEFS
 #define MSH_ABI_ASSERT(fnptr, pfn, what)                                                        \
     _Static_assert(__builtin_types_compatible_p(__typeof__(fnptr), pfn),                         \

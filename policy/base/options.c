@@ -183,7 +183,8 @@ static const struct opt opts[O_COUNT] = {
                  "bytes like 40G or a fraction 0..1", "bytes or fraction",
                  "Most memory the job may hold on each device. A value of at most 1 written with "
                  "a dot, or exactly `1`, is a fraction of the device's memory (`0.9`); anything "
-                 "else is a size (`40G`, `512MiB`, `1073741824`). `0`: no limit. In tensor mode "
+                 "else is a size (`40G`, `512MiB`, `1073741824`). `0`, `1`, or any size at or above "
+                 "the device's memory: no limit (the device is the cap). In tensor mode "
                  "`set_per_process_memory_fraction` and `per_process_memory_fraction` in PyTorch's "
                  "allocator settings set a smaller one; `cudaMemGetInfo` reports whichever is in "
                  "force.",

@@ -414,6 +414,11 @@ struct job {
     bool foreign;               /* the extent was last used on another stream */
     int norph;
     size_t releasing;           /* of pool->releasing, the pages this job's victims give back */
+    /* Issue 31: the job was claimed far from any limit (multi-page handles; a chunk mapped ahead at
+     * the open end), judged by what the pool held then; far_pages: the pages that judgement added
+     * (the block's span and a chunk); ahead: pages mapped beyond the block (the chunk). */
+    bool far;
+    uint32_t far_pages, ahead;
     /* From here on, arrays read only below their counts, each entry written whole when added:
      * job_init clears the fields above only (issue 24: clearing these too cost a 1.1 KiB memset on
      * every allocation, cached ones included). */
@@ -634,6 +639,8 @@ int dev_release(struct msh_pool *pool, uint64_t h, size_t size);
 int dev_set_access(struct msh_pool *pool, uint64_t va, size_t size);
 int dev_unmap(struct msh_pool *pool, uint64_t va, size_t size);
 int dev_synchronize(struct msh_pool *pool);
+/* cuMemGetInfo through the backend, counted (MSH_DRV_MEM_INFO). */
+int dev_mem_info(struct msh_pool *pool, size_t *free_b, size_t *total);
 int dev_event_record(struct msh_pool *pool, uint64_t ev, uint64_t stream);
 int dev_reserve(struct msh_pool *pool, size_t size, uint64_t *va);
 int dev_unreserve(struct msh_pool *pool, uint64_t va, size_t size);

@@ -121,6 +121,12 @@ int dev_map_counted(struct msh_pool *pool, uint64_t va, size_t size, uint64_t h)
     return dev_map(pool, va, size, h);
 }
 
+int dev_mem_info(struct msh_pool *pool, size_t *free_b, size_t *total)
+{
+    drv_count(pool, MSH_DRV_MEM_INFO, 0);
+    return pool->dev->ops->mem_info(pool->dev, free_b, total);
+}
+
 int dev_synchronize(struct msh_pool *pool)
 {
     drv_count(pool, MSH_DRV_SYNCHRONIZE, 0);
@@ -290,7 +296,18 @@ static bool job_add_victim(struct job *j, struct region *r, uint32_t head, uint3
 size_t limit_now(const struct msh_pool *pool)
 {
     if (!pool->prm.share) return pool->limit;
-    return __atomic_load_n(&pool->prm.share->limit_bytes, __ATOMIC_RELAXED) / pool->gran * pool->gran;
+    size_t lim = __atomic_load_n(&pool->prm.share->limit_bytes, __ATOMIC_RELAXED) / pool->gran * pool->gran;
+    /* a limit at or above the device is no limit (issue 31: set_per_process_memory_fraction(1.0)
+     * would otherwise cost one handle per page) */
+    return pool->device_total && lim >= pool->device_total / pool->gran * pool->gran ? 0 : lim;
+}
+
+/* Whether the device, as the request asked it, is too full to call the pool far from any limit:
+ * everyone's use (other processes' included) plus `pages` more would reach 3/4 of the device. */
+static bool device_crowded(const struct msh_pool *pool, const struct room *rm, size_t pages)
+{
+    size_t total = pool->device_total, used = total > rm->dev_free ? total - rm->dev_free : 0;
+    return used + pages * pool->gran >= total / 4 * 3;
 }
 
 /* The most pages of handles this pool may hold now (SIZE_MAX: no limit). Under a shared limit:
@@ -425,9 +442,16 @@ int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap)
     /* Far from any limit (none set, no driver refusal, under 3/4 of the device), handles save
      * driver calls: the pages b covers whole share one, and (relaxed) a handle may span several
      * blocks, a chunk mapped ahead at the open end of the line. Otherwise every page must stay
-     * reclaimable: handles b would cover in part are split, and new ones are one page each. */
+     * reclaimable: handles b would cover in part are split, and new ones are one page each. The
+     * device's 3/4 counts every process's use once the request has asked (issue 31: beside a
+     * co-tenant holding most of the card a request took its 20 MiB chunk too); a job claimed far
+     * before asking is given up if the answer says otherwise (job_lacks_room). */
+    uint32_t far_pages = (p1 - p0 + 1) + pool->chunk_pages;
     bool far = !limit_now(pool) && !pool->driver_oom &&
-               (pool->held + (p1 - p0 + 1) + pool->chunk_pages) * pool->gran < pool->device_total / 4 * 3;
+               (pool->held + far_pages) * pool->gran < pool->device_total / 4 * 3;
+    if (far && j->room && j->room->asked && device_crowded(pool, j->room, far_pages)) far = false;
+    j->far = far;
+    j->far_pages = far_pages;
     bool relaxed = far && pool->chunk_pages > 1;
     /* At the limit, one handle per page (issue 15): a handle goes back to the driver whole, so a
      * page can be reclaimed alone only if it is a handle alone. Multi-page handles under a limit
@@ -477,7 +501,10 @@ int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap)
              * pages after b that the next blocks placed there will use */
             uint32_t end = p1 + 1;
             while (end % pool->chunk_pages && end < r->npages && end >= hi0) end++;
-            if (end % pool->chunk_pages == 0 && end > p + n && end - p <= pool->max_handle_pages) n = end - p;
+            if (end % pool->chunk_pages == 0 && end > p + n && end - p <= pool->max_handle_pages) {
+                j->ahead += end - (p + n);
+                n = end - p;
+            }
         }
         if (!job_add_run(j, p, n)) goto fail_touched;
         need += n;
@@ -658,21 +685,33 @@ static bool job_lacks_room(struct msh_pool *pool, struct job *j)
 {
     struct room *rm = j->room;
     if (!rm || rm->asked || capturing(pool)) return false;
-    size_t create = 0, freed = 0, gran = pool->gran;
+    size_t create = 0, freed = 0, gran = pool->gran, handles = 0;
     for (uint32_t i = 0; i < j->nruns; i++)
-        if (j->runs[i].vic < 0) create += j->runs[i].n;
+        if (j->runs[i].vic < 0) {
+            create += j->runs[i].n;
+            handles++;
+        }
     for (uint32_t i = 0; i < j->nvic; i++)
         if (j->vic[i].run < 0) freed += j->vic[i].n;
     for (int i = 0; i < j->norph; i++) freed += j->orph[i].pages;
     if (create <= freed) return false; /* no new memory (a handle cut anew): nothing to ask */
+    /* Asked only when the answer can change what the job does (issue 31; cuMemGetInfo is in the
+     * cost table): one handle of exactly the block's pages is answered by its own create (a
+     * refusal ends the job at once, nothing else taken, and the request learns the room). Several
+     * creates could fill the device one by one before a refusal, and a chunk ahead is taken only
+     * if the device is not crowded: those ask. */
+    if (handles < 2 && !j->ahead) return false;
     size_t f = 0, t = 0;
-    if (pool->dev->ops->mem_info(pool->dev, &f, &t)) return false; /* no answer: the creates will tell */
+    if (dev_mem_info(pool, &f, &t)) return false; /* no answer: the creates will tell */
     rm->asked = true;
     rm->dev_free = f;
     rm->drv_held = __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED);
     size_t cap = rm->drv_held / gran + f / gran;
     if (cap < rm->dev_cap) rm->dev_cap = cap;
-    if (create <= f / gran + freed) return false;
+    /* claimed far, but the device's other users make it crowded: placed again, not far (the
+     * request retries at once, now knowing the room: try_alloc_all) */
+    bool crowded = j->far && device_crowded(pool, rm, j->far_pages);
+    if (!crowded && create <= f / gran + freed) return false;
     for (uint32_t i = 0; i < j->nvic; i++) j->vic[i].rc = ENOROOM;
     for (uint32_t i = 0; i < j->nruns; i++) j->runs[i].rc = ENOROOM;
     for (int i = 0; i < j->norph; i++) j->orph[i].rc = ENOROOM;

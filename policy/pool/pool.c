@@ -183,19 +183,38 @@ static size_t pages_at_least(const struct msh_pool *pool, uint64_t rsize)
     return whole ? whole - 1 : 0;
 }
 
+static size_t add_sat(size_t a, size_t b) { return a > SIZE_MAX - b ? SIZE_MAX : a + b; }
+
+/* Pages of handles the other pools of the device hold under the limit they share with this one
+ * (shim/torch.c: CUDA-graph capture pools beside the main pool, the main pool beside a capture
+ * pool): memory a collection may give back too, though this pool holds none of it (a dropped
+ * graph's pool goes with its last block; issue 31). 0 without a share. */
+static size_t others_pages(const struct msh_pool *pool)
+{
+    if (!pool->prm.share) return 0;
+    size_t all = __atomic_load_n(&pool->prm.share->handle_bytes, __ATOMIC_RELAXED) / pool->gran;
+    return all > pool->held ? all - pool->held : 0;
+}
+
 /* The most pages of that kind the request could have now (all: had a collection freed every live
- * block); SIZE_MAX when nothing bounds it yet (no limit, the device not asked). */
+ * block of every pool of the device: the whole limit, shared or not, and the device's room plus
+ * what the other pools hold on it); SIZE_MAX when nothing bounds it yet (no limit, the device not
+ * asked). */
 static size_t room_pages(const struct msh_pool *pool, const struct room *rm, bool all)
 {
+    if (all) {
+        size_t lim = limit_now(pool);
+        size_t cap = !lim ? SIZE_MAX : pool->prm.share ? lim / pool->gran : cap_pages(pool);
+        size_t dev = rm->dev_cap == SIZE_MAX ? SIZE_MAX : add_sat(rm->dev_cap, others_pages(pool));
+        return dev < cap ? dev : cap;
+    }
     size_t cap = cap_pages(pool);
     if (rm->dev_cap < cap) cap = rm->dev_cap;
-    if (cap == SIZE_MAX || all) return cap;
+    if (cap == SIZE_MAX) return cap;
     size_t host_used = pool->spill_pages - pool->spill_idle; /* touched, but not on the device */
     size_t touched = pool->touched > host_used ? pool->touched - host_used : 0;
     return (cap > pool->held ? cap - pool->held : 0) + (pool->held > touched ? pool->held - touched : 0);
 }
-
-static size_t add_sat(size_t a, size_t b) { return a > SIZE_MAX - b ? SIZE_MAX : a + b; }
 
 /* Device pages spill could move to the host at best: those live blocks touch, within
  * MEMSHIM_SPILL_MAX (*capped: that is what bounds it). */
@@ -215,7 +234,12 @@ static bool spill_can_help(struct msh_pool *pool, const struct room *rm, size_t 
 {
     bool capped;
     size_t sp = spill_room(pool, &capped);
-    if (need > room_pages(pool, rm, true)) pool->oom.spill_stop = "the request needs more than the device can hold";
+    /* spill moves this pool's own pages only: what the device's other pools hold stays theirs */
+    size_t all = room_pages(pool, rm, true), others = others_pages(pool);
+    size_t own_all = all == SIZE_MAX ? all : all > others ? all - others : 0;
+    if (need > own_all)
+        pool->oom.spill_stop = need <= all ? "the device's other pools hold the rest"
+                                           : "the request needs more than the device can hold";
     else if (need > add_sat(room_pages(pool, rm, false), sp)) pool->oom.spill_stop = capped ? "spill_max" : "nothing cold";
     else return true;
     return false;
@@ -278,8 +302,11 @@ int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params
         return rc ? rc : EIO;
     }
     size_t free_b = 0, total = 0;
-    if (dev->ops->mem_info(dev, &free_b, &total) == 0) pool->device_total = total;
+    if (dev_mem_info(pool, &free_b, &total) == 0) pool->device_total = total;
     if (pool->prm.share) pool->prm.limit_bytes = 0; /* the share's limit applies (limit_now) */
+    /* A limit at or above the device is no limit (issue 31): the device is the cap anyway, and a
+     * limit would put the pool in page mode, one handle per page. */
+    if (total && pool->prm.limit_bytes >= total) pool->prm.limit_bytes = 0;
     pool->limit = pool->prm.limit_bytes ? round_up(pool->prm.limit_bytes, pool->gran) : 0;
     if (pool->prm.limit_bytes && pool->limit > pool->prm.limit_bytes)
         pool->limit -= pool->gran; /* a cap is a cap: round down to whole pages */
@@ -546,7 +573,7 @@ static int pool_alloc_slow(struct msh_pool *pool, size_t size, uint64_t rsize, u
     }
     if (binned0 > pool->front.blocks) front_churn(pool, binned0 - pool->front.blocks);
     size_t need = rc == ENOMEM ? pages_at_least(pool, rsize) : 0;
-    if (rc == ENOMEM && ocase == MSH_OOM_NOW && pool->gc_fn && pool->st.live_blocks &&
+    if (rc == ENOMEM && ocase == MSH_OOM_NOW && pool->gc_fn && (pool->st.live_blocks || others_pages(pool)) &&
         need <= room_pages(pool, &rm, true)) {
         msh_pool_gc_fn fn = pool->gc_fn;
         void *arg = pool->gc_arg;
@@ -613,10 +640,12 @@ static int pool_alloc_slow(struct msh_pool *pool, size_t size, uint64_t rsize, u
         df = rm.dev_free + rm.drv_held > now ? rm.dev_free + rm.drv_held - now : 0;
     } else { /* no job asked: this is the request's one question */
         pthread_mutex_unlock(&pool->lock);
-        if (pool->dev->ops->mem_info(pool->dev, &df, &dt)) df = dt = 0;
+        if (dev_mem_info(pool, &df, &dt)) df = dt = 0;
         pthread_mutex_lock(&pool->lock);
     }
     fill_oom(pool, size, df, dt);
+    size_t room_now = room_pages(pool, &rm, false);
+    pool->oom.short_bytes = ocase == MSH_OOM_NOW && need > room_now ? (need - room_now) * pool->gran : 0;
     pool->oom.kind = ocase;
     pool->oom.steps = steps;
     pool->oom.capture = capture_blocked || (capturing(pool) && pool->cached);
@@ -1088,10 +1117,13 @@ static void fill_oom(struct msh_pool *pool, size_t req, size_t dev_free, size_t 
     o->mapped_bytes = pool->held * pool->gran;
     o->cached_bytes = pool->cached * pool->gran;
     o->limit_bytes = limit_now(pool);
+    o->others_bytes = others_pages(pool) * pool->gran;
     size_t fb = 0;
     scan_free(pool, &fb, &o->largest_free);
-    size_t cap = o->limit_bytes ? o->limit_bytes : (o->mapped_bytes + o->device_free);
-    o->fragmentation = o->live_bytes + req <= cap;
+    /* what the device's pools together may hold: a request fits that room only beside the other
+     * pools' memory too (a capture pool's, under the limit the pools share) */
+    size_t cap = o->limit_bytes ? o->limit_bytes : (o->mapped_bytes + o->others_bytes + o->device_free);
+    o->fragmentation = o->live_bytes + o->others_bytes + req <= cap;
     for (size_t i = 0; i < pool->hcap; i++) {
         for (struct blk *b = pool->htab[i]; b; b = b->hnext) {
             if (b->state != B_LIVE) continue; /* binned: freed */

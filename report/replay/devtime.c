@@ -49,7 +49,7 @@ static void timing_add(struct dev_timing *tm, enum msh_drv_call k, double s)
         return rc_;                                                                                \
     } while (0)
 #define IN_(d) (TM_(d)->inner)
-static int tm_mem_info(struct msh_device *d, size_t *f, size_t *t) { return IN_(d)->ops->mem_info(IN_(d), f, t); }
+static int tm_mem_info(struct msh_device *d, size_t *f, size_t *t) { TIMED_(MSH_DRV_MEM_INFO, IN_(d)->ops->mem_info(IN_(d), f, t)); }
 static int tm_gran(struct msh_device *d, size_t *g) { return IN_(d)->ops->granularity(IN_(d), g); }
 static int tm_reserve(struct msh_device *d, size_t size, size_t align, uint64_t *va)
 {

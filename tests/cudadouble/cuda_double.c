@@ -58,7 +58,7 @@
     X(cuMemImportFromShareableHandle) X(cuStreamBeginCapture) X(cuStreamEndCapture)             \
     X(cuStreamGetCaptureInfo) X(cuStreamIsCapturing) X(cuThreadExchangeStreamCaptureMode)       \
     X(cuGraphInstantiate) X(cuGraphLaunch) X(cuGraphExecDestroy) X(cuGraphDestroy)              \
-    X(cuStreamGetCtx)
+    X(cuStreamGetCtx) X(cuStreamBeginCaptureToGraph) X(cuGraphCreate)
 
 #define FN_ENUM(n) FN_##n,
 #define FN_NAME(n) #n,
@@ -278,6 +278,7 @@ struct capture {
     uint64_t thread;            /* tls_thread_id of the thread that began it */
     int active, invalidated;
     struct item *head, *tail;   /* the captured work, in capture order */
+    struct graph *into;         /* cuStreamBeginCaptureToGraph: the graph the work goes to */
     struct capture *next;
 };
 
@@ -2893,9 +2894,10 @@ CUresult CUDAAPI cuLaunchHostFunc_v2(CUstream hStream, CUhostFn fn, void *userDa
 
 /* ---- stream capture and graphs ----------------------------------------------------------------- */
 
-CUresult CUDAAPI cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode)
+/* A capture sequence begins on hStream. into: the graph a ToGraph capture appends to (its end
+ * returns that graph), or NULL for a new one. */
+static CUresult begin_capture(CUstream hStream, CUstreamCaptureMode mode, struct graph *into)
 {
-    ENTER(cuStreamBeginCapture);
     if (mode != CU_STREAM_CAPTURE_MODE_GLOBAL && mode != CU_STREAM_CAPTURE_MODE_THREAD_LOCAL &&
         mode != CU_STREAM_CAPTURE_MODE_RELAXED)
         return CUDA_ERROR_INVALID_VALUE;
@@ -2912,6 +2914,7 @@ CUresult CUDAAPI cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode m
         c->mode = mode;
         c->thread = thread_id();
         c->active = 1;
+        c->into = into;
         c->next = g_captures;
         g_captures = c;
         s->cap = c;
@@ -2921,6 +2924,62 @@ CUresult CUDAAPI cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode m
     pthread_mutex_unlock(&g_lock);
     free(c);
     return rc;
+}
+
+CUresult CUDAAPI cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode)
+{
+    ENTER(cuStreamBeginCapture);
+    return begin_capture(hStream, mode, NULL);
+}
+
+static struct graph *graph_get_locked(CUgraph h, int want_exec, CUresult *rc);
+
+/* cuStreamBeginCaptureToGraph (CUDA 12.3): the capture appends to an existing graph, after the
+ * given nodes. The double exposes no graph nodes (nothing can name one: cuStreamGetCaptureInfo
+ * returns none), so a capture after nodes is refused as the driver refuses nodes that are not in
+ * the graph; the graph must be a graph, not an executable one, and not already being captured
+ * into. The end of the capture returns that same graph. */
+CUresult CUDAAPI cuStreamBeginCaptureToGraph(CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies,
+                                             const CUgraphEdgeData *dependencyData, size_t numDependencies,
+                                             CUstreamCaptureMode mode)
+{
+    ENTER(cuStreamBeginCaptureToGraph);
+    if (numDependencies && !dependencies) return CUDA_ERROR_INVALID_VALUE;
+    if (numDependencies) return CUDA_ERROR_INVALID_VALUE; /* no node of the double's graphs can be named */
+    (void)dependencyData;
+    pthread_mutex_lock(&g_lock);
+    CUresult rc = CUDA_SUCCESS;
+    struct graph *g = graph_get_locked(hGraph, 0, &rc);
+    for (struct capture *c = g_captures; g && c; c = c->next)
+        if (c->active && c->into == g) rc = CUDA_ERROR_ILLEGAL_STATE;
+    pthread_mutex_unlock(&g_lock);
+    if (!g || rc != CUDA_SUCCESS) return rc != CUDA_SUCCESS ? rc : CUDA_ERROR_INVALID_VALUE;
+    return begin_capture(hStream, mode, g);
+}
+
+/* CUDA 10.0's form, before capture modes (CUDA 10.1): what a program built then calls, and what
+ * cuGetProcAddress gives for "cuStreamBeginCapture" below version 10010. It captures in the global
+ * mode, the one that behaves as 10.0 did (cuda.h: the mode "potentially unsafe API calls are
+ * prohibited" from any thread, as 10.0 prohibited them). */
+#undef cuStreamBeginCapture
+CUresult CUDAAPI cuStreamBeginCapture(CUstream hStream);
+CUresult CUDAAPI cuStreamBeginCapture(CUstream hStream)
+{
+    ENTER(cuStreamBeginCapture);
+    return begin_capture(hStream, CU_STREAM_CAPTURE_MODE_GLOBAL, NULL);
+}
+
+/* An empty graph (cuGraphCreate; flags must be 0). */
+static struct graph *graph_new_locked(struct item *items, int is_exec);
+CUresult CUDAAPI cuGraphCreate(CUgraph *phGraph, unsigned int flags)
+{
+    ENTER(cuGraphCreate);
+    if (!phGraph || flags) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    struct graph *g = graph_new_locked(NULL, 0);
+    if (g) *phGraph = (CUgraph)(uintptr_t)handle_of(GRAPH_HANDLE_BASE, g->id);
+    pthread_mutex_unlock(&g_lock);
+    return g ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
 
 static void items_free(struct item *it)
@@ -2988,9 +3047,16 @@ CUresult CUDAAPI cuStreamEndCapture(CUstream hStream, CUgraph *phGraph)
         struct item *items = c->head;
         c->head = c->tail = NULL;
         *phGraph = NULL;
+        struct graph *into = c->into;
+        c->into = NULL;
         if (c->invalidated || unjoined) {
             items_free(items);
             rc = c->invalidated ? CUDA_ERROR_STREAM_CAPTURE_INVALIDATED : CUDA_ERROR_STREAM_CAPTURE_UNJOINED;
+        } else if (into) { /* a ToGraph capture: its work joins the graph, which is returned */
+            struct item **tail = &into->head;
+            while (*tail) tail = &(*tail)->next;
+            *tail = items;
+            *phGraph = (CUgraph)(uintptr_t)handle_of(GRAPH_HANDLE_BASE, into->id);
         } else {
             struct graph *g = graph_new_locked(items, 0);
             if (!g) {
@@ -3137,6 +3203,11 @@ static CUresult graph_destroy(CUgraph h, int is_exec)
     pthread_mutex_lock(&g_lock);
     CUresult rc = CUDA_SUCCESS;
     struct graph *g = graph_get_locked(h, is_exec, &rc);
+    for (struct capture *c = g_captures; g && c; c = c->next)
+        if (c->active && c->into == g) { /* a capture still appends to it */
+            rc = CUDA_ERROR_ILLEGAL_STATE;
+            g = NULL;
+        }
     if (g) {
         ht_del(&g_graph_tab, handle_of(GRAPH_HANDLE_BASE, g->id));
         items_free(g->head);
@@ -3468,6 +3539,18 @@ CUresult CUDAAPI cuStreamBeginCapture_v2_ptsz(CUstream hStream, CUstreamCaptureM
 {
     return cuStreamBeginCapture_v2(PTSZ(hStream), mode);
 }
+CUresult CUDAAPI cuStreamBeginCapture_ptsz(CUstream hStream);
+CUresult CUDAAPI cuStreamBeginCapture_ptsz(CUstream hStream)
+{
+    return cuStreamBeginCapture(PTSZ(hStream));
+}
+CUresult CUDAAPI cuStreamBeginCaptureToGraph_ptsz(CUstream hStream, CUgraph hGraph, const CUgraphNode *deps,
+                                                  const CUgraphEdgeData *data, size_t ndeps, CUstreamCaptureMode mode);
+CUresult CUDAAPI cuStreamBeginCaptureToGraph_ptsz(CUstream hStream, CUgraph hGraph, const CUgraphNode *deps,
+                                                  const CUgraphEdgeData *data, size_t ndeps, CUstreamCaptureMode mode)
+{
+    return cuStreamBeginCaptureToGraph(PTSZ(hStream), hGraph, deps, data, ndeps, mode);
+}
 CUresult CUDAAPI cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph);
 CUresult CUDAAPI cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph)
 {
@@ -3588,6 +3671,8 @@ typedef CUresult (CUDAAPI *PFN_cuCtxPushCurrent_v2000)(CUcontext ctx);
 typedef CUresult (CUDAAPI *PFN_cuStreamDestroy_v2000)(CUstream hStream);
 typedef CUresult (CUDAAPI *PFN_cuEventDestroy_v2000)(CUevent hEvent);
 typedef CUresult (CUDAAPI *PFN_cuDevicePrimaryCtxRelease_v7000)(CUdevice_v1 dev);
+typedef CUresult (CUDAAPI *PFN_cuStreamBeginCapture_v10000)(CUstream hStream);
+typedef CUresult (CUDAAPI *PFN_cuStreamBeginCapture_v10000_ptsz)(CUstream hStream);
 
 #define ROW_(str, ver, pfn, fn, pt) {str, ver, _Generic((fn), pfn: (void *)(fn)), pt}
 #define P(name, ver, fn) ROW_(#name, ver, PFN_##name##_v##ver, fn, 0)
@@ -3699,7 +3784,9 @@ static const struct proc_entry proc_table[] = {
     P(cuIpcCloseMemHandle, 4010, cuIpcCloseMemHandle),
     P(cuMemExportToShareableHandle, 10020, cuMemExportToShareableHandle),
     P(cuMemImportFromShareableHandle, 10020, cuMemImportFromShareableHandle),
+    PS(cuStreamBeginCapture, 10000, cuStreamBeginCapture),  /* (CUstream): CUDA 10.0, no mode */
     PS(cuStreamBeginCapture, 10010, cuStreamBeginCapture_v2),
+    PS(cuStreamBeginCaptureToGraph, 12030, cuStreamBeginCaptureToGraph),
     PS(cuStreamEndCapture, 10000, cuStreamEndCapture),
     PS(cuStreamIsCapturing, 10000, cuStreamIsCapturing),
     PS(cuStreamGetCaptureInfo, 11030, cuStreamGetCaptureInfo_v2),
@@ -3712,6 +3799,7 @@ static const struct proc_entry proc_table[] = {
     PS(cuGraphLaunch, 10000, cuGraphLaunch),
     P(cuGraphExecDestroy, 10000, cuGraphExecDestroy),
     P(cuGraphDestroy, 10000, cuGraphDestroy),
+    P(cuGraphCreate, 10000, cuGraphCreate),
     PS(cuStreamGetCtx, 9020, cuStreamGetCtx),
     PS(cuStreamGetCtx, 12050, cuStreamGetCtx_v2),     /* + CUgreenCtx * */
 };

@@ -74,6 +74,8 @@
     X(ipcCloseMemHandle, cuIpcCloseMemHandle, 4010)                                             \
     X(pointerGetAttributes, cuPointerGetAttributes, 7000)                                       \
     X(streamBeginCapture, cuStreamBeginCapture, 10010)                                          \
+    X(streamBeginCaptureToGraph, cuStreamBeginCaptureToGraph, 12030)                            \
+    X(graphCreate, cuGraphCreate, 10000)                                                        \
     X(streamEndCapture, cuStreamEndCapture, 10000)                                              \
     X(streamIsCapturing, cuStreamIsCapturing, 10000)                                            \
     X(streamGetCaptureInfo, cuStreamGetCaptureInfo, 12030)                                      \
@@ -505,17 +507,49 @@ cudaError_t CUDARTAPI cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *pGr
     return ret_cu(drv.streamEndCapture((CUstream)stream, (CUgraph *)pGraph));
 }
 
-/* The _ptsz twins libcudart 13 exports (memshim hooks them): stream 0 is the thread's own. */
+/* CUDA 12.3: a capture that appends to an existing graph (the driver's, through the table). */
+cudaError_t CUDARTAPI cudaStreamBeginCaptureToGraph(cudaStream_t stream, cudaGraph_t graph,
+                                                    const cudaGraphNode_t *dependencies,
+                                                    const cudaGraphEdgeData *dependencyData, size_t numDependencies,
+                                                    enum cudaStreamCaptureMode mode)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.streamBeginCaptureToGraph((CUstream)stream, (CUgraph)graph, (const CUgraphNode *)dependencies,
+                                                (const CUgraphEdgeData *)dependencyData, numDependencies,
+                                                (CUstreamCaptureMode)mode));
+}
+
+/* The per-thread default stream forms of the capture calls (libcudart 13 exports them): NULL is the
+ * calling thread's default stream, handed to the driver as CU_STREAM_PER_THREAD. */
 cudaError_t CUDARTAPI cudaStreamBeginCapture_ptsz(cudaStream_t stream, enum cudaStreamCaptureMode mode);
 cudaError_t CUDARTAPI cudaStreamBeginCapture_ptsz(cudaStream_t stream, enum cudaStreamCaptureMode mode)
 {
     return cudaStreamBeginCapture(PTSZ_STREAM(stream), mode);
 }
 
+cudaError_t CUDARTAPI cudaStreamBeginCaptureToGraph_ptsz(cudaStream_t stream, cudaGraph_t graph,
+                                                         const cudaGraphNode_t *dependencies,
+                                                         const cudaGraphEdgeData *dependencyData,
+                                                         size_t numDependencies, enum cudaStreamCaptureMode mode);
+cudaError_t CUDARTAPI cudaStreamBeginCaptureToGraph_ptsz(cudaStream_t stream, cudaGraph_t graph,
+                                                         const cudaGraphNode_t *dependencies,
+                                                         const cudaGraphEdgeData *dependencyData,
+                                                         size_t numDependencies, enum cudaStreamCaptureMode mode)
+{
+    return cudaStreamBeginCaptureToGraph(PTSZ_STREAM(stream), graph, dependencies, dependencyData, numDependencies,
+                                         mode);
+}
+
 cudaError_t CUDARTAPI cudaStreamEndCapture_ptsz(cudaStream_t stream, cudaGraph_t *pGraph);
 cudaError_t CUDARTAPI cudaStreamEndCapture_ptsz(cudaStream_t stream, cudaGraph_t *pGraph)
 {
     return cudaStreamEndCapture(PTSZ_STREAM(stream), pGraph);
+}
+
+cudaError_t CUDARTAPI cudaGraphCreate(cudaGraph_t *pGraph, unsigned int flags)
+{
+    NEED_CONTEXT();
+    return ret_cu(drv.graphCreate((CUgraph *)pGraph, flags));
 }
 
 cudaError_t CUDARTAPI cudaStreamIsCapturing(cudaStream_t stream, enum cudaStreamCaptureStatus *pCaptureStatus)

@@ -17,8 +17,9 @@ tests/gpu/run_gpu_checks.sh:
               a typo (default budget 900 s: no device time is spent).
 
 Steps, in order: machine (nvidia-smi, PyTorch, CUDA), vmm-costs (build-gpu/gpu-vmm-cost: probes the
-VMM calls, then times them at 2 MiB and larger handles against policy/drvcost.c's table, and
-measures the device memory the driver keeps per handle: 10 GiB as 2 MiB against 20 MiB handles), glue
+VMM calls, then times them at 2 MiB and larger handles and cuMemGetInfo against policy/drvcost.c's
+table, asks whether cuMemMap accepts a non-zero offset into a handle, and measures the device
+memory the driver keeps per handle: 10 GiB as 2 MiB against 20 and 64 MiB handles), glue
 (the carried glue is for this checkout's PyTorch; for another version `memshim build-glue`
 rebuilds it there, with the machine's g++ and CUDA headers), doctor (`python3 -m memshim doctor
 --json`), demo (the C training-loop workload on the real driver under LD_PRELOAD, reports without
@@ -206,7 +207,8 @@ class Run:
         return (self.dry or self.facts["gpu"]), d
 
     def vmm_costs(self, limit):
-        args = ["--sizes-mib", "2,20,64", "--iters", "5", "--budget-s", "10"] if self.dry else \
+        # the dry run takes 1 GiB for the per-handle overhead so that the double runs that code too
+        args = ["--sizes-mib", "2,20,64", "--iters", "5", "--budget-s", "10", "--overhead-gib", "1"] if self.dry else \
             ["--sizes-mib", "2,20,64,512,2048", "--iters", "30", "--budget-s", str(max(10, limit - 15))]
         path = os.path.join(self.out, "vmm-costs.json")
         rc, out, err, s, to = sh([os.path.join(B, "gpu-vmm-cost"), *args], limit, self.env)
@@ -227,9 +229,14 @@ class Run:
         over = {f"{x['handle_mib']:g} MiB x {x['handles']}": {k: x.get(k) for k in
                                                               ("failed", "beyond_bytes", "beyond_per_handle_bytes")}
                 for x in ho.get("sets", [])} or ho
-        return d.get("vmm_ok") and rc == 0, {"file": path, "vmm_ok": d.get("vmm_ok"), "failed": d.get("failed"),
-                                             "granularity_bytes": d.get("granularity_bytes"), "by_size": summary,
-                                             "handle_overhead": over}
+        # issue 31: cuMemGetInfo's cost (the table's mem_info row) and whether a non-zero offset maps
+        mi = d.get("mem_info") or {}
+        mo = d.get("map_offset") or {}
+        return d.get("vmm_ok") and rc == 0 and "p50_us" in mi and "accepted" in mo, {
+            "file": path, "vmm_ok": d.get("vmm_ok"), "failed": d.get("failed"),
+            "granularity_bytes": d.get("granularity_bytes"), "by_size": summary, "handle_overhead": over,
+            "mem_info": {k: mi.get(k) for k in ("n", "p50_us", "table_us", "p50_over_table")},
+            "map_offset": {k: mo.get(k) for k in ("failed", "result", "accepted", "offset_honoured")}}
 
     def doctor_json(self, limit):
         rc, out, err, s, to = sh(self.memshim_cmd("doctor", "--json"), limit, self.memshim_env())

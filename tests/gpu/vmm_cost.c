@@ -11,14 +11,21 @@
  * each handle size: N rounds of cuMemCreate, cuMemAddressReserve, cuMemMap, cuMemSetAccess,
  * cuMemUnmap, cuMemRelease, cuMemAddressFree, each call timed alone (CLOCK_MONOTONIC), and one
  * cuMemSetAccess over a range of 8 mappings of that size; per call p50, p90, max and mean in us
- * beside the table's figure for that call and size (per call + per MiB + per mapping). Then what
- * the driver itself keeps per handle (`handle_overhead`): device memory used (cuMemGetInfo) by G
- * GiB (default 10) as handles of 2 MiB (5,120 at 10 GiB) against the same bytes as handles of
- * 20 MiB (512), each set created, mapped side by side into one reserved range and granted access,
- * read after the creates and after the maps, and given back before the next: the bytes used
- * beyond the handles' own are the driver's (page tables, bookkeeping). At a 10 GiB cap the card
- * held 0.40 GB more under memshim (about 5,100 handles of 2 MiB) than under expandable segments
- * (about 512 of 20 MiB): this says how much of that is per handle. One JSON document on stdout.
+ * beside the table's figure for that call and size (per call + per MiB + per mapping). Then
+ * cuMemGetInfo timed the same way (`mem_info`: the pool asks it before creating several handles,
+ * issue 31; the table's figure is not an H200 measurement yet). Then whether cuMemMap accepts a
+ * non-zero offset into a handle on this driver (`map_offset`: cuda.h 13.0 says it "currently must
+ * be zero"; a handle of two pages, its second page mapped alone at offset one page; when the
+ * driver accepts it, a byte written through that mapping is read back through a mapping of the
+ * whole handle, so "accepted" means the offset is honoured, not just not refused). Then what the
+ * driver itself keeps per handle (`handle_overhead`): device memory used (cuMemGetInfo) by G GiB
+ * (default 10) as handles of 2 MiB (5,120 at 10 GiB) against the same bytes as handles of 20 MiB
+ * (512) and of 64 MiB (160), each set created, mapped side by side into one reserved range and
+ * granted access, read after the creates and after the maps, and given back before the next: the
+ * bytes used beyond the handles' own are the driver's (page tables, bookkeeping). At a 10 GiB cap
+ * the card held 0.40 GB more under memshim (about 5,100 handles of 2 MiB) than under expandable
+ * segments (about 512 of 20 MiB): this says how much of that is per handle. The two facts the
+ * next design of the pool near a limit depends on (DESIGN.md 12). One JSON document on stdout.
  * The driver is loaded with dlopen, so the program NEEDs only glibc; it never leaves a handle or a
  * reservation behind on a path that returns.
  */
@@ -50,6 +57,10 @@ static struct {
     CUresult (*unmap)(CUdeviceptr, size_t);
     CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
     CUresult (*mem_info)(size_t *, size_t *);
+    /* optional: reading back through a mapping at a non-zero offset (map_offset) */
+    CUresult (*memset8)(CUdeviceptr, unsigned char, size_t);
+    CUresult (*dtoh)(void *, CUdeviceptr, size_t);
+    CUresult (*ctx_sync)(void);
 } cu;
 
 enum { C_CREATE, C_RESERVE, C_MAP, C_SET_ACCESS, C_UNMAP, C_RELEASE, C_ADDRESS_FREE, C_SET_ACCESS_8, NCALLS };
@@ -107,6 +118,9 @@ static int load(void)
     SYM(set_access, "cuMemSetAccess");
     SYM(mem_info, "cuMemGetInfo_v2");
 #undef SYM
+    *(void **)&cu.memset8 = dlsym(h, "cuMemsetD8_v2");
+    *(void **)&cu.dtoh = dlsym(h, "cuMemcpyDtoH_v2");
+    *(void **)&cu.ctx_sync = dlsym(h, "cuCtxSynchronize");
     return 0;
 }
 
@@ -248,28 +262,97 @@ static void overhead_of(int n, size_t size)
     printf(", \"seconds\": %.3f}", now_s() - t0);
 }
 
-/* The same bytes as 2 MiB and as 20 MiB handles (rounded to the granularity), when they fit in
- * what the device has free with 1 GiB to spare. */
+/* The same bytes as 2 MiB, as 20 MiB (PyTorch's expandable segments) and as 64 MiB handles (rounded
+ * to the granularity), when they fit in what the device has free with 1 GiB to spare. */
 static void handle_overhead(double gib, size_t gran)
 {
-    size_t small = (2 * (size_t)MiB + gran - 1) / gran * gran, big = (20 * (size_t)MiB + gran - 1) / gran * gran;
-    size_t want = (size_t)(gib * 1024 * MiB);
-    int nsmall = (int)(want / small), nbig = (int)(want / big);
-    size_t fr = 0, total = 0;
+    static const double mib[] = {2, 20, 64};
+    size_t want = (size_t)(gib * 1024 * MiB), fr = 0, total = 0;
     printf(", \"handle_overhead\": ");
     if (cu.mem_info(&fr, &total) != CUDA_SUCCESS) {
         printf("{\"skipped\": \"cuMemGetInfo failed\"}");
         return;
     }
-    if ((double)fr < (double)want + 1024 * MiB || nsmall < 1 || nbig < 1) {
+    size_t big = ((size_t)(mib[2] * MiB) + gran - 1) / gran * gran;
+    if ((double)fr < (double)want + 1024 * MiB || want < big) {
         printf("{\"skipped\": \"%.1f GiB free, %.1f GiB wanted\", \"free_bytes\": %zu}", fr / 1024 / MiB, gib + 1, fr);
         return;
     }
     printf("{\"device_total_bytes\": %zu, \"free_before_bytes\": %zu, \"sets\": [", total, fr);
-    overhead_of(nsmall, small);
-    printf(", ");
-    overhead_of(nbig, big);
+    for (size_t i = 0; i < sizeof mib / sizeof mib[0]; i++) {
+        size_t size = ((size_t)(mib[i] * MiB) + gran - 1) / gran * gran;
+        if (i) printf(", ");
+        overhead_of((int)(want / size), size);
+    }
     printf("]}");
+}
+
+/* cuMemGetInfo, each call timed alone, as the table's mem_info row prices it. */
+static void mem_info_cost(int n)
+{
+    static double t[MAX_ITERS * 10];
+    if (n > MAX_ITERS * 10) n = MAX_ITERS * 10;
+    size_t f, tot;
+    int done = 0;
+    for (; done < n; done++) {
+        double t0 = now_s();
+        if (cu.mem_info(&f, &tot) != CUDA_SUCCESS) break;
+        t[done] = now_s() - t0;
+    }
+    double model = msh_drvcost_call(msh_drvcost_default(), MSH_DRV_MEM_INFO, 0, 1);
+    printf(", \"mem_info\": {\"call\": \"cuMemGetInfo\", \"n\": %d", done);
+    if (done) {
+        qsort(t, (size_t)done, sizeof t[0], cmp_double);
+        double sum = 0;
+        for (int i = 0; i < done; i++) sum += t[i];
+        printf(", \"p50_us\": %.2f, \"p90_us\": %.2f, \"max_us\": %.2f, \"mean_us\": %.2f, \"table_us\": %.2f, "
+               "\"p50_over_table\": %.3f",
+               1e6 * t[done / 2], 1e6 * t[(done * 9) / 10], 1e6 * t[done - 1], 1e6 * sum / done, 1e6 * model,
+               model > 0 ? t[done / 2] / model : 0.0);
+    }
+    printf("}");
+}
+
+/* Whether cuMemMap maps part of a handle: a handle of two pages, its second page alone at offset
+ * one page. When the driver accepts, a byte written through the offset mapping must be what a
+ * mapping of the whole handle shows at that page (honoured, not only not refused). */
+static void map_offset(size_t gran)
+{
+    CUmemGenericAllocationHandle h = 0;
+    CUdeviceptr whole = 0, part = 0;
+    int have_h = 0, have_whole = 0, have_part = 0, mapped_whole = 0, mapped_part = 0;
+    CUresult r = CUDA_ERROR_UNKNOWN;
+    const char *failed = NULL, *same = "null";
+    if (cu.create(&h, 2 * gran, &prop, 0) != CUDA_SUCCESS) failed = "cuMemCreate";
+    else have_h = 1;
+    if (!failed && cu.reserve(&whole, 2 * gran, 0, 0, 0) != CUDA_SUCCESS) failed = "cuMemAddressReserve";
+    else if (!failed) have_whole = 1;
+    if (!failed && cu.reserve(&part, gran, 0, 0, 0) != CUDA_SUCCESS) failed = "cuMemAddressReserve";
+    else if (!failed) have_part = 1;
+    if (!failed && cu.map(whole, 2 * gran, 0, h, 0) != CUDA_SUCCESS) failed = "cuMemMap of the whole handle";
+    else if (!failed) mapped_whole = 1;
+    if (!failed && cu.set_access(whole, 2 * gran, &access_desc, 1) != CUDA_SUCCESS) failed = "cuMemSetAccess";
+    if (!failed) {
+        r = cu.map(part, gran, gran, h, 0); /* the question */
+        mapped_part = r == CUDA_SUCCESS;
+    }
+    if (mapped_part && cu.memset8 && cu.dtoh && cu.ctx_sync) {
+        unsigned char back[2] = {0, 0};
+        if (cu.set_access(part, gran, &access_desc, 1) == CUDA_SUCCESS && cu.memset8(whole, 0x11, 2 * gran) == CUDA_SUCCESS &&
+            cu.memset8(part, 0x5A, gran) == CUDA_SUCCESS && cu.ctx_sync() == CUDA_SUCCESS &&
+            cu.dtoh(&back[0], whole + gran, 1) == CUDA_SUCCESS && cu.dtoh(&back[1], whole, 1) == CUDA_SUCCESS)
+            same = back[0] == 0x5A && back[1] == 0x11 ? "true" : "false";
+    }
+    if (mapped_part) cu.unmap(part, gran);
+    if (mapped_whole) cu.unmap(whole, 2 * gran);
+    if (have_part) cu.address_free(part, gran);
+    if (have_whole) cu.address_free(whole, 2 * gran);
+    if (have_h) cu.release(h);
+    printf(", \"map_offset\": {\"handle_bytes\": %zu, \"offset_bytes\": %zu, \"size_bytes\": %zu, \"failed\": %s%s%s",
+           2 * gran, gran, gran, failed ? "\"" : "", failed ? failed : "null", failed ? "\"" : "");
+    if (!failed)
+        printf(", \"result\": %d, \"accepted\": %s, \"offset_honoured\": %s", (int)r, mapped_part ? "true" : "false", same);
+    printf("}");
 }
 
 int main(int argc, char **argv)
@@ -331,6 +414,8 @@ int main(int argc, char **argv)
         printf("}}");
     }
     printf("\n]");
+    mem_info_cost(iters * 10);
+    map_offset(gran);
     if (overhead_gib > 0) handle_overhead(overhead_gib, gran);
     printf(", \"elapsed_s\": %.2f, \"budget_s\": %.1f}\n", now_s() - start, budget);
     return 0;

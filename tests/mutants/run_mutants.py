@@ -53,6 +53,7 @@ UNIT_FIRST = {
     "test_trace": ("report/trace/",), "test_profiler": ("report/trace/profiler.c", "report/trace/trace.c"),
     "test_models": ("report/replay/models/",), "test_options": ("policy/base/options.c", "policy/base/log.c"),
     "test_double": ("tests/cudadouble/",), "test_drvcost": ("policy/drvcost.c",), "test_torch": ("shim/torch.c",),
+    "test_limits": ("policy/pool/pool.c", "policy/pool/pages.c", "shim/torch.c"),
 }
 SCRIPT_FIRST = [  # (word in the suite's name, files whose mutants try it first)
     ("preload", ("hooks/", "shim/", "policy/dev_cuda.c", "policy/base/drvlog.c")),

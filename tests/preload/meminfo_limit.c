@@ -5,7 +5,8 @@
  * a failed request leaves no page mapped that the answer does not count; and the answer comes
  * from counters, without scanning blocks. Before the pool exists they report the driver's values.
  * run_preload.sh runs it with MEMSHIM_LIMIT and EXPECT_TOTAL_MIB (the total the limit should
- * produce on the double's device 0).
+ * produce on the double's device 0), or with EXPECT_NO_LIMIT=1 for a limit at or above the device,
+ * which is none (issue 31): both calls then give the driver's own figures.
  */
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -73,6 +74,32 @@ TEST(limit_applies_once_the_pool_serves)
     size_t t3 = 12345;
     CHECK(cudaMemGetInfo(NULL, &t3) == cudaErrorInvalidValue && t3 == 12345);
     CHECK(cuMemGetInfo(&f2, NULL) == CUDA_ERROR_INVALID_VALUE);
+}
+
+/* MEMSHIM_LIMIT at or above the device (100G, or 1: the whole device) is no limit: with the pool
+ * serving, cudaMemGetInfo and cuMemGetInfo are the driver's own answer (before issue 31 such a
+ * limit was the device itself, and put the pool in page mode). */
+TEST(a_limit_at_or_above_the_device_is_none)
+{
+    if (!getenv("EXPECT_NO_LIMIT")) SKIP("EXPECT_NO_LIMIT not set (run through run_preload.sh)");
+    meminfo_fn real = real_meminfo();
+    void *(*ms_malloc)(ssize_t, int, memshim_stream_t) =
+        (void *(*)(ssize_t, int, memshim_stream_t))dlsym(RTLD_DEFAULT, "memshim_malloc");
+    void (*ms_free)(void *, ssize_t, int, memshim_stream_t) =
+        (void (*)(void *, ssize_t, int, memshim_stream_t))dlsym(RTLD_DEFAULT, "memshim_free");
+    REQUIRE(real && ms_malloc && ms_free);
+    void *p = NULL;
+    REQUIRE(cudaMalloc(&p, 64 * MiB) == cudaSuccess);
+    void *c = ms_malloc(32 * MiB, 0, NULL); /* freed, its pages stay cached: a limit would count them */
+    REQUIRE(c);
+    ms_free(c, 32 * MiB, 0, NULL);
+    size_t f = 0, t = 0, f2 = 0, t2 = 0, rf = 0, rt = 0;
+    REQUIRE(cudaMemGetInfo(&f, &t) == cudaSuccess);
+    REQUIRE(cuMemGetInfo(&f2, &t2) == CUDA_SUCCESS);
+    REQUIRE(real(&rf, &rt) == CUDA_SUCCESS);
+    CHECKF(f == rf && t == rt && f2 == rf && t2 == rt, "memshim says %zu of %zu (%zu of %zu), the driver %zu of %zu", f, t,
+           f2, t2, rf, rt);
+    CHECK(cudaFree(p) == cudaSuccess);
 }
 
 TEST(free_is_what_one_allocation_gets)

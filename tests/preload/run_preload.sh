@@ -95,7 +95,9 @@ else
            cuPointerGetAttribute cuPointerGetAttributes cuIpcGetMemHandle
            cudaDeviceEnablePeerAccess cudaStreamBeginCapture cudaStreamBeginCapture_ptsz
            cudaStreamEndCapture cudaStreamEndCapture_ptsz cuCtxEnablePeerAccess
-           cuStreamBeginCapture_v2 cuStreamBeginCapture_v2_ptsz cuStreamEndCapture cuStreamEndCapture_ptsz"
+           cuStreamBeginCapture_v2 cuStreamBeginCapture_v2_ptsz cuStreamEndCapture cuStreamEndCapture_ptsz
+           cuStreamBeginCapture cuStreamBeginCapture_ptsz cuStreamBeginCaptureToGraph
+           cuStreamBeginCaptureToGraph_ptsz cudaStreamBeginCaptureToGraph cudaStreamBeginCaptureToGraph_ptsz dlsym"
     exported=$(nm -D --defined-only "$LIB" | awk '$2 != "A" {print $3}' | sed 's/@.*//' | sort -u)
     extra=""
     for s in $exported; do
@@ -127,12 +129,12 @@ ENV_EXTRA=(MEMSHIM_MODE=off EXPECT_OFF=1)
 run_prog lookups_off lookups
 run_prog offmode offmode
 
-# ---- issues 27 and 32: every function memshim exports or substitutes leaves the caller's device,
-# context, stack, capture mode and last error as the real CUDA would, from every thread state, on
-# two and on three devices
-ENV_EXTRA=(CUDBL_DEVICES=2)
-run_prog caller_state caller_state
+# ---- issues 27, 31 and 32: every function memshim exports or substitutes leaves the caller's
+# device, context, stack, capture mode and last error as the real CUDA would, from every thread
+# state, on two and on three devices (one more holds the capture the second pass keeps open)
 ENV_EXTRA=(CUDBL_DEVICES=3)
+run_prog caller_state caller_state
+ENV_EXTRA=(CUDBL_DEVICES=4)
 run_prog caller_state_3_devices caller_state
 
 # ---- MEMSHIM_LIMIT as seen by cudaMemGetInfo / cuMemGetInfo_v2 -------------------------------
@@ -140,8 +142,11 @@ ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=256M EXPECT_TOTAL_MIB=256)
 run_prog meminfo_limit_bytes meminfo_limit
 ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=0.5 EXPECT_TOTAL_MIB=1024)
 run_prog meminfo_limit_fraction meminfo_limit
-ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=100G EXPECT_TOTAL_MIB=2048)
+# issue 31: a limit at or above the device is none (the driver's own figures, no page mode)
+ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=100G EXPECT_NO_LIMIT=1)
 run_prog meminfo_limit_above_device meminfo_limit
+ENV_EXTRA=(CUDBL_CAPACITY=2G MEMSHIM_LIMIT=1 EXPECT_NO_LIMIT=1)
+run_prog meminfo_limit_whole_device meminfo_limit
 # issue 27: what free says can be allocated, and (under a limit) no more, in every combination
 # of defragmentation, empty-cache policy, limit, spill and mode, on a 1 GiB device
 for lim in none 256M 0.25; do
@@ -236,6 +241,8 @@ else
     fail "oom_thread_written_at_exit" "$(ls "$TMP/oomthread-exit" | tr '\n' ' ')"
 fi
 ENV_EXTRA=()
+# issue 31: every route that begins a capture is seen before the next allocation on its stream
+run_prog capture_routes capture_routes
 # issue 24: a warm training step's driver calls, reports and the snapshot ring on
 mkdir -p "$TMP/step-reports"
 ENV_EXTRA=(MEMSHIM_REPORT_DIR="$TMP/step-reports" MEMSHIM_SNAPSHOT="$TMP/step-snapshot.pickle" MEMSHIM_LOG=info)

@@ -177,7 +177,8 @@ with tempfile.TemporaryDirectory() as tmp:
     # ---- driver calls and modelled driver seconds (issue 10; docs/replay.md) ----
     KINDS = ["create", "release", "map", "unmap", "set_access", "event_record", "stream_wait", "synchronize",
              "malloc", "free", "reserve", "unreserve",
-             "host_create", "copy_to_host", "copy_to_device"]  # spill to host (issue 20)
+             "host_create", "copy_to_host", "copy_to_device",  # spill to host (issue 20)
+             "mem_info"]  # cuMemGetInfo before creates (issue 31)
     rc, out, err = run("--show-driver-costs")
     table = {}
     for line in out.splitlines():

@@ -22,7 +22,7 @@
 static const char *const calls[] = {"cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
                                     "cuStreamWaitEvent", "cuEventRecord", "cuCtxSynchronize", "cuMemAddressReserve",
                                     "cuMemAddressFree", "cuMemAlloc", "cuMemFree", "cuEventQuery",
-                                    "cuStreamSynchronize", "cuEventSynchronize"};
+                                    "cuStreamSynchronize", "cuEventSynchronize", "cuMemGetInfo"};
 
 struct mapbuf { char *s; size_t n, cap; };
 

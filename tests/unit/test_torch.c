@@ -256,6 +256,24 @@ static bool capdrv_up(struct capdrv *c)
     return true;
 }
 
+/* The stream capture's begin and end as memshim's hooks make them (hooks/driver.c): the capture is
+ * counted open before the driver's begin, closed once its end returns. This binary has the core
+ * without the hooks (tests/preload/capture_routes.c runs every route through them). */
+static CUresult hooked_begin(struct capdrv *c, CUstream s)
+{
+    msh_capture_open(0, MSH_CAPTURE_STREAM, (uint64_t)(uintptr_t)s);
+    CUresult r = c->begin(s, CU_STREAM_CAPTURE_MODE_GLOBAL);
+    if (r != CUDA_SUCCESS) msh_capture_close(MSH_CAPTURE_STREAM, (uint64_t)(uintptr_t)s);
+    return r;
+}
+
+static CUresult hooked_end(struct capdrv *c, CUstream s, CUgraph *g)
+{
+    CUresult r = c->end(s, g);
+    msh_capture_close(MSH_CAPTURE_STREAM, (uint64_t)(uintptr_t)s);
+    return r;
+}
+
 /* One graph captured into pool (id0, 0) as torch.cuda.graph does it: begin_allocate_to_pool, then
  * the stream capture; a block allocated on the capturing stream (routed to the pool) and a
  * captured kernel that writes it; the end of the capture, then end_allocate_to_pool. */
@@ -264,10 +282,10 @@ static CUgraph capture_one(struct capdrv *c, unsigned long long id0, size_t size
     memshim_torch_begin_allocate_to_pool(0, id0, 0, NULL);
     CUgraph g = NULL;
     *out = NULL;
-    if (c->begin(c->s, CU_STREAM_CAPTURE_MODE_GLOBAL) == CUDA_SUCCESS) {
+    if (hooked_begin(c, c->s) == CUDA_SUCCESS) {
         *out = memshim_torch_alloc((ssize_t)size, 0, c->s);
         if (*out) cudbl_launch(c->s, (CUdeviceptr)(uintptr_t)*out, size, 1, noop_kernel, NULL);
-        if (c->end(c->s, &g) != CUDA_SUCCESS) g = NULL;
+        if (hooked_end(c, c->s, &g) != CUDA_SUCCESS) g = NULL;
     }
     memshim_torch_end_allocate_to_pool(0, id0, 0);
     return g;
@@ -342,21 +360,21 @@ TEST(freeing_a_released_pool_inside_the_next_capture_keeps_it_valid)
     msh_torch_capture_counts(&destroyed0, &deferred0, NULL);
     long h0 = handles();
     memshim_torch_begin_allocate_to_pool(0, 32, 0, NULL);
-    REQUIRE(c.begin(c.s, CU_STREAM_CAPTURE_MODE_GLOBAL) == CUDA_SUCCESS);
+    REQUIRE(hooked_begin(&c, c.s) == CUDA_SUCCESS);
     memshim_torch_free(out1, 4 * MiB, 0, c.s); /* `out = ...` drops the old output, mid-capture */
     out2 = memshim_torch_alloc(4 * MiB, 0, c.s);
     CHECK(out2 != NULL);
     if (out2) cudbl_launch(c.s, (CUdeviceptr)(uintptr_t)out2, 4 * MiB, 1, noop_kernel, NULL);
-    CUgraph g2 = NULL;
-    CUresult er = c.end(c.s, &g2);
-    CHECKF(er == CUDA_SUCCESS && g2, "the capture was invalidated (%d)", (int)er);
     uint64_t destroyed1 = 0, deferred1 = 0;
     msh_torch_capture_counts(&destroyed1, &deferred1, NULL);
     CHECK(destroyed1 == destroyed0 && deferred1 == deferred0 + 1);
     CHECK(handles() >= h0); /* nothing of pool 31 was given back during the capture */
-    memshim_torch_end_allocate_to_pool(0, 32, 0); /* the capture is over: pool 31 goes now */
+    CUgraph g2 = NULL;
+    CUresult er = hooked_end(&c, c.s, &g2); /* the capture is over: pool 31 goes now */
+    CHECKF(er == CUDA_SUCCESS && g2, "the capture was invalidated (%d)", (int)er);
     msh_torch_capture_counts(&destroyed1, &deferred1, NULL);
     CHECK(destroyed1 == destroyed0 + 1);
+    memshim_torch_end_allocate_to_pool(0, 32, 0);
     memshim_torch_free(out2, 4 * MiB, 0, c.s);
     if (g2) c.graph_destroy(g2);
     memshim_torch_release_pool(0, 32, 0);
@@ -378,13 +396,13 @@ TEST(the_main_pool_defers_its_driver_work_during_a_capture)
     long unmaps0 = cudbl_call_count("cuMemUnmap"), syncs0 = cudbl_call_count("cuCtxSynchronize");
     long rec0 = cudbl_call_count("cuEventRecord");
     memshim_torch_begin_allocate_to_pool(0, 41, 0, NULL);
-    REQUIRE(c.begin(c.s, CU_STREAM_CAPTURE_MODE_GLOBAL) == CUDA_SUCCESS);
+    REQUIRE(hooked_begin(&c, c.s) == CUDA_SUCCESS);
     memshim_empty_cache();
     memshim_torch_free(r, 2 * MiB, 0, c.s2); /* its free needs an event on c.s: parked */
     CHECK(cudbl_call_count("cuMemUnmap") == unmaps0 && cudbl_call_count("cuCtxSynchronize") == syncs0);
     CHECK(cudbl_call_count("cuEventRecord") == rec0);
     CUgraph g = NULL;
-    CUresult er = c.end(c.s, &g);
+    CUresult er = hooked_end(&c, c.s, &g);
     CHECKF(er == CUDA_SUCCESS && g, "the capture was invalidated (%d)", (int)er);
     memshim_torch_end_allocate_to_pool(0, 41, 0);
     CHECK(cudbl_call_count("cuMemUnmap") > unmaps0);     /* the deferred empty-cache ran */
@@ -449,6 +467,7 @@ TEST(one_limit_for_the_main_and_capture_pools)
     void *m = memshim_torch_alloc(160 * MiB, 0, NULL);
     REQUIRE(m);
     memshim_torch_begin_allocate_to_pool(0, 11, 0, NULL);
+    msh_capture_open(0, MSH_CAPTURE_STREAM, (uint64_t)(uintptr_t)S_CAPTURING); /* as the begin hook does */
     void *c = memshim_torch_alloc_in_pool(160 * MiB, 0, S_CAPTURING, 11, 0);
     CHECK(c == NULL); /* 320 MiB together: over the shared limit */
     char msg[1024];
@@ -465,6 +484,7 @@ TEST(one_limit_for_the_main_and_capture_pools)
     CHECK(c == NULL);
     memshim_torch_oom_message(0, 160 * MiB, msg, sizeof msg);
     CHECKF(strstr(msg, "capture was in progress"), "%s", msg);
+    msh_capture_close(MSH_CAPTURE_STREAM, (uint64_t)(uintptr_t)S_CAPTURING);
     memshim_torch_end_allocate_to_pool(0, 11, 0);
     /* The next capture into the pool gets them: the main pool's cache goes back outside captures */
     memshim_empty_cache();
@@ -476,9 +496,99 @@ TEST(one_limit_for_the_main_and_capture_pools)
     memshim_torch_free(c, 160 * MiB, 0, S_CAPTURING);
     memshim_torch_release_pool(0, 11, 0);
     memshim_torch_set_memory_fraction(1.0, 0);
-    CHECK(msh_torch_limit(0) == 1024 * MiB);
+    CHECK(msh_torch_limit(0) == 0); /* the whole device: no limit (issue 31) */
     memshim_torch_set_memory_fraction(1.5, 0); /* refused: the limit is unchanged */
-    CHECK(msh_torch_limit(0) == 1024 * MiB);
+    CHECK(msh_torch_limit(0) == 0);
+    memshim_torch_set_memory_fraction(0.5, 0);
+    CHECK(msh_torch_limit(0) == 512 * MiB);
+    memshim_torch_set_memory_fraction(1.0, 0);
+}
+
+/* ---- issue 31 item 2: the OOM rescue sees every pool of the device ------------------------------ */
+
+#define DEAD_GRAPH_BYTES (200 * MiB)
+static void *dead_graph_out;   /* a dropped graph's output, still referenced from a cycle */
+static int dead_graph_gcs;
+
+/* What gc.collect() does for a graph dropped in a reference cycle: the output tensor goes, and
+ * the CUDAGraph's destructor releases its pool. */
+static size_t collect_dead_graph(void *arg)
+{
+    (void)arg;
+    dead_graph_gcs++;
+    if (!dead_graph_out) return 0;
+    memshim_torch_free(dead_graph_out, DEAD_GRAPH_BYTES, 0, S_CAPTURING);
+    dead_graph_out = NULL;
+    memshim_torch_release_pool(0, 61, 0);
+    return 1;
+}
+
+/* Under one limit for the device (256 MiB), a dead graph's capture pool holds 200 MiB that only
+ * a collection gives back; the main pool holds 8 MiB (or nothing) and asks for 160 MiB. The gc
+ * step must run: what it can free is the capture pool's, not the main pool's (the gate counted the
+ * requesting pool's room only: 8 + 48 MiB, so it skipped the collection, failed the request and
+ * said freeing every tensor would not make room; with nothing live in the main pool it did not
+ * even look). */
+static void dead_graph_case(size_t small_bytes)
+{
+    memshim_torch_set_memory_fraction(0.25, 0);
+    REQUIRE(msh_torch_limit(0) == 256 * MiB);
+    void *small = small_bytes ? memshim_torch_alloc((ssize_t)small_bytes, 0, NULL) : NULL;
+    REQUIRE(small || !small_bytes);
+    memshim_torch_begin_allocate_to_pool(0, 61, 0, NULL);
+    dead_graph_out = memshim_torch_alloc_in_pool(DEAD_GRAPH_BYTES, 0, S_CAPTURING, 61, 0);
+    memshim_torch_end_allocate_to_pool(0, 61, 0);
+    REQUIRE(dead_graph_out);
+    dead_graph_gcs = 0;
+    memshim_set_gc_callback(collect_dead_graph, NULL);
+    void *m = memshim_torch_alloc(160 * MiB, 0, NULL);
+    char msg[2048] = "";
+    if (!m) memshim_torch_oom_message(0, 160 * MiB, msg, sizeof msg);
+    printf("    160 MiB beside a dead graph's 200 MiB capture pool, %zu MiB live in the main pool: %s, %d "
+           "collection(s)\n", small_bytes / MiB, m ? "served" : "refused", dead_graph_gcs);
+    CHECKF(m != NULL, "the request failed: %s", msg);
+    CHECK(dead_graph_gcs == 1);
+    CHECK(memshim_torch_pool_uses(0, 61, 0) == 0 && dead_graph_out == NULL);
+    CHECKF(!strstr(msg, "freeing every tensor would not make room"), "%s", msg);
+    memshim_set_gc_callback(NULL, NULL);
+    if (m) memshim_torch_free(m, 160 * MiB, 0, NULL);
+    if (small) memshim_torch_free(small, (ssize_t)small_bytes, 0, NULL);
+    if (dead_graph_out) collect_dead_graph(NULL);
+    memshim_empty_cache();
+    memshim_torch_set_memory_fraction(1.0, 0);
+}
+
+TEST(gc_frees_a_dead_graphs_capture_pool_for_the_main_pool)
+{
+    dead_graph_case(8 * MiB);
+    dead_graph_case(0);
+}
+
+/* The empty-cache decision for a capture pool's request: the main pool's cache goes back to the
+ * driver when it covers what the request lacks under the shared limit, and stays when it cannot
+ * (before, any failed capture-pool request emptied it, helping or not). */
+TEST(the_main_pools_cache_goes_back_for_a_capture_pool_only_when_it_makes_room)
+{
+    memshim_torch_set_memory_fraction(0.25, 0); /* 256 MiB for the device's pools together */
+    void *keep = memshim_torch_alloc(96 * MiB, 0, NULL);
+    void *gone = memshim_torch_alloc(64 * MiB, 0, NULL);
+    REQUIRE(keep && gone);
+    memshim_torch_free(gone, 64 * MiB, 0, NULL); /* 64 MiB cached in the main pool, 96 MiB of room */
+    memshim_torch_begin_allocate_to_pool(0, 71, 0, NULL);
+    long h0 = handles();
+    void *c1 = memshim_torch_alloc_in_pool(200 * MiB, 0, S_CAPTURING, 71, 0); /* lacks 104 MiB > 64 */
+    long h1 = handles();
+    printf("    200 MiB in a capture pool: %s; main pool's handles %ld -> %ld\n", c1 ? "served" : "refused", h0, h1);
+    CHECK(c1 == NULL);
+    CHECKF(h1 == h0, "the main pool's cache went back though it could not make room (%ld -> %ld handles)", h0, h1);
+    void *c2 = memshim_torch_alloc_in_pool(150 * MiB, 0, S_CAPTURING, 71, 0); /* lacks 54 MiB <= 64 */
+    CHECKF(c2 != NULL, "the main pool's cache would have made room");
+    memshim_torch_end_allocate_to_pool(0, 71, 0);
+    if (c2) memshim_torch_free(c2, 150 * MiB, 0, S_CAPTURING);
+    memshim_torch_release_pool(0, 71, 0);
+    memshim_torch_free(keep, 96 * MiB, 0, NULL);
+    memshim_empty_cache();
+    memshim_torch_set_memory_fraction(1.0, 0);
 }
 
 /* Issue 31: a request refused under a limit is not one "no memory could ever hold": the message
