@@ -207,6 +207,7 @@ struct front {
      * the hits are under a quarter of the puts, the front end stays out for FRONT_COOL
      * allocations (the pool path alone, as before it) and then tries again. */
     uint64_t win_puts, win_hits, win_drained;
+    uint64_t step_puts, step_hits, step_trimmed; /* the same since the last step mark (trims only) */
     uint64_t cool_until;      /* st.allocs before which the front end stays out (churn) */
     uint64_t mark, mark_prev; /* tick at the last step mark and at the one before (bins not
                                * used since the one before give back) */
@@ -794,7 +795,7 @@ void front_aside(struct msh_pool *pool);
 /* A step mark (msh_pool_step): the limit's room, the bins unused since the last one. */
 void front_step(struct msh_pool *pool);
 /* `drained` binned blocks went back to the line for a request: the churn window (front.c). */
-void front_churn(struct msh_pool *pool, size_t drained);
+void front_churn(struct msh_pool *pool, size_t drained, bool at_step);
 int front_check(struct msh_pool *pool, size_t nbinned, size_t binned_bytes, char *why, size_t whylen);
 /* pool.c: a binned block freed as the free it stood for, sharing one event per stream per drain
  * (tag; the lock may be dropped meanwhile); then the drain's tags let go */

@@ -571,7 +571,9 @@ static int pool_alloc_slow(struct msh_pool *pool, size_t size, uint64_t rsize, u
         else pool->st.front_kept++;
         rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
     }
-    if (binned0 > pool->front.blocks) front_churn(pool, binned0 - pool->front.blocks);
+    /* (drains for growth are not churn: front_churn) */
+    if (binned0 > pool->front.blocks)
+        front_churn(pool, rm.needs_victims || rc == ENOMEM ? binned0 - pool->front.blocks : 0, false);
     size_t need = rc == ENOMEM ? pages_at_least(pool, rsize) : 0;
     if (rc == ENOMEM && ocase == MSH_OOM_NOW && pool->gc_fn && (pool->st.live_blocks || others_pages(pool)) &&
         need <= room_pages(pool, &rm, true)) {

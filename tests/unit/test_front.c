@@ -348,7 +348,7 @@ TEST(the_front_end_states_as_the_reports_name_them)
     msh_pool_free(p, v[1], sa);
     msh_pool_free(p, v[2], sb);
     msh_pool_destroy(p);
-    /* churn: every step's sizes are new, and what they free is drained for the next ones */
+    /* churn: every step's sizes are new, and what they free is trimmed at the step marks */
     p = pool_new(0, true);
     REQUIRE(p);
     uint64_t seed = 99, keep = 0;
@@ -360,6 +360,7 @@ TEST(the_front_end_states_as_the_reports_name_them)
         REQUIRE(msh_pool_alloc(p, 1 + (size_t)(rnd(&seed) % (4 << 20)), sa, &y) == 0);
         msh_pool_free(p, x, sa);
         msh_pool_free(p, y, sa);
+        if (i % 20 == 19) msh_pool_step(p); /* steps of 40 allocations */
         churned = state_of(p) == MSH_FRONT_CHURN;
     }
     CHECKF(churned && !strcmp(msh_front_state_name(MSH_FRONT_CHURN), "churn") && stats(p).front_cooled > 0,
