@@ -201,11 +201,12 @@ struct front {
     size_t peak_held;         /* the most the pool held at those steps (bytes the driver held) */
     uint64_t tick;            /* hits and puts so far: the bins' clock */
     size_t grown_aside;       /* pages the pool grew by for requests with blocks binned, no drain */
-    /* Churn: the bins' blocks drained for other sizes rather than reused (sizes that come once:
-     * a step's trim, a full table's stale bins; a step that frees what the next different size
-     * needs): counted over windows of FRONT_WINDOW puts; when the drained outnumber the hits and
-     * the hits are under a quarter of the puts, the front end stays out for FRONT_COOL
-     * allocations (the pool path alone, as before it) and then tries again. */
+    /* Churn: the bins' blocks given back rather than reused (sizes that come once: a step's
+     * trim, a full table's stale bins; a step that frees what the next different size needs:
+     * drained for a reclaim or a synchronize, not for growth), judged at each step mark and over
+     * windows of FRONT_WINDOW puts (front_churn); when they cost more than they serve the front
+     * end stays out for FRONT_COOL allocations (the pool path alone, as before it) and then tries
+     * again. */
     uint64_t win_puts, win_hits, win_drained;
     uint64_t step_puts, step_hits, step_trimmed; /* the same since the last step mark (trims only) */
     uint64_t cool_until;      /* st.allocs before which the front end stays out (churn) */
