@@ -7,7 +7,8 @@
  * OOM rescue, step marks, forgetting a stream and destroying the pool leave nothing in the bins;
  * an impossible request is refused before any drain; a step mark trims the bins unused over two
  * steps on the streams that ran, and keeps a silent stream's; a claim given up to drain after a
- * wait keeps what other threads mapped meanwhile; PyTorch's counters (through the tensor-mode
+ * wait keeps what other threads mapped meanwhile; drains for growth (a growing step, streams
+ * warming up on each other's growth) are no churn, random sizes are; PyTorch's counters (through the tensor-mode
  * entry points) equal a reference model under random sequences with peak resets, on one thread
  * and on four; a capturing stream never gets a binned block; a fork child starts with nothing.
  */
@@ -473,6 +474,47 @@ TEST(a_growing_step_whose_temporaries_come_back_keeps_the_front_end_on)
     CHECK(pool_ok(p));
     for (int i = 0; i < N; i++) REQUIRE(msh_pool_free(p, act[i], sa) == 0);
     msh_pool_destroy(p);
+}
+
+/* Four streams warming up, as threads on their own streams do: each one's first step needs pages
+ * while the others' blocks sit in their bins, and drains them (growth, no hit yet: 0 hits in the
+ * first 400 puts). Those drains are not churn: once the four run their steps together, every
+ * size comes back on its stream. Counted, the front end went out for 32768 allocations (1
+ * warm-up in 4 of the 4-thread bench). */
+TEST(streams_warming_up_on_each_others_growth_keep_the_front_end_on)
+{
+    if (!streams_up()) SKIP("the driver double did not start");
+    CUstream s3, s4;
+    REQUIRE(cuStreamCreate(&s3, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS &&
+            cuStreamCreate(&s4, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+    uint64_t st4[4] = {sa, sb, (uint64_t)(uintptr_t)s3, (uint64_t)(uintptr_t)s4};
+    struct msh_pool *p = pool_new(0, true);
+    REQUIRE(p);
+    enum { N = 100 };
+    static uint64_t b[4][N];
+    /* round 0: each stream's first step alone (a thread that finished its step while the next one
+     * grows); rounds 1-3: the four steps at once, as the threads run them */
+    for (int k = 0; k < 4; k++) {
+        for (int i = 0; i < N; i++)
+            REQUIRE(msh_pool_alloc(p, (size_t)(k * N + i + 1) * 8192 + 1 * MiB, st4[k], &b[k][i]) == 0);
+        for (int i = N - 1; i >= 0; i--) REQUIRE(msh_pool_free(p, b[k][i], st4[k]) == 0);
+    }
+    for (int round = 1; round < 4; round++) {
+        for (int i = 0; i < N; i++)
+            for (int k = 0; k < 4; k++)
+                REQUIRE(msh_pool_alloc(p, (size_t)(k * N + i + 1) * 8192 + 1 * MiB, st4[k], &b[k][i]) == 0);
+        for (int i = N - 1; i >= 0; i--)
+            for (int k = 0; k < 4; k++) REQUIRE(msh_pool_free(p, b[k][i], st4[k]) == 0);
+    }
+    struct msh_pool_stats st = stats(p);
+    CHECKF(st.front_drains > 0, "no drain: the warm-up did not drain the others' bins (the test no longer sets it up)");
+    CHECKF(st.front_cooled == 0 && st.front_state == MSH_FRONT_ON && st.front_hits >= 2 * 4 * N / 2,
+           "state %s, %llu churn windows, %llu hits",
+           msh_front_state_name(st.front_state), (unsigned long long)st.front_cooled, (unsigned long long)st.front_hits);
+    CHECK(pool_ok(p));
+    msh_pool_destroy(p);
+    cuStreamDestroy(s3);
+    cuStreamDestroy(s4);
 }
 
 TEST(forgetting_a_stream_drains_its_bins)
