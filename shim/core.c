@@ -755,7 +755,7 @@ void msh_core_finish(bool interrupted, int signo)
     }
     pthread_mutex_unlock(&trace_lock);
     if (any) {
-        msh_watch_flush_oom(); /* refusals the watcher has not written yet come before the summary */
+        msh_watch_flush_oom(true); /* refusals the watcher has not written yet come before the summary */
         pthread_mutex_lock(&epoch_lock);
         struct msh_report r;
         fill_report(&r, "summary", interrupted ? "interrupted" : "exit");

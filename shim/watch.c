@@ -42,8 +42,8 @@
 static const int end_sigs[] = {SIGTERM, SIGINT, SIGHUP};
 
 /* OOM files handed over by msh_watch_defer_oom: at most 16 reports and 16 snapshots per process
- * (shim/core.c, shim/record/history.c), one entry for both of a failure. state: 0 free, 1 ready,
- * 2 taken by a writer. */
+ * (shim/core.c, shim/record/history.c), one entry for both of a failure. state: 0 free (or claimed
+ * and being filled), 1 ready, 2 taken by a writer, 3 written. */
 #define OOMQ_MAX 32
 static struct {
     _Atomic int state;
@@ -215,7 +215,7 @@ static void *watch_main(void *arg)
         }
         int sig = atomic_load(&end_signal);
         if (sig) end_run(sig);
-        msh_watch_flush_oom();
+        msh_watch_flush_oom(false);
         uint64_t now = msh_now_ns();
         if (!atomic_load(&epoch_pending)) pending_seen = 0;
         else if (!pending_seen) pending_seen = now;
@@ -331,13 +331,36 @@ bool msh_watch_defer_oom(int device, int index, int snap, const struct msh_pool_
     return true;
 }
 
-void msh_watch_flush_oom(void)
+/* How long the run's end waits for OOM files another thread is writing (a report and a snapshot:
+ * milliseconds, unless the disk stalls). */
+#define OOMQ_END_WAIT_S 10
+
+void msh_watch_flush_oom(bool at_end)
 {
-    int n = atomic_load(&oomq_n);
-    for (int i = 0; i < n && i < OOMQ_MAX; i++) {
-        int ready = 1; /* an entry claimed but not yet filled is left to the wake its owner posts */
-        if (atomic_compare_exchange_strong(&oomq[i].state, &ready, 2))
-            msh_core_write_oom(oomq[i].device, oomq[i].index, oomq[i].snap, &oomq[i].oom);
+    uint64_t deadline = 0;
+    for (;;) {
+        int n = atomic_load(&oomq_n);
+        bool busy = false;
+        for (int i = 0; i < n && i < OOMQ_MAX; i++) {
+            int ready = 1; /* an entry claimed but not yet filled is left to the wake its owner posts */
+            if (atomic_compare_exchange_strong(&oomq[i].state, &ready, 2)) {
+                msh_core_write_oom(oomq[i].device, oomq[i].index, oomq[i].snap, &oomq[i].oom);
+                atomic_store_explicit(&oomq[i].state, 3, memory_order_release);
+            } else if (ready != 3) {
+                busy = true; /* being filled by its owner, or written by the watcher right now */
+            }
+        }
+        if (!at_end || !busy) return;
+        /* The run ends: the watcher (or a failing thread) is halfway through an entry, and the
+         * process must not end before the files are on disk (a refusal right before the end). */
+        uint64_t now = msh_now_ns();
+        if (!deadline) deadline = now + OOMQ_END_WAIT_S * 1000000000ull;
+        if (now >= deadline) {
+            msh_warn("the run ends while an OOM report or snapshot is still being written; waited "
+                     "%d s, it may be incomplete", OOMQ_END_WAIT_S);
+            return;
+        }
+        nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
     }
 }
 
@@ -358,5 +381,7 @@ void msh_watch_fork_child(void)
     atomic_store(&seconds_due, 0);
     atomic_store(&end_signal, 0);
     atomic_store(&noted_signal, 0);
-    atomic_store(&oomq_n, OOMQ_MAX); /* the child writes nothing of its parent's */
+    /* the child writes nothing of its parent's, and its end waits for none of them */
+    for (int i = 0; i < OOMQ_MAX; i++) atomic_store(&oomq[i].state, 3);
+    atomic_store(&oomq_n, OOMQ_MAX);
 }

@@ -28,8 +28,9 @@ int msh_watch_noted_signal(void);
  * not running (the caller writes them itself). */
 bool msh_watch_defer_oom(int device, int index, int snap, const struct msh_pool_oom *o);
 /* Write the handed-over OOM files not yet written (the thread after each wake; the run's end
- * before its summary). */
-void msh_watch_flush_oom(void);
+ * before its summary). `at_end`: also wait, up to OOMQ_END_WAIT_S, for the files another thread
+ * is writing or handing over right now, so that the process does not end halfway through them. */
+void msh_watch_flush_oom(bool at_end);
 /* In a forked child (pthread_atfork): the program's own dispositions back, no thread. */
 void msh_watch_fork_child(void);
 /* The name of a signal for reports ("SIGTERM"), or "signal N". Static storage for the common

@@ -7,7 +7,8 @@
  * (exported, linked -rdynamic: memshim's call reaches it first) and notes which thread renamed what. A
  * request that does not fit now still writes its report. With EXIT_AT_ONCE=1 the program refuses
  * one request and returns at once: run_preload.sh checks that the report was still written (at
- * exit, before the summary). Run under LD_PRELOAD=libmemshim.so with MEMSHIM_REPORT_DIR,
+ * exit, before the summary); with SLOW_WATCHER=1 too, renames off the main thread take 300 ms, so
+ * the watcher is still writing when the program ends. Run under LD_PRELOAD=libmemshim.so with MEMSHIM_REPORT_DIR,
  * MEMSHIM_SNAPSHOT and MEMSHIM_LIMIT=64M on a 1 GiB double.
  */
 #include <cuda_runtime_api.h>
@@ -29,6 +30,7 @@
 
 static struct { pid_t tid; char name[160]; } renames[256];
 static _Atomic int nrenames;
+static _Atomic int watcher_renaming; /* SLOW_WATCHER: another thread is inside rename() */
 
 /* memshim writes each report to a temp file and renames it into place: who renamed what. */
 __attribute__((visibility("default"))) int rename(const char *from, const char *to)
@@ -40,6 +42,14 @@ __attribute__((visibility("default"))) int rename(const char *from, const char *
         const char *b = strrchr(to, '/');
         renames[i].tid = gettid();
         snprintf(renames[i].name, sizeof renames[i].name, "%s", b ? b + 1 : to);
+    }
+    /* SLOW_WATCHER=1: a file another thread renames into place takes 300 ms more, and the test
+     * below returns once it has begun, so that the program ends while the watcher is halfway
+     * through its files (the race a loaded machine hits now and then, every time) */
+    if (getenv("SLOW_WATCHER") && gettid() != getpid()) {
+        atomic_store(&watcher_renaming, 1);
+        struct timespec ts = {0, 300 * 1000 * 1000};
+        nanosleep(&ts, NULL);
     }
     return real ? real(from, to) : -1;
 }
@@ -76,6 +86,8 @@ TEST(an_early_refusal_leaves_its_files_to_the_watcher)
         void *p = NULL;
         CHECK(cudaMalloc(&p, 2048 * MiB) == cudaErrorMemoryAllocation);
         (void)cudaGetLastError();
+        for (int i = 0; getenv("SLOW_WATCHER") && !atomic_load(&watcher_renaming) && i < 500; i++)
+            nanosleep(&(struct timespec){0, 10 * 1000 * 1000}, NULL);
         return; /* run_preload.sh looks for the report after the process ends */
     }
     void *(*ms_malloc)(ssize_t, int, void *) = (void *(*)(ssize_t, int, void *))dlsym(RTLD_DEFAULT, "memshim_malloc");
