@@ -43,11 +43,10 @@
 #define RESERVE_CALL (19.0 * US)
 #define UNRESERVE_CALL (5.5 * US)
 
-/* [M] cuMemGetInfo, no H200 figure yet (tests/gpu/vmm_cost.c measures it: "mem_info"): public
- * figures through torch.cuda.mem_get_info on driver 580, p50 7.3 us (B300), 11.1 us (SM100),
- * 11.9 us (SM103), about 9 us on an H20 (sgl-project/sglang issue 25225), 4.85 us mean (pytorch
- * issue 174625, GPU not named); the runtime and Python layers included: 9 us taken. */
-#define MEM_INFO_CALL (9.0 * US)
+/* cuMemGetInfo: p50 3.84 us over 300 calls on the H200 of 2026-12-06 (driver 580.159.04,
+ * tests/gpu/vmm_cost.c's mem_info). Public figures through torch.cuda.mem_get_info, the runtime
+ * and Python included, were 7.3-11.9 us on driver 580 ([M]); 9 us was taken until measured. */
+#define MEM_INFO_CALL (3.84 * US)
 
 /* Rows no H200 figure exists for yet (docs/benchmarks.md): [V] velox PR 6096: an event record
  * plus a stream wait between two streams, about 3 us on device (RTX 3080). [C] Cytnx PR 850: a
@@ -72,7 +71,7 @@ static const struct msh_drvcost default_table = {
         [MSH_DRV_HOST_CREATE] = CREATE_CALL,  /* none measured for host memory: taken equal to create */
         [MSH_DRV_COPY_D2H] = 10.0 * US,       /* a synchronous copy's fixed cost: taken as a synchronize */
         [MSH_DRV_COPY_H2D] = 10.0 * US,
-        [MSH_DRV_MEM_INFO] = MEM_INFO_CALL,   /* [M] */
+        [MSH_DRV_MEM_INFO] = MEM_INFO_CALL,   /* H200, 2026-12-06 */
     },
     /* Spill copies over PCIe Gen5 x16 (the H100/H200 PCIe link): device to host 52.8 GB/s [N24],
      * host to device 57.0 GB/s [N6] (measured, nvbandwidth). Grace Hopper's NVLink-C2C instead:

@@ -89,6 +89,9 @@ def main():
     for kind, (lo, hi) in data["ranges_us"].items():
         print(f"{kind}: measured {lo:g}-{hi:g} us over handle sizes (no per-size figure): per call {hi:g} us (the top)")
         out[kind] = [hi, 0.0, 0.0]
+    for kind, (us, why) in data.get("single_us", {}).items():
+        print(f"{kind}: one per-call figure, no size term: {us:g} us ({why})")
+        out[kind] = [us, 0.0, 0.0]
     for kind, (us, why) in data.get("not_measured_us", {}).items():
         print(f"{kind}: not measured on this machine: per call {us:g} us ({why})")
         out[kind] = [us, 0.0, 0.0]

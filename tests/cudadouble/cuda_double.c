@@ -2551,8 +2551,11 @@ CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
     CALL_BYTES(cuMemMap, size);
     ENTER(cuMemMap);
     size_t g = g_cfg.granularity;
-    if (!ptr || !size || offset != 0 || flags != 0 || ptr % g || size % g)
+    if (!ptr || !size || flags != 0 || ptr % g || size % g)
         return CUDA_ERROR_INVALID_VALUE;
+    /* "currently must be zero" (cuda.h 13.0): an H200 on driver 580 answers a map of a two-page
+     * handle's second page CUDA_ERROR_NOT_SUPPORTED (the GPU check's map_offset, 2026-12-06) */
+    if (offset != 0) return CUDA_ERROR_NOT_SUPPORTED;
     pthread_mutex_lock(&g_lock);
     CUresult rc = CUDA_SUCCESS;
     struct phys *p = ht_get(&g_handle_tab, handle);

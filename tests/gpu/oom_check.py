@@ -23,8 +23,8 @@ request), so the plumbing cannot fail on the GPU on a typo and the refusals' cos
 
 Writes everything to --json PATH (default $OUT/oom-check.json). Exit 0 when the checks held:
 under memshim each impossible request was refused within 1 s and the card's used memory never
-rose by more than 1 GiB meanwhile; on a GPU the finder's answer under memshim is within 5% of the
-native one. Prints "N passed, N failed, N skipped"."""
+rose by more than 1 GiB meanwhile; on a GPU the finder's answer under memshim is at least 95% of the
+native one (larger is memshim fitting more: the finder ran a step at it). Prints "N passed, N failed, N skipped"."""
 import argparse
 import ctypes
 import gc
@@ -289,8 +289,13 @@ def main():
              h["answer"] > 0 and refused, h)
     if not a.dry_run and h and nat.get("hand_finder"):
         n = nat["hand_finder"]["answer"]
-        case(f"the finder's answer under memshim ({h['answer']}) is within 5% of the native one ({n})",
-             n > 0 and abs(h["answer"] - n) <= 0.05 * n, (h, nat["hand_finder"]))
+        # One-sided: memshim must not make a finder settle for less (a refusal it should not
+        # make, a rescue that fails). A larger answer is memshim fitting more, and it is real: the
+        # finder ran a whole step at that batch (H200, 2026-12-06: 3,801,088 against 3,145,728).
+        ran = any(p[0] == h["answer"] and p[1] for p in h["probes"])
+        case(f"the finder's answer under memshim ({h['answer']}, {h['answer'] / n if n else 0:.3f}x the native "
+             f"{n}) is at least 95% of the native one, and a step at it ran",
+             n > 0 and h["answer"] >= 0.95 * n and ran, (h, nat["hand_finder"]))
     if "answer" in (ms.get("accelerate") or {}):
         case(f"accelerate's find_executable_batch_size under memshim: {ms['accelerate']['answer']} "
              f"(native {(nat.get('accelerate') or {}).get('answer')})", ms["accelerate"]["answer"] > 0, ms["accelerate"])

@@ -275,10 +275,11 @@ TEST(map_rules)
     CUdeviceptr va = reserve(4 * g);
     CUmemGenericAllocationHandle h = create(g), h2 = create(2 * g);
     REQUIRE(va && h && h2);
-    CU_IS(cuMemMap(va, g, g, h, 0), CUDA_ERROR_INVALID_VALUE);          /* offset must be 0 */
+    CU_IS(cuMemMap(va, g, g, h, 0), CUDA_ERROR_NOT_SUPPORTED);          /* offset must be 0 */
     /* ... also inside the handle: part of a handle cannot be mapped ("currently must be zero",
-     * cuda.h 13.0; the GPU check's map_offset asks the real driver, issue 31) */
-    CU_IS(cuMemMap(va, g, g, h2, 0), CUDA_ERROR_INVALID_VALUE);
+     * cuda.h 13.0), and the real driver says so with NOT_SUPPORTED (the GPU check's map_offset on
+     * an H200, driver 580, 2026-12-06) */
+    CU_IS(cuMemMap(va, g, g, h2, 0), CUDA_ERROR_NOT_SUPPORTED);
     CU_IS(cuMemMap(va, g, 0, h, 1), CUDA_ERROR_INVALID_VALUE);          /* flags must be 0 */
     CU_IS(cuMemMap(va + 4096, g, 0, h, 0), CUDA_ERROR_INVALID_VALUE);   /* unaligned va */
     CU_IS(cuMemMap(va, 2 * g, 0, h, 0), CUDA_ERROR_INVALID_VALUE);      /* size != handle size */
