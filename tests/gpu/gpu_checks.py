@@ -456,6 +456,9 @@ def main():
                          "--steps machine,glue,bench")
     ap.add_argument("--bench-budget", type=float, default=BENCH_BUDGET_S,
                     help=f"seconds for the bench step, its own (default {BENCH_BUDGET_S}, at most {BENCH_BUDGET_MAX_S})")
+    ap.add_argument("--pack", action="store_true",
+                    help="at the end, move every result file but gpu-checks.json into OUT/gpu-results.tgz "
+                         "(a lent machine returns at most 8 files)")
     a = ap.parse_args()
     steps = a.steps if a.steps is not None else ",".join(STEPS if a.dry_run else DEFAULT_STEPS)
     sel = [x.strip() for x in steps.split(",") if x.strip()]
@@ -478,7 +481,41 @@ def main():
         say(f"--budget {a.budget}: give 60 to 570 seconds (a device command has 600)")
         return 2
     out = os.environ.get("OUT") or os.path.join(ROOT, "gpu-out" if not a.dry_run else os.path.join(BUILD, "dry-out"))
-    return Run(os.path.abspath(out), a.dry_run, a.budget, sel, a.bench_budget).run()
+    rc = Run(os.path.abspath(out), a.dry_run, a.budget, sel, a.bench_budget).run()
+    if a.pack:
+        pack(os.path.abspath(out))
+    return rc
+
+
+def pack(out):
+    """Every file under `out` but gpu-checks.json into out/gpu-results.tgz, then removed: a lent
+    machine returns at most 8 files (2026-12-06: 8 of 20 came back). Nothing is removed unless the
+    archive was written whole."""
+    import tarfile
+    keep = {"gpu-checks.json", "gpu-results.tgz"}
+    names = []
+    for d, dirs, files in os.walk(out):
+        for f in files:
+            rel = os.path.relpath(os.path.join(d, f), out)
+            if rel not in keep:
+                names.append(rel)
+    if not names:
+        return
+    tmp = os.path.join(out, "gpu-results.tgz.tmp")
+    try:
+        with tarfile.open(tmp, "w:gz") as t:
+            for rel in sorted(names):
+                t.add(os.path.join(out, rel), arcname=rel)
+        os.replace(tmp, os.path.join(out, "gpu-results.tgz"))
+    except OSError as e:
+        say(f"--pack: could not write {out}/gpu-results.tgz ({e}); the files stay as they are")
+        return
+    for rel in names:
+        os.remove(os.path.join(out, rel))
+    for d, dirs, files in sorted(os.walk(out), key=lambda x: -len(x[0])):
+        if d != out and not os.listdir(d):
+            os.rmdir(d)
+    say(f"--pack: {len(names)} files in {out}/gpu-results.tgz (tar xzf it where they come back)")
 
 
 if __name__ == "__main__":

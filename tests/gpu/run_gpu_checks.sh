@@ -6,6 +6,8 @@
 #                                                as JSON in $OUT
 #   ... --steps machine,glue,bench [--bench-budget 420]   the bench, alone, with its own budget (a
 #                                                row it cannot finish fails it): another device command
+#   ... --pack                                   at the end, every result but gpu-checks.json into
+#                                                $OUT/gpu-results.tgz (a lent machine returns 8 files)
 #   bash tests/gpu/run_gpu_checks.sh --dry-run   here: every step, the bench too, on the driver double (make check)
 # Nothing is installed and nothing is fetched: the lent machine has no network.
 set -uo pipefail
