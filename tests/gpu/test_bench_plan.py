@@ -364,4 +364,22 @@ finally:
 case("GPU check: the bench with other steps is refused before anything runs (it runs alone)",
      rc == 2 and "runs alone" in buf.getvalue(), buf.getvalue())
 
+# --pack: every result but gpu-checks.json in one archive, nested folders too, nothing lost
+import tarfile  # noqa: E402
+with tempfile.TemporaryDirectory() as d:
+    files = {"gpu-checks.json": "{}", "vmm-costs.json": "[1]", "memreport-demo/a.json": "{\"x\": 1}",
+             "memreport-demo/sub/b.txt": "b"}
+    for rel, text in files.items():
+        os.makedirs(os.path.dirname(os.path.join(d, rel)), exist_ok=True)
+        with open(os.path.join(d, rel), "w") as f:
+            f.write(text)
+    with contextlib.redirect_stdout(io.StringIO()):
+        gpu_checks.pack(d)
+    left = sorted(os.listdir(d))
+    with tarfile.open(os.path.join(d, "gpu-results.tgz")) as t:
+        got = {m.name: t.extractfile(m).read().decode() for m in t.getmembers() if m.isfile()}
+    case("GPU check --pack: two files stay (the summary and the archive), the archive holds every other file whole",
+         left == ["gpu-checks.json", "gpu-results.tgz"] and got == {k: v for k, v in files.items() if k != "gpu-checks.json"},
+         (left, got))
+
 finish()
