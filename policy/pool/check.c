@@ -11,6 +11,8 @@
  */
 #include "internal.h"
 
+#include <sched.h>
+
 /* ---- invariant checker (msh_pool_check, pool.h) ------------------------------------------------ */
 
 #define CHECK_FAIL(...)                                                                            \
@@ -375,13 +377,24 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
     if (pool->st.peak_live_bytes < live_bytes || pool->st.run_peak_live_bytes < pool->st.peak_live_bytes)
         CHECK_FAIL("live peaks (epoch %zu, run %zu) below the current %zu", pool->st.peak_live_bytes,
                    pool->st.run_peak_live_bytes, live_bytes);
-    size_t dheld = __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED);
-    size_t dpe = __atomic_load_n(&pool->drv_peak_epoch, __ATOMIC_RELAXED);
-    size_t dpr = __atomic_load_n(&pool->drv_peak_run, __ATOMIC_RELAXED);
-    if (dpe < dheld || dpr < dpe)
+    /* The driver's bytes and their peaks, read while no create was halfway (dev_create adds to
+     * drv_held, then raises the peaks, without the lock): a create that ended before `out` was
+     * read has raised them; one begun and not ended shows as in != out, and the comparisons
+     * with what is held wait for a read with none (a few tries, then they are left out). */
+    size_t dheld = 0, dpe = 0, dpr = 0, dps = 0;
+    bool settled = false;
+    for (int t = 0; t < 64 && !settled; t++) {
+        uint64_t out = __atomic_load_n(&pool->drv_creates_out, __ATOMIC_SEQ_CST);
+        dheld = __atomic_load_n(&pool->drv_held, __ATOMIC_SEQ_CST);
+        dpe = __atomic_load_n(&pool->drv_peak_epoch, __ATOMIC_SEQ_CST);
+        dpr = __atomic_load_n(&pool->drv_peak_run, __ATOMIC_SEQ_CST);
+        dps = __atomic_load_n(&pool->drv_peak_step, __ATOMIC_SEQ_CST);
+        settled = __atomic_load_n(&pool->drv_creates_in, __ATOMIC_SEQ_CST) == out;
+        if (!settled) sched_yield();
+    }
+    if (dpr < dpe || (settled && dpe < dheld))
         CHECK_FAIL("reserved peaks (epoch %zu, run %zu) below the current %zu the driver holds", dpe, dpr, dheld);
-    size_t dps = __atomic_load_n(&pool->drv_peak_step, __ATOMIC_RELAXED);
-    if (dps < dheld || dps > dpr || pool->step_peak_live < live_bytes)
+    if ((settled && (dps < dheld || dps > dpr)) || pool->step_peak_live < live_bytes)
         CHECK_FAIL("step peaks (reserved %zu, live %zu) below the current %zu, %zu or above the run's %zu", dps,
                    pool->step_peak_live, dheld, live_bytes, dpr);
     if (pool->at_peak_held > dpe || pool->at_peak_live > pool->st.peak_live_bytes)

@@ -246,6 +246,9 @@ struct msh_pool {
      * driver, never a reservation whose create then failed. Atomics: the driver calls run
      * without the lock. */
     size_t drv_held, drv_peak_epoch, drv_peak_run;
+    /* Creates begun and ended (dev_create): a create adds to drv_held before it raises the peaks,
+     * so msh_pool_check compares peaks with drv_held only when none was halfway meanwhile. */
+    uint64_t drv_creates_in, drv_creates_out;
     /* The reports' step and peak figures (msh_pool_take_step_peaks, note_alloc): the peaks since
      * the last step mark (drv_peak_step atomic, beside drv_peak_epoch; step_peak_live under the
      * lock), and the reserved and live bytes at the first allocation that saw the epoch's highest

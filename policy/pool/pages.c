@@ -50,10 +50,14 @@ static int dev_create(struct msh_pool *pool, size_t size, uint64_t *h)
     drv_count(pool, MSH_DRV_CREATE, size);
     int rc = pool->dev->ops->create(pool->dev, size, h);
     if (rc == 0) {
-        size_t now = __atomic_add_fetch(&pool->drv_held, size, __ATOMIC_RELAXED);
+        /* held first, then the peaks: a check in between (it holds the lock, this does not)
+         * would see a peak below what is held; it sees in != out and leaves the peaks alone */
+        __atomic_fetch_add(&pool->drv_creates_in, 1, __ATOMIC_SEQ_CST);
+        size_t now = __atomic_add_fetch(&pool->drv_held, size, __ATOMIC_SEQ_CST);
         peak_raise(&pool->drv_peak_epoch, now);
         peak_raise(&pool->drv_peak_run, now);
         peak_raise(&pool->drv_peak_step, now);
+        __atomic_fetch_add(&pool->drv_creates_out, 1, __ATOMIC_SEQ_CST);
     }
     return rc;
 }

@@ -499,6 +499,69 @@ TEST(destroying_a_pool_waits_for_its_planner)
     msh_dev_sim_fini(&d);
 }
 
+/* ---- the checker against creates in flight ---------------------------------------------------------
+ * A create adds its bytes to what the driver holds, then raises the epoch, run and step peaks,
+ * outside the pool lock; msh_pool_check, under the lock, compares those peaks with what is held.
+ * Threads that create and release pages as fast as they can beside a checker that never stops:
+ * the check must never report a peak below the current while a create is halfway (CI's ASan
+ * stress run saw "step peaks ... below the current" once). */
+#define NCHURN 12 /* more threads than CPUs: some are preempted halfway through a create */
+struct churn { struct msh_pool *pool; atomic_int *stop; int errors; };
+static void *churn_main(void *arg)
+{
+    struct churn *c = arg;
+    while (!atomic_load(c->stop)) {
+        uint64_t a = 0;
+        if (msh_pool_alloc(c->pool, 3 * GRAN, MSH_STREAM_COMPLETED, &a) == 0) {
+            if (msh_pool_free(c->pool, a, MSH_STREAM_COMPLETED)) c->errors++;
+        }
+        msh_pool_empty_cache(c->pool); /* the next allocation creates again */
+    }
+    return NULL;
+}
+
+TEST(the_check_never_sees_a_create_halfway)
+{
+    struct msh_device d;
+    REQUIRE(msh_dev_sim_init(&d, 0, GRAN) == 0);
+    struct msh_pool_params p;
+    msh_pool_params_default(&p);
+    p.va_bytes = 8 * GiB;
+    struct msh_pool *pool = NULL;
+    REQUIRE(msh_pool_create(&d, &p, &pool) == 0);
+    atomic_int stop = 0;
+    struct churn c[NCHURN];
+    pthread_t th[NCHURN];
+    for (int i = 0; i < NCHURN; i++) {
+        c[i] = (struct churn){pool, &stop, 0};
+        REQUIRE(pthread_create(&th[i], NULL, churn_main, &c[i]) == 0);
+    }
+    char why[256] = "";
+    long checks = 0, bad = 0;
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    do {
+        char w[256];
+        if (msh_pool_check(pool, w, sizeof w)) {
+            if (!bad++) snprintf(why, sizeof why, "%s", w);
+        }
+        checks++;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+    } while ((t.tv_sec - t0.tv_sec) * 1000000000L + (t.tv_nsec - t0.tv_nsec) < 1500000000L);
+    atomic_store(&stop, 1);
+    for (int i = 0; i < NCHURN; i++) {
+        pthread_join(th[i], NULL);
+        CHECK(c[i].errors == 0);
+    }
+    struct msh_pool_stats st;
+    msh_pool_get_stats(pool, &st);
+    printf("    %ld checks beside %llu creates\n", checks, (unsigned long long)st.create_ops);
+    CHECK(st.create_ops > 1000);
+    CHECKF(bad == 0, "%ld of %ld checks failed; the first: %s", bad, checks, why);
+    msh_pool_destroy(pool);
+    msh_dev_sim_fini(&d);
+}
+
 /* ---- streams on the driver double ------------------------------------------------------------------ */
 
 static struct msh_device g_dev;
