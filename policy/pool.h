@@ -171,6 +171,10 @@ struct msh_pool_stats {
      * pool's life: memshim_overhead.share_of_wall divides by the threads' wall time. */
     uint64_t timed_threads, timed_threads_run;
     uint64_t double_frees;
+    /* The pool saw a second stream, or a host-synchronous request (MSH_STREAM_COMPLETED), after
+     * one stream alone (0 or 1): from then on every free leaves its stream tag (docs/pool.md
+     * "Streams"). */
+    uint64_t solo_ends;
 };
 
 /* The front end now (msh_pool_stats.front_state): serving; off (params.front false:

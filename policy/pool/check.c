@@ -111,6 +111,15 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
                         if (b->s[i].stream == b->s[k].stream)
                             CHECK_FAIL("block %#llx: stream %#llx tagged twice", (unsigned long long)b->addr,
                                        (unsigned long long)b->s[i].stream);
+                if (b->qlo < b->qhi) { /* the one-stream regime's span of untagged frees */
+                    if (pool->solo != SOLO_ONE)
+                        CHECK_FAIL("block %#llx keeps an untagged span after the one-stream regime ended", (unsigned long long)b->addr);
+                    if (b->state != B_FREE && b->state != B_PENDING)
+                        CHECK_FAIL("block %#llx (state %d) keeps an untagged span", (unsigned long long)b->addr, b->state);
+                    if (b->qlo < b->addr || b->qhi > b->addr + b->size)
+                        CHECK_FAIL("block %#llx: its untagged span [%#llx, %#llx) is outside it", (unsigned long long)b->addr,
+                                   (unsigned long long)b->qlo, (unsigned long long)b->qhi);
+                }
                 if (b->state == B_FREE) {
                     if (prev && prev->state == B_FREE) CHECK_FAIL("free neighbours %#llx and %#llx were not merged",
                                                                   (unsigned long long)prev->addr, (unsigned long long)b->addr);

@@ -256,37 +256,45 @@ int area_of(const struct msh_pool *pool, uint64_t rsize)
     return rsize <= pool->prm.small_max ? 0 : 1;
 }
 
-/* Merge the free block b (in no treap) with its free neighbours; returns the block that holds
- * b's extent now. Their tags stay exact (streams_merge). */
-static struct blk *coalesce(struct msh_pool *pool, struct blk *b)
+/* Return a block (in no treap) to its area's free treaps, merging free neighbours; their tags
+ * stay exact (streams_merge). A free neighbour's node takes b's bytes in: the order by address
+ * of the free extents cannot change (b lies between it and the next free one), so only the tree
+ * by size moves it (issue 30: half the treap work of taking b out and putting it in again). */
+void blk_make_free(struct msh_pool *pool, struct blk *b)
 {
-    struct blk *n = b->next;
-    if (n && n->state == B_FREE) {
-        free_remove(pool, n);
-        streams_merge(pool, b, n);
-        b->size += n->size;
-        b->next = n->next;
-        if (n->next) n->next->prev = b;
-        blk_put(pool, n);
-    }
-    struct blk *p = b->prev;
-    if (p && p->state == B_FREE) {
-        free_remove(pool, p);
+    b->state = B_FREE;
+    struct blk *n = b->next, *p = b->prev;
+    bool nf = n && n->state == B_FREE, pf = p && p->state == B_FREE;
+    struct blk **ts = &pool->tree[b->reg->area];
+    if (pf) { /* p takes b (and n) in: its address stays */
+        treap_remove(TS, ts, p);
+        if (nf) {
+            free_remove(pool, n);
+            streams_merge(pool, b, n);
+            b->size += n->size;
+            b->next = n->next;
+            if (n->next) n->next->prev = b;
+            blk_put(pool, n);
+        }
         streams_merge(pool, p, b);
         p->size += b->size;
         p->next = b->next;
         if (b->next) b->next->prev = p;
         blk_put(pool, b);
-        b = p;
+        treap_insert(TS, ts, p);
+    } else if (nf) { /* n takes b in: it starts at b's address, still after every free extent before it */
+        treap_remove(TS, ts, n);
+        streams_merge(pool, n, b);
+        n->addr = b->addr;
+        n->size += b->size;
+        n->prev = p;
+        if (p) p->next = n;
+        else n->reg->first = n;
+        blk_put(pool, b);
+        treap_insert(TS, ts, n);
+    } else {
+        free_insert(pool, b);
     }
-    return b;
-}
-
-/* Return a block to its area's free treaps, merging free neighbours. */
-void blk_make_free(struct msh_pool *pool, struct blk *b)
-{
-    b->state = B_FREE;
-    free_insert(pool, coalesce(pool, b));
 }
 
 /* Make [at, at + rsize) of the free block b a pending block (returned); the rest stays free and
@@ -294,6 +302,38 @@ void blk_make_free(struct msh_pool *pool, struct blk *b)
 struct blk *carve_at(struct msh_pool *pool, struct blk *b, uint64_t at, uint64_t rsize)
 {
     uint64_t end = b->addr + b->size;
+    if ((at > b->addr) != (at + rsize < end)) {
+        /* One end: the rest stays free in b's node, whose place by address holds (the tree by
+         * size moves it), and the block is a new node (issue 30: no work in the tree by address). */
+        struct blk *c = blk_new(pool);
+        if (!c) return NULL;
+        struct blk **ts = &pool->tree[b->reg->area];
+        treap_remove(TS, ts, b);
+        c->reg = b->reg;
+        c->state = B_PENDING;
+        c->addr = at;
+        c->size = rsize;
+        streams_copy(pool, c, b);
+        if (at == b->addr) { /* the low end: c before b */
+            c->prev = b->prev;
+            c->next = b;
+            if (b->prev) b->prev->next = c;
+            else b->reg->first = c;
+            b->prev = c;
+            b->addr = at + rsize;
+            b->size = end - b->addr;
+        } else { /* the high end: c after b */
+            c->prev = b;
+            c->next = b->next;
+            if (b->next) b->next->prev = c;
+            b->next = c;
+            b->size = at - b->addr;
+        }
+        streams_clip(pool, b);
+        streams_clip(pool, c);
+        treap_insert(TS, ts, b);
+        return c;
+    }
     struct blk *lo = NULL, *hi = NULL;
     if (at > b->addr && !(lo = blk_new(pool))) return NULL;
     if (at + rsize < end && !(hi = blk_new(pool))) {

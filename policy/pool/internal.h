@@ -42,6 +42,7 @@ struct region;
  * B_BINNED: freed into the front end's bin of its stream and size (front.c): still in the live
  * hash, its pages still touched, counted as reserved and inactive. */
 enum { B_FREE = 1, B_LIVE, B_PENDING, B_FREEING, B_PARKED, B_BINNED };
+enum { SOLO_OFF, SOLO_NONE, SOLO_ONE };
 
 /* claim_pages: the request needs a synchronize, an unmap or a release, which a capture in
  * progress on the device forbids; the caller places it where none is needed, or fails. */
@@ -90,6 +91,8 @@ struct blk {
     uint64_t serial;     /* live: the allocation's number in the step log */
     uint64_t fstream;    /* parked: the stream of its free */
     uint64_t slo, shi;   /* free, sync_needed: the bytes that need the synchronize */
+    uint64_t qlo, qhi;   /* free or pending, the one-stream regime: the bytes its frees left
+                          * without a tag (streams.c solo_end); empty when qlo >= qhi */
     uint32_t prio;
     uint8_t state, ns, sync_needed;
     uint8_t claimed;     /* pending: counted on its pages (a pending block waiting for another
@@ -264,6 +267,10 @@ struct msh_pool {
     struct kstream ks[MAX_KSTREAMS];
     uint32_t ks_last;     /* the last slot found (most calls name the same stream) */
     uint8_t ks_idx[64];   /* 1 + the slot of a stream hashed here (a hint: checked on use) */
+    /* The one-stream regime (streams.c solo_end): SOLO_NONE until a stream is seen, SOLO_ONE
+     * while solo_stream is the only one (its frees leave no tag), SOLO_OFF for good after. */
+    uint8_t solo;
+    uint64_t solo_stream;
     uint32_t poll_tick;   /* allocations since recorded events were last polled */
     struct blk *parked;   /* frees a capture deferred (hnext chain) */
     uint32_t nrecorded;   /* event slots recorded and not yet seen complete */
@@ -395,6 +402,7 @@ struct room {
                       * not known */
     bool drained;    /* the front end was drained for this request: no second drain */
     bool needs_victims; /* the try the front end gave up needed reclaim, a split or a synchronize */
+    struct blk *placed; /* the block a successful try placed */
 };
 
 #define JOB_INL 8
@@ -433,6 +441,30 @@ struct job {
     struct victim vic_inl[JOB_INL];
 };
 
+/* (inline: asked several times per allocation; pages.c's figures) */
+/* The limit in force: the pool's own, or the one it shares with other pools of the device
+ * (struct msh_pool_share: PyTorch's capture pools beside the main pool, shim/torch.c). */
+static inline size_t limit_now(const struct msh_pool *pool)
+{
+    if (!pool->prm.share) return pool->limit;
+    size_t lim = __atomic_load_n(&pool->prm.share->limit_bytes, __ATOMIC_RELAXED) / pool->gran * pool->gran;
+    /* a limit at or above the device is no limit (issue 31: set_per_process_memory_fraction(1.0)
+     * would otherwise cost one handle per page) */
+    return pool->device_total && lim >= pool->device_total / pool->gran * pool->gran ? 0 : lim;
+}
+
+/* The most pages of handles this pool may hold now (SIZE_MAX: no limit). Under a shared limit:
+ * what it holds plus what the sharing pools leave free. */
+static inline size_t cap_pages(const struct msh_pool *pool)
+{
+    size_t lim = limit_now(pool);
+    if (!lim) return SIZE_MAX;
+    if (!pool->prm.share) return pool->limit_pages;
+    size_t used = __atomic_load_n(&pool->prm.share->handle_bytes, __ATOMIC_RELAXED);
+    return pool->held + (lim > used ? (lim - used) / pool->gran : 0);
+}
+
+
 /* Pages of handles held change; a shared limit sees every change at once. */
 static inline void held_add(struct msh_pool *pool, size_t pages)
 {
@@ -459,6 +491,13 @@ static inline void victim_reheld(struct msh_pool *pool, struct job *j, size_t pa
     j->releasing -= pages;
 }
 /* The job's releases are done (or given up): their pages are no longer in flight. */
+/* A job with nothing to run and nothing to undo (pages.c job_do, job_fini would do nothing). */
+static inline bool job_idle(const struct job *j)
+{
+    return !(j->nruns | j->nvic | j->sync | j->nwaits | j->norph) && !j->releasing && j->runs == j->runs_inl &&
+           j->vic == j->vic_inl;
+}
+
 static inline void job_released(struct msh_pool *pool, struct job *j)
 {
     pool->releasing -= j->releasing;
@@ -655,8 +694,6 @@ void page_range(const struct msh_pool *pool, const struct blk *b, uint32_t *p0, 
 void block_untouch(struct msh_pool *pool, struct blk *b);
 void job_init(struct job *j);
 void job_fini(struct msh_pool *pool, struct job *j);
-size_t limit_now(const struct msh_pool *pool);
-size_t cap_pages(const struct msh_pool *pool);
 void job_need_settle(struct msh_pool *pool, struct job *j);
 bool take_victim(struct msh_pool *pool, struct job *j, struct region *r, uint32_t h, int kind);
 int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap);
@@ -673,6 +710,7 @@ int dev_event_create(struct msh_pool *pool, uint64_t home, uint64_t *h);
 int dev_event_query(struct msh_pool *pool, uint64_t h);
 struct kstream *ks_find(struct msh_pool *pool, uint64_t stream);
 struct kstream *ks_get(struct msh_pool *pool, uint64_t stream);
+void solo_end(struct msh_pool *pool);
 void ev_done(struct msh_pool *pool, uint32_t e);
 void ks_resolve_homes(struct msh_pool *pool, const uint64_t *streams, int n);
 uint64_t ks_home(struct msh_pool *pool, uint64_t stream);

@@ -295,17 +295,6 @@ static bool job_add_victim(struct job *j, struct region *r, uint32_t head, uint3
     return true;
 }
 
-/* The limit in force: the pool's own, or the one it shares with other pools of the device
- * (struct msh_pool_share: PyTorch's capture pools beside the main pool, shim/torch.c). */
-size_t limit_now(const struct msh_pool *pool)
-{
-    if (!pool->prm.share) return pool->limit;
-    size_t lim = __atomic_load_n(&pool->prm.share->limit_bytes, __ATOMIC_RELAXED) / pool->gran * pool->gran;
-    /* a limit at or above the device is no limit (issue 31: set_per_process_memory_fraction(1.0)
-     * would otherwise cost one handle per page) */
-    return pool->device_total && lim >= pool->device_total / pool->gran * pool->gran ? 0 : lim;
-}
-
 /* Whether the device, as the request asked it, is too full to call the pool far from any limit:
  * everyone's use (other processes' included) plus `pages` more would reach 3/4 of the device. */
 static bool device_crowded(const struct msh_pool *pool, const struct room *rm, size_t pages)
@@ -313,18 +302,6 @@ static bool device_crowded(const struct msh_pool *pool, const struct room *rm, s
     size_t total = pool->device_total, used = total > rm->dev_free ? total - rm->dev_free : 0;
     return used + pages * pool->gran >= total / 4 * 3;
 }
-
-/* The most pages of handles this pool may hold now (SIZE_MAX: no limit). Under a shared limit:
- * what it holds plus what the sharing pools leave free. */
-size_t cap_pages(const struct msh_pool *pool)
-{
-    size_t lim = limit_now(pool);
-    if (!lim) return SIZE_MAX;
-    if (!pool->prm.share) return pool->limit_pages;
-    size_t used = __atomic_load_n(&pool->prm.share->handle_bytes, __ATOMIC_RELAXED);
-    return pool->held + (lim > used ? (lim - used) / pool->gran : 0);
-}
-
 
 /* Reserve pages for new handles. Under a shared limit the reservation is claimed before anything
  * is created, so pools racing on other threads can never go over the limit together; false when
@@ -431,18 +408,37 @@ int claim_pages(struct msh_pool *pool, struct blk *b, struct job *j, size_t cap)
     bool cap_now = capturing(pool);
     uint32_t p0, p1;
     page_range(pool, b, &p0, &p1);
-    for (uint32_t p = p0; p <= p1; p++) {
+    bool edge_lo = b->addr > page_va(pool, r, p0);
+    bool edge_hi = b->addr + b->size < page_va(pool, r, p1) + pool->gran;
+    int64_t q0 = (int64_t)p0 + edge_lo, q1 = (int64_t)p1 - edge_hi; /* pages b covers whole */
+    /* Handle by handle: one another thread maps or unmaps makes this claim wait; and whether the
+     * claim is only touching pages (all mapped, and no cached handle that b covers in part, which
+     * a claim under a limit splits below) */
+    bool touch_only = true;
+    for (uint32_t p = p0; p <= p1;) {
         uint32_t h = pg_head(&r->pages[p]);
-        if (h != NO_PAGE && r->pages[h].state != PG_MAPPED) return EAGAIN;
+        if (h == NO_PAGE) {
+            touch_only = false;
+            p++;
+            continue;
+        }
+        const struct page *hp = &r->pages[h];
+        if (hp->state != PG_MAPPED) return EAGAIN;
+        uint32_t next = h + hp->npages;
+        if (hp->npages > 1 && !hp->nlive && !hp->host && !((int64_t)h >= q0 && (int64_t)next - 1 <= q1))
+            touch_only = false;
+        p = next;
     }
     for (uint32_t p = p0; pool->spill_pages && p <= p1; p++) {
         uint32_t h = pg_head(&r->pages[p]);
         if (h != NO_PAGE && r->pages[h].host) return EHOSTPAGE;
     }
     j->r = r;
-    bool edge_lo = b->addr > page_va(pool, r, p0);
-    bool edge_hi = b->addr + b->size < page_va(pool, r, p1) + pool->gran;
-    int64_t q0 = (int64_t)p0 + edge_lo, q1 = (int64_t)p1 - edge_hi; /* pages b covers whole */
+    if (touch_only) { /* issue 30: most claims; what the path below ends with when it needs nothing */
+        for (uint32_t p = p0; p <= p1; p++) page_touch(pool, r, p);
+        b->claimed = 1;
+        return 0;
+    }
     /* Far from any limit (none set, no driver refusal, under 3/4 of the device), handles save
      * driver calls: the pages b covers whole share one, and (relaxed) a handle may span several
      * blocks, a chunk mapped ahead at the open end of the line. Otherwise every page must stay

@@ -139,10 +139,12 @@ static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64
         blk_make_free(pool, b);
         return EDRAIN;
     }
-    rc = job_do(pool, &j);
-    if (j.nvic && !rc) *reclaimed = true;
-    if (j.driver_enomem) *driver_enomem = true;
-    job_fini(pool, &j);
+    if (!job_idle(&j)) { /* (most placements touch mapped pages only: nothing to run or undo) */
+        rc = job_do(pool, &j);
+        if (j.nvic && !rc) *reclaimed = true;
+        if (j.driver_enomem) *driver_enomem = true;
+        job_fini(pool, &j);
+    }
     if (!rc && pool->hcount >= pool->hcap && hash_grow(pool)) rc = ENOMEM;
     if (rc) {
         block_untouch(pool, b);
@@ -161,6 +163,7 @@ static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64
     b->ns = 1;
     hash_insert(pool, b);
     *addr = b->addr;
+    rm->placed = b;
     return 0;
 }
 
@@ -293,6 +296,7 @@ int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params
     else msh_pool_params_default(&pool->prm);
     pool->rng = 0x2545F491u;
     pool->evfree = NO_EV;
+    pool->solo = SOLO_NONE;
     pool->t0_ns = msh_now_ns();
     int rc = dev->ops->granularity(dev, &pool->gran);
     if (rc || !pool->gran) {
@@ -528,6 +532,8 @@ static int pool_alloc_slow(struct msh_pool *pool, size_t size, uint64_t rsize, u
     if (MSH_UNLIKELY(pool->front.evict)) front_drain(pool, FRONT_DRAIN_STALE, 0); /* the bin table filled up */
     uint64_t pressure0 = pool->pressure_reclaims;
     ks_get(pool, stream);
+    if (MSH_UNLIKELY(pool->solo == SOLO_ONE) && stream == MSH_STREAM_COMPLETED)
+        solo_end(pool); /* a host-synchronous user waits for the one stream's tags */
     if (MSH_UNLIKELY(pool->parked || pool->empty_deferred) && !capturing(pool)) settle_locked(pool);
     if (pool->nrecorded && (pool->poll_soon || ++pool->poll_tick >= 16)) {
         pool->poll_tick = 0;
@@ -615,8 +621,8 @@ static int pool_alloc_slow(struct msh_pool *pool, size_t size, uint64_t rsize, u
     /* the request's own pages (a chunk mapped ahead serves the next requests, as without bins) */
     if (grew_aside && pool->held > held0) pool->front.grown_aside += pool_pages(pool, rsize);
     if (rc == 0) {
-        struct blk *b = hash_find(pool, *addr);
-        if (b) b->counted = counted;
+        struct blk *b = rm.placed; /* placed by the last try, after which the lock was held throughout */
+        b->counted = counted;
         count_alloc(pool, size, counted);
         note_alloc(pool, reclaimed);
         if (b && step_learning(pool)) step_note_alloc(pool, b);
@@ -786,6 +792,14 @@ static void free_tags(struct msh_pool *pool, struct blk *b, uint64_t stream, con
             sref_add(pool, b, &(struct sref){.stream = rec[k], .seq = seq, .ev = slot[k]});
         }
     }
+    if (pool->solo == SOLO_ONE && stream == pool->solo_stream && !b->ns && !overflow) {
+        /* the one stream alone: no tag, its span, and the pool-wide count of frees with queued
+         * work (an unmap synchronizes first); streams.c solo_end */
+        b->qlo = b->addr;
+        b->qhi = b->addr + b->size;
+        pool->free_gen++;
+        return;
+    }
     bool own = false;
     for (int i = 0; i < b->ns; i++) own |= b->s[i].stream == stream;
     if (stream != MSH_STREAM_COMPLETED && !own) sref_add(pool, b, &(struct sref){.stream = stream, .seq = seq, .ev = NO_EV});
@@ -891,6 +905,22 @@ void free_binned_done(struct msh_pool *pool, struct sref *tag)
 static void free_block(struct msh_pool *pool, struct blk *b, uint64_t stream)
 {
     if (pool->step && pool->step->on) step_note_free(pool, b);
+    if (pool->solo == SOLO_ONE && stream == pool->solo_stream && b->ns == 1 && b->s[0].stream == stream &&
+        !b->sync_needed) {
+        /* the one stream alone, on its own block (streams.c solo_end): no tag and no event, the
+         * span its queued work may touch, and the pool-wide count of frees with such work (an
+         * unmap synchronizes first) */
+        b->ns = 0;
+        b->free_gen = 0;
+        b->qlo = b->addr;
+        b->qhi = b->addr + b->size;
+        pool->evseq++;
+        pool->free_gen++;
+        block_untouch(pool, b);
+        blk_make_free(pool, b);
+        trim_cached(pool);
+        return;
+    }
     ks_get(pool, stream);
     /* A free known complete (MSH_STREAM_COMPLETED: cudaFree synchronized) leaves no tag at all;
      * otherwise the streams the block was used on, beside the free's own, need events. */
@@ -1190,6 +1220,7 @@ int msh_pool_forget_stream(struct msh_pool *pool, uint64_t stream)
     if (stream == MSH_STREAM_COMPLETED) return 0;
     pthread_mutex_lock(&pool->lock);
     front_drain(pool, FRONT_DRAIN_STREAM, stream); /* its bins name it: freed while it still exists */
+    if (pool->solo == SOLO_ONE && stream == pool->solo_stream) solo_end(pool); /* its untagged frees get tags, traded below */
     for (size_t i = 0; i < pool->hcap; i++)
         for (struct blk *b = pool->htab[i]; b; b = b->hnext)
             if (sref_drop(pool, b, stream)) b->sync_needed = 1;

@@ -99,12 +99,57 @@ struct kstream *ks_find(struct msh_pool *pool, uint64_t stream)
     return NULL;
 }
 
+/* ---- one stream (issue 30) ---------------------------------------------------------------------
+ * A stream tag is about other users: a reuse on the tag's own stream is ready by stream order, and
+ * only another stream, or a host-synchronous user (MSH_STREAM_COMPLETED), has to wait for it.
+ * While the pool has seen one stream alone, its frees leave no tag (their cost was a fifth of the
+ * pool path's instructions): the pool-wide free count still rises at each free, so an unmap still
+ * synchronizes first (pages.c job_need_settle). The first other user ends the regime for good,
+ * before it places anything: every extent that stream may have used gets the tag its frees would
+ * have left, numbered now (it covers all of them, no event: a reuse elsewhere waits for a later
+ * event of that stream, or synchronizes, as after any free without an event). Which bytes: each
+ * extent keeps the span of its untagged frees (qlo, qhi), merged, copied and clipped with it as
+ * tags are, so that bytes freed as complete (MSH_STREAM_COMPLETED) or never used stay clean; a
+ * request in progress keeps its extent's span (if it gives the extent back, the tag stays). */
+void solo_end(struct msh_pool *pool)
+{
+    uint8_t was = pool->solo;
+    pool->solo = SOLO_OFF;
+    if (was != SOLO_ONE) return;
+    pool->st.solo_ends++;
+    struct sref t = {.stream = pool->solo_stream, .seq = pool->evseq, .ev = NO_EV};
+    for (int a = 0; a < NAREAS; a++)
+        for (struct region *r = pool->areas[a]; r; r = r->next) {
+            for (struct blk *b = r->first; b; b = b->next) {
+                if (b->qlo >= b->qhi) continue;
+                t.lo = b->qlo;
+                t.hi = b->qhi;
+                b->qlo = b->qhi = 0;
+                if (b->state != B_FREE && b->state != B_PENDING) continue;
+                sref_add(pool, b, &t);
+                b->free_gen = ++pool->free_gen;
+            }
+        }
+}
+
+/* A stream not seen before: the first one starts the one-stream regime, a second ends it. */
+static void solo_see(struct msh_pool *pool, uint64_t stream)
+{
+    if (pool->solo == SOLO_NONE) {
+        pool->solo = SOLO_ONE;
+        pool->solo_stream = stream;
+    } else if (pool->solo == SOLO_ONE && stream != pool->solo_stream) {
+        solo_end(pool);
+    }
+}
+
 /* The stream's entry, made when first seen. NULL when the table is full: tags naming such a
  * stream are never known complete before a synchronize (correct, only slower). */
 struct kstream *ks_get(struct msh_pool *pool, uint64_t stream)
 {
     struct kstream *k = ks_find(pool, stream);
     if (k || stream == MSH_STREAM_COMPLETED) return k;
+    if (MSH_UNLIKELY(pool->solo)) solo_see(pool, stream);
     for (uint32_t i = 0; i < MAX_KSTREAMS; i++)
         if (!pool->ks[i].used) {
             pool->ks[i] = (struct kstream){.stream = stream, .latest = NO_EV, .used = 1};
@@ -190,6 +235,7 @@ void sref_clear(struct msh_pool *pool, struct blk *b)
     b->sync_needed = 0;
     b->free_gen = 0;
     b->slo = b->shi = 0;
+    b->qlo = b->qhi = 0;
 }
 
 static inline bool blk_tagged(const struct blk *b)
@@ -264,6 +310,10 @@ void sref_add(struct msh_pool *pool, struct blk *b, const struct sref *n)
  * both: the bytes between wait for that stream too, the only imprecision.) */
 void streams_merge(struct msh_pool *pool, struct blk *into, struct blk *from)
 {
+    if (from->qlo < from->qhi) { /* the one-stream regime's spans: their union */
+        if (into->qlo >= into->qhi || from->qlo < into->qlo) into->qlo = from->qlo;
+        if (from->qhi > into->qhi) into->qhi = from->qhi;
+    }
     sref_prune(pool, into);
     sref_prune(pool, from);
     for (int i = 0; i < from->ns; i++) sref_add(pool, into, &from->s[i]);
@@ -286,14 +336,21 @@ void streams_copy(struct msh_pool *pool, struct blk *to, const struct blk *from)
     to->slo = from->slo;
     to->shi = from->shi;
     to->free_gen = from->free_gen;
+    to->qlo = from->qlo;
+    to->qhi = from->qhi;
     for (int i = 0; i < to->ns; i++) ev_ref(pool, to->s[i].ev);
 }
 
 /* b's extent changed (a piece of a carved one): it keeps only the tags about its own bytes. */
 void streams_clip(struct msh_pool *pool, struct blk *b)
 {
-    if (!blk_tagged(b)) return;
     uint64_t lo = b->addr, hi = b->addr + b->size;
+    if (b->qlo < b->qhi) {
+        if (b->qlo < lo) b->qlo = lo;
+        if (b->qhi > hi) b->qhi = hi;
+        if (b->qlo >= b->qhi) b->qlo = b->qhi = 0;
+    }
+    if (!blk_tagged(b)) return;
     int k = 0;
     for (int i = 0; i < b->ns; i++) {
         struct sref *t = &b->s[i];
