@@ -415,8 +415,6 @@ enum { PICK_READY, PICK_WAIT, PICK_READY_GROW, PICK_WAIT_GROW, PICK_SYNC, PICK_N
 struct fit_search {
     uint64_t rsize, stream;
     struct fit_pick pick[PICK_N];
-    bool room;           /* new pages fit without reclaim (fresh_fits): the clean part of a partly
-                          * tagged extent may be used, though it may need pages mapped */
     int seen;
     uint64_t blocked[4]; /* streams whose missing events made candidates need a synchronize, */
     uint64_t blocked_size[4]; /* and those candidates' sizes */
@@ -503,7 +501,7 @@ struct blk *place(struct msh_pool *pool, int area, uint64_t rsize, uint64_t stre
 {
     struct blk *b = pool->step ? plan_place(pool, rsize) : NULL;
     if (b) return b;
-    struct fit_search fs = {.rsize = rsize, .stream = stream, .room = fresh_fits(pool, rsize)};
+    struct fit_search fs = {.rsize = rsize, .stream = stream};
     fit_visit(pool, pool->tree[area], &fs);
     /* At once on mapped pages if possible; else a stream wait (no host blocking) on mapped pages
      * rather than growing the pool; then the same on new pages, while they fit without reclaim
@@ -513,7 +511,9 @@ struct blk *place(struct msh_pool *pool, int area, uint64_t rsize, uint64_t stre
      * where streams ask for events and stop needing either. */
     uint64_t at = 0;
     bool host = stream == MSH_STREAM_COMPLETED;
-    bool grow = (fs.room && !host) || capturing(pool);
+    /* (asked only when no extent serves on mapped pages: most requests find one) */
+    bool grow = !fs.pick[PICK_READY].b && !fs.pick[PICK_WAIT].b &&
+                ((!host && fresh_fits(pool, rsize)) || capturing(pool));
     static const int order[] = {PICK_READY, PICK_WAIT, PICK_READY_GROW, PICK_WAIT_GROW};
     for (int i = 0; i < 4 && !b; i++)
         if (fs.pick[order[i]].b && (i < 2 || grow || !fs.pick[PICK_SYNC].b)) {

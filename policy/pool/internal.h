@@ -717,9 +717,52 @@ uint64_t ks_home(struct msh_pool *pool, uint64_t stream);
 bool blk_clean(struct msh_pool *pool, const struct blk *b);
 void sref_clear(struct msh_pool *pool, struct blk *b);
 void sref_add(struct msh_pool *pool, struct blk *b, const struct sref *n);
-void streams_merge(struct msh_pool *pool, struct blk *into, struct blk *from);
-void streams_copy(struct msh_pool *pool, struct blk *to, const struct blk *from);
-void streams_clip(struct msh_pool *pool, struct blk *b);
+void streams_merge_tags(struct msh_pool *pool, struct blk *into, struct blk *from);
+void streams_copy_tags(struct msh_pool *pool, struct blk *to, const struct blk *from);
+void streams_clip_tags(struct msh_pool *pool, struct blk *b);
+
+/* The stream tags as extents merge, split and shrink (streams.c), and the one-stream regime's
+ * spans (solo_end) with them; inline for the untagged extents most carves and merges see. */
+static inline bool blk_untagged(const struct blk *b)
+{
+    return !(b->ns | b->sync_needed);
+}
+
+static inline void streams_merge(struct msh_pool *pool, struct blk *into, struct blk *from)
+{
+    if (from->qlo < from->qhi) { /* the spans' union */
+        if (into->qlo >= into->qhi || from->qlo < into->qlo) into->qlo = from->qlo;
+        if (from->qhi > into->qhi) into->qhi = from->qhi;
+    }
+    if (blk_untagged(into) && blk_untagged(from)) into->free_gen = 0;
+    else streams_merge_tags(pool, into, from);
+}
+
+static inline void streams_copy(struct msh_pool *pool, struct blk *to, const struct blk *from)
+{
+    to->qlo = from->qlo;
+    to->qhi = from->qhi;
+    if (!blk_untagged(from)) {
+        streams_copy_tags(pool, to, from);
+        return;
+    }
+    to->ns = 0;
+    to->sync_needed = 0;
+    to->slo = from->slo;
+    to->shi = from->shi;
+    to->free_gen = from->free_gen;
+}
+
+static inline void streams_clip(struct msh_pool *pool, struct blk *b)
+{
+    uint64_t lo = b->addr, hi = b->addr + b->size;
+    if (b->qlo < b->qhi) {
+        if (b->qlo < lo) b->qlo = lo;
+        if (b->qhi > hi) b->qhi = hi;
+        if (b->qlo >= b->qhi) b->qlo = b->qhi = 0;
+    }
+    if (!blk_untagged(b)) streams_clip_tags(pool, b);
+}
 int fit_kind(struct msh_pool *pool, const struct blk *b, uint64_t lo, uint64_t hi, uint64_t stream,
                     uint64_t *blocked);
 bool blocking_span(struct msh_pool *pool, const struct blk *b, uint64_t stream, uint64_t *lo, uint64_t *hi);

@@ -308,12 +308,8 @@ void sref_add(struct msh_pool *pool, struct blk *b, const struct sref *n)
  * each tag keeps the bytes it is about, so a piece carved from the merged extent carries only the
  * tags of its own bytes. (Two frees of one stream with other bytes between them are one tag over
  * both: the bytes between wait for that stream too, the only imprecision.) */
-void streams_merge(struct msh_pool *pool, struct blk *into, struct blk *from)
+void streams_merge_tags(struct msh_pool *pool, struct blk *into, struct blk *from)
 {
-    if (from->qlo < from->qhi) { /* the one-stream regime's spans: their union */
-        if (into->qlo >= into->qhi || from->qlo < into->qlo) into->qlo = from->qlo;
-        if (from->qhi > into->qhi) into->qhi = from->qhi;
-    }
     sref_prune(pool, into);
     sref_prune(pool, from);
     for (int i = 0; i < from->ns; i++) sref_add(pool, into, &from->s[i]);
@@ -328,7 +324,7 @@ void streams_merge(struct msh_pool *pool, struct blk *into, struct blk *from)
 }
 
 /* Copy of b's tags onto a piece split from it (one more reference on each event). */
-void streams_copy(struct msh_pool *pool, struct blk *to, const struct blk *from)
+void streams_copy_tags(struct msh_pool *pool, struct blk *to, const struct blk *from)
 {
     memcpy(to->s, from->s, sizeof to->s);
     to->ns = from->ns;
@@ -336,21 +332,13 @@ void streams_copy(struct msh_pool *pool, struct blk *to, const struct blk *from)
     to->slo = from->slo;
     to->shi = from->shi;
     to->free_gen = from->free_gen;
-    to->qlo = from->qlo;
-    to->qhi = from->qhi;
     for (int i = 0; i < to->ns; i++) ev_ref(pool, to->s[i].ev);
 }
 
 /* b's extent changed (a piece of a carved one): it keeps only the tags about its own bytes. */
-void streams_clip(struct msh_pool *pool, struct blk *b)
+void streams_clip_tags(struct msh_pool *pool, struct blk *b)
 {
     uint64_t lo = b->addr, hi = b->addr + b->size;
-    if (b->qlo < b->qhi) {
-        if (b->qlo < lo) b->qlo = lo;
-        if (b->qhi > hi) b->qhi = hi;
-        if (b->qlo >= b->qhi) b->qlo = b->qhi = 0;
-    }
-    if (!blk_tagged(b)) return;
     int k = 0;
     for (int i = 0; i < b->ns; i++) {
         struct sref *t = &b->s[i];
