@@ -107,6 +107,40 @@ static void treap_remove(int tt, struct blk **root, struct blk *n)
     n->kid[tt][0] = n->kid[tt][1] = NULL;
 }
 
+static inline bool skey_less(uint64_t as, uint64_t aa, uint64_t bs, uint64_t ba)
+{
+    return as < bs || (as == bs && aa < ba);
+}
+
+/* Free block n of the tree by size gets the extent [addr, addr + size): it keeps its node where
+ * the new key still lies between its neighbours in (size, address) order (most carves and merges
+ * of the largest extents: one walk down instead of taking it out and putting it in), else it is
+ * moved. */
+static void ts_resize(struct blk **root, struct blk *n, uint64_t addr, uint64_t size)
+{
+    const struct blk *pred = NULL, *succ = NULL, *t = *root;
+    while (t && t != n) {
+        if (key_less(n, t)) {
+            succ = t;
+            t = t->kid[TS][0];
+        } else {
+            pred = t;
+            t = t->kid[TS][1];
+        }
+    }
+    bool stays = t != NULL;
+    if (stays && n->kid[TS][0])
+        for (pred = n->kid[TS][0]; pred->kid[TS][1];) pred = pred->kid[TS][1];
+    if (stays && n->kid[TS][1])
+        for (succ = n->kid[TS][1]; succ->kid[TS][0];) succ = succ->kid[TS][0];
+    stays = stays && (!pred || skey_less(pred->size, pred->addr, size, addr)) &&
+            (!succ || skey_less(size, addr, succ->size, succ->addr));
+    if (!stays) treap_remove(TS, root, n);
+    n->addr = addr;
+    n->size = size;
+    if (!stays) treap_insert(TS, root, n);
+}
+
 /* The free block with the highest address <= addr, or NULL. */
 struct blk *atreap_floor(struct blk *t, uint64_t addr)
 {
@@ -267,7 +301,6 @@ void blk_make_free(struct msh_pool *pool, struct blk *b)
     bool nf = n && n->state == B_FREE, pf = p && p->state == B_FREE;
     struct blk **ts = &pool->tree[b->reg->area];
     if (pf) { /* p takes b (and n) in: its address stays */
-        treap_remove(TS, ts, p);
         if (nf) {
             free_remove(pool, n);
             streams_merge(pool, b, n);
@@ -277,21 +310,17 @@ void blk_make_free(struct msh_pool *pool, struct blk *b)
             blk_put(pool, n);
         }
         streams_merge(pool, p, b);
-        p->size += b->size;
         p->next = b->next;
         if (b->next) b->next->prev = p;
+        ts_resize(ts, p, p->addr, p->size + b->size);
         blk_put(pool, b);
-        treap_insert(TS, ts, p);
     } else if (nf) { /* n takes b in: it starts at b's address, still after every free extent before it */
-        treap_remove(TS, ts, n);
         streams_merge(pool, n, b);
-        n->addr = b->addr;
-        n->size += b->size;
         n->prev = p;
         if (p) p->next = n;
         else n->reg->first = n;
+        ts_resize(ts, n, b->addr, n->size + b->size);
         blk_put(pool, b);
-        treap_insert(TS, ts, n);
     } else {
         free_insert(pool, b);
     }
@@ -307,8 +336,6 @@ struct blk *carve_at(struct msh_pool *pool, struct blk *b, uint64_t at, uint64_t
          * size moves it), and the block is a new node (issue 30: no work in the tree by address). */
         struct blk *c = blk_new(pool);
         if (!c) return NULL;
-        struct blk **ts = &pool->tree[b->reg->area];
-        treap_remove(TS, ts, b);
         c->reg = b->reg;
         c->state = B_PENDING;
         c->addr = at;
@@ -320,18 +347,16 @@ struct blk *carve_at(struct msh_pool *pool, struct blk *b, uint64_t at, uint64_t
             if (b->prev) b->prev->next = c;
             else b->reg->first = c;
             b->prev = c;
-            b->addr = at + rsize;
-            b->size = end - b->addr;
+            ts_resize(&pool->tree[b->reg->area], b, at + rsize, end - (at + rsize));
         } else { /* the high end: c after b */
             c->prev = b;
             c->next = b->next;
             if (b->next) b->next->prev = c;
             b->next = c;
-            b->size = at - b->addr;
+            ts_resize(&pool->tree[b->reg->area], b, b->addr, at - b->addr);
         }
         streams_clip(pool, b);
         streams_clip(pool, c);
-        treap_insert(TS, ts, b);
         return c;
     }
     struct blk *lo = NULL, *hi = NULL;
@@ -501,7 +526,11 @@ struct blk *place(struct msh_pool *pool, int area, uint64_t rsize, uint64_t stre
 {
     struct blk *b = pool->step ? plan_place(pool, rsize) : NULL;
     if (b) return b;
-    struct fit_search fs = {.rsize = rsize, .stream = stream};
+    struct fit_search fs; /* (blocked[] is read below nblocked only) */
+    fs.rsize = rsize;
+    fs.stream = stream;
+    memset(fs.pick, 0, sizeof fs.pick);
+    fs.seen = fs.nblocked = 0;
     fit_visit(pool, pool->tree[area], &fs);
     /* At once on mapped pages if possible; else a stream wait (no host blocking) on mapped pages
      * rather than growing the pool; then the same on new pages, while they fit without reclaim

@@ -268,11 +268,13 @@ static int try_alloc_all(struct msh_pool *pool, uint64_t rsize, uint64_t req, ui
 {
     bool denomem = false;
     size_t cap0 = rm->dev_cap;
-    int rc = try_alloc(pool, rsize, req, stream, addr, rm, reclaimed, &denomem, capture_blocked);
-    if (rc == EDRAIN) return rc;
-    if (rc == ENOMEM && rm->dev_cap < cap0 && !capturing(pool) && pages_at_least(pool, rsize) <= room_pages(pool, rm, false))
+    int rc;
+    for (int k = 0;; k++) { /* (one call site: try_alloc is inlined here) */
         rc = try_alloc(pool, rsize, req, stream, addr, rm, reclaimed, &denomem, capture_blocked);
-    return rc;
+        if (k || rc != ENOMEM || !(rm->dev_cap < cap0 && !capturing(pool) &&
+                                   pages_at_least(pool, rsize) <= room_pages(pool, rm, false)))
+            return rc;
+    }
 }
 
 /* ---- public API ------------------------------------------------------------------------------- */

@@ -999,6 +999,74 @@ TEST(rescue_chain_order_reuse_map_reclaim_gc_empty_cache_fail)
     free(f);
 }
 
+/* Issue 30: while one stream alone uses the pool its frees leave no stream tag (streams.c
+ * solo_end). A destroyed stream's handle value may come back for a new stream: the pool must not
+ * take the newcomer for the one stream it knew, whose queued work may still touch the memory it
+ * freed (at the limit: the same memory, after a synchronize). */
+TEST(one_stream_regime_a_handle_reused_after_its_stream_was_destroyed_still_waits)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 8 * MiB, true, 0);
+    REQUIRE(pool);
+    uint64_t a, b;
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 7, &a) == 0);
+    CHECK(msh_pool_free(pool, a, 7) == 0);
+    CHECK(stats(pool).solo_ends == 0); /* one stream so far: no tag was left */
+    CHECK(msh_pool_forget_stream(pool, 7) == 0);
+    pool_checked(pool, "msh_pool_forget_stream", __FILE__, __LINE__);
+    CHECK(stats(pool).solo_ends == 1);
+    long sync0 = f->calls[OP_SYNC];
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 7, &b) == 0); /* a new stream with the old handle value */
+    CHECK(b == a && f->calls[OP_SYNC] == sync0 + 1);
+    CHECK(msh_pool_free(pool, b, 7) == 0);
+    pool_checked(pool, "the free on the new stream", __FILE__, __LINE__);
+    msh_pool_destroy(pool);
+    CHECK(f->live_events == 0 && f->misuse == 0);
+    free(f);
+}
+
+/* The regime in numbers: pairs on one stream leave no tag and end nothing; a second stream ends it
+ * once, and memory the first one freed is then reused elsewhere only after a synchronize (no event
+ * was recorded for it), while memory freed as complete (MSH_STREAM_COMPLETED) before the second
+ * stream came is reused at once: the spans the regime keeps are the bytes of its untagged frees,
+ * not the whole line. */
+TEST(one_stream_regime_ends_once_and_tags_only_what_its_stream_freed)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 0, true, 0);
+    REQUIRE(pool);
+    uint64_t a, c, x, b;
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 11, &a) == 0);
+    REQUIRE(msh_pool_alloc(pool, 5 * MiB, 11, &c) == 0); /* a live block between */
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 11, &x) == 0);
+    for (int i = 0; i < 50; i++) {
+        uint64_t t;
+        REQUIRE(msh_pool_alloc(pool, 3 * MiB, 11, &t) == 0);
+        CHECK(msh_pool_free(pool, t, 11) == 0);
+    }
+    CHECK(msh_pool_free(pool, a, 11) == 0);
+    CHECK(msh_pool_free(pool, x, MSH_STREAM_COMPLETED) == 0); /* known complete: no queued work */
+    pool_checked(pool, "one stream", __FILE__, __LINE__);
+    CHECK(stats(pool).solo_ends == 0 && f->calls[OP_SYNC] == 0 && f->calls[OP_EVREC] == 0);
+    long sync0 = f->calls[OP_SYNC];
+    fake_log_clear(f);
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 22, &b) == 0);
+    pool_checked(pool, "the second stream", __FILE__, __LINE__);
+    CHECK(stats(pool).solo_ends == 1);
+    CHECK(b != a); /* a's bytes wait for stream 11 */
+    CHECK(b == x && f->calls[OP_SYNC] == sync0 && f->nlog == 0); /* x's bytes are clean: at once */
+    CHECK(msh_pool_free(pool, b, 22) == 0);
+    /* another new stream ends nothing more */
+    REQUIRE(msh_pool_alloc(pool, 3 * MiB, 33, &b) == 0);
+    CHECK(msh_pool_free(pool, b, 33) == 0);
+    CHECK(stats(pool).solo_ends == 1);
+    CHECK(msh_pool_free(pool, c, 11) == 0);
+    pool_checked(pool, "the end", __FILE__, __LINE__);
+    msh_pool_destroy(pool);
+    CHECK(f->live_events == 0 && f->misuse == 0);
+    free(f);
+}
+
 TEST(oom_diagnosis_capacity_and_fragmentation)
 {
     struct fake *f = fake_new(0, 0);
