@@ -405,7 +405,7 @@ struct blk *carve_at(struct msh_pool *pool, struct blk *b, uint64_t at, uint64_t
  * extent only its first and last page can be shared with a live neighbour. */
 static uint64_t new_pages(const struct msh_pool *pool, const struct region *r, uint64_t a, uint64_t size)
 {
-    uint64_t p0 = (a - r->base) / pool->gran, p1 = (a + size - 1 - r->base) / pool->gran;
+    uint64_t p0 = pg_div(pool, a - r->base), p1 = pg_div(pool, a + size - 1 - r->base);
     uint64_t n = p1 - p0 + 1;
     if (r->pages[p0].live) n--;
     if (p1 != p0 && r->pages[p1].live) n--;

@@ -233,6 +233,8 @@ struct msh_pool {
     struct msh_device *dev;
     struct msh_pool_params prm;
     size_t gran, limit, device_total;
+    size_t dev_top;       /* device_total rounded down to whole pages (limit_now) */
+    unsigned gran_shift;  /* log2(gran) when gran is a power of two (pg_div), else 0 */
     uint32_t limit_pages, max_handle_pages, chunk_pages;
     struct region *areas[NAREAS];
     struct blk *tree[NAREAS], *atree[NAREAS];
@@ -441,16 +443,25 @@ struct job {
     struct victim vic_inl[JOB_INL];
 };
 
+/* v / gran: a shift where the page is a power of two (the driver's always is: no division on the
+ * allocation path) */
+static inline uint64_t pg_div(const struct msh_pool *pool, uint64_t v)
+{
+    return pool->gran_shift ? v >> pool->gran_shift : v / pool->gran;
+}
+
 /* (inline: asked several times per allocation; pages.c's figures) */
 /* The limit in force: the pool's own, or the one it shares with other pools of the device
  * (struct msh_pool_share: PyTorch's capture pools beside the main pool, shim/torch.c). */
 static inline size_t limit_now(const struct msh_pool *pool)
 {
     if (!pool->prm.share) return pool->limit;
-    size_t lim = __atomic_load_n(&pool->prm.share->limit_bytes, __ATOMIC_RELAXED) / pool->gran * pool->gran;
+    size_t raw = __atomic_load_n(&pool->prm.share->limit_bytes, __ATOMIC_RELAXED);
+    /* whole pages (no division where the page is a power of two, as the driver's always is) */
+    size_t lim = (pool->gran & (pool->gran - 1)) ? raw / pool->gran * pool->gran : raw & ~(pool->gran - 1);
     /* a limit at or above the device is no limit (issue 31: set_per_process_memory_fraction(1.0)
      * would otherwise cost one handle per page) */
-    return pool->device_total && lim >= pool->device_total / pool->gran * pool->gran ? 0 : lim;
+    return pool->device_total && lim >= pool->dev_top ? 0 : lim;
 }
 
 /* The most pages of handles this pool may hold now (SIZE_MAX: no limit). Under a shared limit:
@@ -461,7 +472,7 @@ static inline size_t cap_pages(const struct msh_pool *pool)
     if (!lim) return SIZE_MAX;
     if (!pool->prm.share) return pool->limit_pages;
     size_t used = __atomic_load_n(&pool->prm.share->handle_bytes, __ATOMIC_RELAXED);
-    return pool->held + (lim > used ? (lim - used) / pool->gran : 0);
+    return pool->held + (lim > used ? pg_div(pool, lim - used) : 0);
 }
 
 

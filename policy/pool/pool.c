@@ -309,6 +309,8 @@ int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params
     }
     size_t free_b = 0, total = 0;
     if (dev_mem_info(pool, &free_b, &total) == 0) pool->device_total = total;
+    pool->dev_top = pool->device_total / pool->gran * pool->gran;
+    if (pool->gran > 1 && !(pool->gran & (pool->gran - 1))) pool->gran_shift = (unsigned)__builtin_ctzll(pool->gran);
     if (pool->prm.share) pool->prm.limit_bytes = 0; /* the share's limit applies (limit_now) */
     /* A limit at or above the device is no limit (issue 31): the device is the cap anyway, and a
      * limit would put the pool in page mode, one handle per page. */
