@@ -31,17 +31,12 @@ static int counters[MSH_MAX_DEVICES]; /* per device, for the settle and for test
 /* Every capture in the process: what the pools read (__atomic, without the lock). A capture in
  * the default global mode prohibits "potentially unsafe" calls (an unmap among them) from every
  * other thread, whatever device they work on, so every pool defers while any capture is open. */
-static int total;
+int msh_capture_total; /* captures open in the process (capture.h msh_capture_any) */
 static bool overflow_warned;
 
 const int *msh_capture_counter(int device)
 {
-    return device >= 0 && device < MSH_MAX_DEVICES ? &total : NULL;
-}
-
-bool msh_capture_any(void)
-{
-    return __atomic_load_n(&total, __ATOMIC_ACQUIRE) > 0;
+    return device >= 0 && device < MSH_MAX_DEVICES ? &msh_capture_total : NULL;
 }
 
 int msh_capture_active(int device)
@@ -60,7 +55,7 @@ void msh_capture_open(int device, int kind, uint64_t token)
     /* Counted even when the table is full: deferring too much is safe, too little is not. The
      * entry that could not be kept is then never closed, and the device stays "capturing". */
     __atomic_add_fetch(&counters[device], 1, __ATOMIC_ACQ_REL);
-    __atomic_add_fetch(&total, 1, __ATOMIC_ACQ_REL);
+    __atomic_add_fetch(&msh_capture_total, 1, __ATOMIC_ACQ_REL);
     bool warn = slot < 0 && !overflow_warned;
     if (warn) overflow_warned = true;
     pthread_mutex_unlock(&ctab_lock);
@@ -82,7 +77,7 @@ void msh_capture_close(int kind, uint64_t token)
     int left = -1;
     if (device >= 0) {
         __atomic_sub_fetch(&counters[device], 1, __ATOMIC_ACQ_REL);
-        left = __atomic_sub_fetch(&total, 1, __ATOMIC_ACQ_REL);
+        left = __atomic_sub_fetch(&msh_capture_total, 1, __ATOMIC_ACQ_REL);
     }
     pthread_mutex_unlock(&ctab_lock);
     if (left == 0)
@@ -91,7 +86,7 @@ void msh_capture_close(int kind, uint64_t token)
 
 bool msh_capture_settle(int device)
 {
-    if (device < 0 || device >= MSH_MAX_DEVICES || __atomic_load_n(&total, __ATOMIC_ACQUIRE)) return false;
+    if (device < 0 || device >= MSH_MAX_DEVICES || __atomic_load_n(&msh_capture_total, __ATOMIC_ACQUIRE)) return false;
     msh_torch_capture_settle(device); /* capture pools released meanwhile, and their deferred work */
     struct msh_pool *p = msh_core_pool_get(device);
     if (p) msh_pool_after_capture(p);

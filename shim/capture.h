@@ -24,8 +24,12 @@ enum { MSH_CAPTURE_TORCH = 1, MSH_CAPTURE_STREAM = 2 };
  * with __atomic_load_n): every capture of the process, since a capture in global mode prohibits
  * an unmap from any thread, on any device. NULL for an invalid device. */
 const int *msh_capture_counter(int device);
-/* Whether any capture is open in the process. */
-bool msh_capture_any(void);
+/* Whether any capture is open in the process (inline: every tensor-mode allocation asks). */
+extern int msh_capture_total;
+static inline bool msh_capture_any(void)
+{
+    return __atomic_load_n(&msh_capture_total, __ATOMIC_ACQUIRE) > 0;
+}
 /* Captures in progress on the device now. */
 int msh_capture_active(int device);
 /* A capture opens (kind, token) on device / closes. Opening the same (kind, token) twice needs

@@ -904,7 +904,9 @@ void *msh_core_alloc(ssize_t size, int device, void *stream, bool counted)
      * Being called here means PyTorch's pluggable allocator is memshim: that is tensor mode. The
      * timing starts after it (the first call's start-up is no allocation's cost, and only then is
      * it known whether reports, and so latency figures, are on). */
-    struct msh_pool *p = msh_core_pool(device);
+    struct msh_pool *p = device >= 0 && device < MSH_MAX_DEVICES ? atomic_load_explicit(&pools[device], memory_order_acquire)
+                                                                 : NULL;
+    if (MSH_UNLIKELY(!p)) p = msh_core_pool(device); /* (the first call: start memshim, make the pool) */
     uint64_t t0;
     uint32_t lw = lat_begin(&t0);
     if (MSH_UNLIKELY(mode_eff == MSH_MODE_SEGMENT) && msh_cfg.mode == MSH_MODE_AUTO && enabled)

@@ -701,7 +701,12 @@ int dev_reserve(struct msh_pool *pool, size_t size, uint64_t *va);
 int dev_unreserve(struct msh_pool *pool, uint64_t va, size_t size);
 void cache_add(struct msh_pool *pool, struct region *r, uint32_t h);
 void cache_remove(struct msh_pool *pool, struct region *r, uint32_t h);
-void page_range(const struct msh_pool *pool, const struct blk *b, uint32_t *p0, uint32_t *p1);
+/* The pages block b touches, first and last. */
+static inline void page_range(const struct msh_pool *pool, const struct blk *b, uint32_t *p0, uint32_t *p1)
+{
+    *p0 = (uint32_t)pg_div(pool, b->addr - b->reg->base);
+    *p1 = (uint32_t)pg_div(pool, b->addr + b->size - 1 - b->reg->base);
+}
 void block_untouch(struct msh_pool *pool, struct blk *b);
 void job_init(struct job *j);
 void job_fini(struct msh_pool *pool, struct job *j);
@@ -720,7 +725,13 @@ void ev_destroy(struct msh_pool *pool, uint64_t h);
 int dev_event_create(struct msh_pool *pool, uint64_t home, uint64_t *h);
 int dev_event_query(struct msh_pool *pool, uint64_t h);
 struct kstream *ks_find(struct msh_pool *pool, uint64_t stream);
-struct kstream *ks_get(struct msh_pool *pool, uint64_t stream);
+struct kstream *ks_get_slow(struct msh_pool *pool, uint64_t stream);
+/* The stream's entry, made when first seen (streams.c): the last one found, inline. */
+static inline struct kstream *ks_get(struct msh_pool *pool, uint64_t stream)
+{
+    struct kstream *k = &pool->ks[pool->ks_last];
+    return MSH_LIKELY(k->used && k->stream == stream) ? k : ks_get_slow(pool, stream);
+}
 void solo_end(struct msh_pool *pool);
 void ev_done(struct msh_pool *pool, uint32_t e);
 void ks_resolve_homes(struct msh_pool *pool, const uint64_t *streams, int n);

@@ -231,12 +231,6 @@ static void page_untouch(struct msh_pool *pool, struct region *r, uint32_t p)
     }
 }
 
-void page_range(const struct msh_pool *pool, const struct blk *b, uint32_t *p0, uint32_t *p1)
-{
-    *p0 = (uint32_t)pg_div(pool, b->addr - b->reg->base);
-    *p1 = (uint32_t)pg_div(pool, b->addr + b->size - 1 - b->reg->base);
-}
-
 void block_untouch(struct msh_pool *pool, struct blk *b)
 {
     uint32_t p0, p1;

@@ -402,7 +402,7 @@ static inline uint64_t ticks_ns(uint64_t t0)
 
 
 /* The statistics of one allocation, from a bin or not: plain fields under the lock. */
-static inline void count_alloc(struct msh_pool *pool, uint64_t req, bool counted)
+static inline __attribute__((always_inline)) void count_alloc(struct msh_pool *pool, uint64_t req, bool counted)
 {
     struct msh_pool_stats *st = &pool->st;
     st->allocs++;
@@ -836,8 +836,8 @@ static int pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream, bool
     }
     msh_pool_tags = (struct msh_pool_tags){msh_pool_tags.next, b->tag, b->req};
     count_free(pool, b);
-    spill_note_free(pool);
-    if (may_bin && front_put(pool, b, stream)) {
+    if (MSH_UNLIKELY(!pool->first_free_seen)) spill_note_free(pool);
+    if (may_bin && pool->front.serving && front_put(pool, b, stream)) {
         pool->st.front_puts++;
     } else {
         hash_remove(pool, addr);

@@ -145,7 +145,7 @@ static void solo_see(struct msh_pool *pool, uint64_t stream)
 
 /* The stream's entry, made when first seen. NULL when the table is full: tags naming such a
  * stream are never known complete before a synchronize (correct, only slower). */
-struct kstream *ks_get(struct msh_pool *pool, uint64_t stream)
+struct kstream *ks_get_slow(struct msh_pool *pool, uint64_t stream)
 {
     struct kstream *k = ks_find(pool, stream);
     if (k || stream == MSH_STREAM_COMPLETED) return k;

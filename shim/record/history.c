@@ -72,11 +72,6 @@ static inline size_t hmix(uint64_t x)
     return (size_t)(x ^ (x >> 29));
 }
 
-bool msh_history_recording(void)
-{
-    return atomic_load_explicit(&msh_history_on, memory_order_relaxed) != 0;
-}
-
 /* ---- the rings ----------------------------------------------------------------------------------
  * One entry per event, a free being one entry that a snapshot writes as PyTorch's two
  * (free_requested, free_completed). Every field is written and read with relaxed atomics and

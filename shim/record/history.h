@@ -18,6 +18,7 @@
 #define MSH_HISTORY_H
 
 #include <stdbool.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -39,8 +40,11 @@ struct msh_hist_event {
 
 /* Start-up: MEMSHIM_SNAPSHOT turns recording on with MEMSHIM_SNAPSHOT_EVENTS entries. */
 void msh_history_init(bool reports_on);
-bool msh_history_recording(void);
 extern _Atomic int msh_history_on; /* what msh_history_recording reads (a load on the hot path) */
+static inline bool msh_history_recording(void)
+{
+    return atomic_load_explicit(&msh_history_on, memory_order_relaxed) != 0;
+}
 /* Called from msh_core_trace: op 'a' (alloc, after the pool placed it) or 'f' (free, before the
  * pool frees it); `size` is the requested size. */
 void msh_history_note(char op, int device, uint64_t stream, uint64_t addr, uint64_t size);
