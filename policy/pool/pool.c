@@ -53,8 +53,9 @@
  * captures a CUDA graph, a placement that would need a synchronize, an unmap or a release
  * (reclaim, a split handle) is given up for fresh memory, and failing that the request fails
  * (*capture_blocked). */
-static int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req, uint64_t stream, uint64_t *addr,
-                     struct room *rm, bool *reclaimed, bool *driver_enomem, bool *capture_blocked)
+static inline __attribute__((always_inline)) int try_alloc(struct msh_pool *pool, uint64_t rsize, uint64_t req,
+                                                           uint64_t stream, uint64_t *addr, struct room *rm,
+                                                           bool *reclaimed, bool *driver_enomem, bool *capture_blocked)
 {
     int area = area_of(pool, rsize);
     bool fresh_only = false;
