@@ -33,7 +33,7 @@
 #include "torch.h"
 #include "watch.h"
 
-__thread int msh_in_hook;
+__thread struct msh_core_tls msh_core_tls;
 
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 static bool enabled;
@@ -54,7 +54,6 @@ static _Atomic int64_t external[MSH_MAX_DEVICES][MSH_EXT_NKINDS];
 static pthread_mutex_t epoch_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t epoch_index, epoch_start_ns, steps_in_epoch, steps_total;
 static bool steps_close_claimed;           /* a thread is closing the steps epoch (epoch_lock) */
-__thread int64_t msh_tick_left;
 static bool lat_on; /* reports on: tensor mode's entries time sampled calls (msh_core_alloc) */
 static uint64_t ec_runs, ec_bytes, gc_runs;
 static uint64_t trim_base[MSH_MAX_DEVICES][2]; /* pool trim_runs/trim_bytes at the epoch's start */
@@ -269,7 +268,7 @@ int msh_core_mode(void)
  * against the main thread, DESIGN.md 2), and (2) from memshim_malloc or an epoch boundary,
  * never from inside the cudaMalloc hook: there PyTorch's caching allocator is mid-way through
  * its own malloc, and a __del__ that frees a tensor would re-enter it. */
-static __thread int in_tensor_alloc;
+#define in_tensor_alloc (msh_core_tls.tensor_alloc)
 static uint64_t gc_skipped_no_gil;
 static struct {
     int (*gil_check)(void);
@@ -899,7 +898,10 @@ static void lat_end(struct msh_pool *p, bool alloc, uint32_t w, uint64_t t0)
 void *msh_core_alloc(ssize_t size, int device, void *stream, bool counted)
 {
     if (size < 0) return NULL;
-    msh_in_hook++;
+    /* the thread-locals by address, found once (each access by name calls the TLS descriptor) */
+    struct msh_core_tls *tl = MSH_TLS_ADDR(msh_core_tls);
+    struct msh_pool_tags *pt = MSH_TLS_ADDR(msh_pool_tags);
+    tl->in_hook++;
     /* init first (msh_core_pool): when this is memshim's first call, mode_eff is only set by it.
      * Being called here means PyTorch's pluggable allocator is memshim: that is tensor mode. The
      * timing starts after it (the first call's start-up is no allocation's cost, and only then is
@@ -918,14 +920,14 @@ void *msh_core_alloc(ssize_t size, int device, void *stream, bool counted)
         uint64_t a = 0;
         /* The site is read before the pool is entered; the pool keeps it on the block. A GC
          * callback inside the pool may allocate: the outer mark is put back after. */
-        uint32_t tag = msh_sites_tag((size_t)size), outer = msh_pool_tags.next;
-        msh_pool_tags.next = tag;
+        uint32_t tag = msh_sites_tag((size_t)size), outer = pt->next;
+        pt->next = tag;
         if (MSH_UNLIKELY(msh_cfg.spill == MSH_SPILL_HOST) && !atomic_load_explicit(&spill_on[device], memory_order_relaxed))
             spill_enable(device, p);
-        in_tensor_alloc = 1;
+        tl->tensor_alloc = 1;
         int arc = msh_pool_alloc_ex(p, (size_t)size, (uint64_t)(uintptr_t)stream,
                                     MSH_PA_TIMED | (counted ? MSH_PA_COUNTED : 0), &a);
-        msh_pool_tags.next = outer;
+        pt->next = outer;
         if (MSH_LIKELY(arc == 0)) {
             out = (void *)(uintptr_t)a;
             msh_sites_alloc(device, tag, (size_t)size);
@@ -937,10 +939,10 @@ void *msh_core_alloc(ssize_t size, int device, void *stream, bool counted)
         } else {
             msh_core_note_oom(device);
         }
-        msh_core_count((size_t)size); /* in_tensor_alloc still 1: a GC threshold may collect here */
-        in_tensor_alloc = 0;
+        msh_core_count_at(tl, (size_t)size); /* in_tensor_alloc still 1: a GC threshold may collect here */
+        tl->tensor_alloc = 0;
     }
-    msh_in_hook--;
+    tl->in_hook--;
     return out;
 }
 
@@ -954,7 +956,9 @@ MSH_EXPORT void memshim_free(void *ptr, ssize_t size, int device, memshim_stream
     if (!ptr) return;
     uint64_t t0;
     uint32_t lw = lat_begin(&t0);
-    msh_in_hook++;
+    struct msh_core_tls *tl = MSH_TLS_ADDR(msh_core_tls); /* (found once: msh_core_alloc) */
+    struct msh_pool_tags *pt = MSH_TLS_ADDR(msh_pool_tags);
+    tl->in_hook++;
     struct msh_pool *p = device >= 0 && device < MSH_MAX_DEVICES ? atomic_load(&pools[device]) : NULL;
     /* The trace line goes out before the block can be reused by another thread, so a trace
      * never shows the reuse before the free. */
@@ -969,8 +973,8 @@ MSH_EXPORT void memshim_free(void *ptr, ssize_t size, int device, memshim_stream
                            msh_pool_block_size(p, (uint64_t)(uintptr_t)ptr));
     }
     int d = device;
-    msh_pool_tags.freed = 0; /* the pool leaves the block's mark and size here */
-    msh_pool_tags.freed_req = 0;
+    pt->freed = 0; /* the pool leaves the block's mark and size here */
+    pt->freed_req = 0;
     int rc = owned ? msh_pool_free_ex(p, (uint64_t)(uintptr_t)ptr, (uint64_t)(uintptr_t)stream, MSH_PA_TIMED) : EINVAL;
     if (MSH_UNLIKELY(rc == EINVAL)) { /* another device's block? */
         struct msh_pool *q = msh_core_pool_owning((uint64_t)(uintptr_t)ptr, &d);
@@ -980,8 +984,8 @@ MSH_EXPORT void memshim_free(void *ptr, ssize_t size, int device, memshim_stream
     if (MSH_UNLIKELY(rc == EALREADY))
         msh_warn("memshim_free: %p was freed already and not allocated again (a double free, device %d); ignored", ptr,
                  device);
-    msh_sites_free(d, msh_pool_tags.freed, msh_pool_tags.freed_req);
-    msh_in_hook--;
+    msh_sites_free(d, pt->freed, pt->freed_req);
+    tl->in_hook--;
     if (lw && rc == 0) lat_end(d == device ? p : msh_core_pool_get(d), false, lw, t0);
 }
 

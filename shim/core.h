@@ -16,7 +16,19 @@
 
 /* Re-entry guard: set while a hook or memshim itself is working on this thread. A hook that
  * finds it set passes straight through to the real function. */
-extern __thread int msh_in_hook;
+/* The shim's per-thread state on the allocation path, in one block (issue 30): with TLS
+ * descriptors each thread-local variable a function touches costs a call to find it, and the
+ * tensor-mode entry touched three. */
+struct msh_core_tls {
+    int in_hook;          /* msh_in_hook */
+    int tensor_alloc;     /* core.c in_tensor_alloc: inside msh_core_alloc (a GC threshold may collect there) */
+    int64_t tick_left;    /* msh_tick_left */
+};
+extern __thread struct msh_core_tls msh_core_tls;
+/* The address of a thread-local, found once: GCC otherwise recomputes it (a TLS descriptor call)
+ * at every use rather than keep it in a register; the empty asm makes the value opaque. */
+#define MSH_TLS_ADDR(var) ({ __typeof__(&(var)) a_ = &(var); __asm__("" : "+r"(a_)); a_; })
+#define msh_in_hook (msh_core_tls.in_hook)
 
 /* Idempotent and thread-safe. Reads the configuration, opens the log, registers atexit/atfork.
  * Returns true when memshim may serve memory (mode is not off and a driver is usable). */
@@ -77,13 +89,17 @@ void msh_core_write_oom(int device, int index, int snap, const struct msh_pool_o
 void msh_core_tick(void);
 #define MSH_TICK_BYTES ((int64_t)64 << 20)
 #define MSH_TICK_CALL_BYTES ((int64_t)64 << 10)
-extern __thread int64_t msh_tick_left;
+#define msh_tick_left (msh_core_tls.tick_left)
 extern _Atomic int msh_watch_flag;
+static inline void msh_core_count_at(struct msh_core_tls *tl, size_t bytes) /* tl: &msh_core_tls */
+{
+    tl->tick_left -= (int64_t)bytes + MSH_TICK_CALL_BYTES;
+    if (MSH_UNLIKELY(tl->tick_left <= 0 || atomic_load_explicit(&msh_watch_flag, memory_order_relaxed)))
+        msh_core_tick();
+}
 static inline void msh_core_count(size_t bytes)
 {
-    msh_tick_left -= (int64_t)bytes + MSH_TICK_CALL_BYTES;
-    if (MSH_UNLIKELY(msh_tick_left <= 0 || atomic_load_explicit(&msh_watch_flag, memory_order_relaxed)))
-        msh_core_tick();
+    msh_core_count_at(&msh_core_tls, bytes);
 }
 /* Tensor mode's allocation (memshim_malloc; memshim_torch_alloc with counted: PyTorch's
  * memory_allocated() counts it). */
