@@ -568,56 +568,59 @@ static int pool_alloc_slow(struct msh_pool *pool, size_t size, uint64_t rsize, u
      * to 1.025x the live peak at the median, 1.076x to 1.096x at most). Before a request fails,
      * always (the rescue's first step). */
     bool grew_aside = false;
-    size_t binned0 = pool->front.blocks;
-    for (int k = 0; rc == EDRAIN && k < 4 && front_drain_fit(pool, stream, rsize); k++)
-        rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
-    if (rc == EDRAIN || (rc == ENOMEM && ocase == MSH_OOM_NOW && pool->front.blocks)) {
-        rm.drained = true;
-        struct front *f = &pool->front;
-        /* (a request may also map a chunk ahead, pages.c claim_pages: that serves the next
-         * requests as it would with no bins, and is not counted) */
-        grew_aside = rc == EDRAIN && !rm.needs_victims && !limit_now(pool) &&
-                     f->grown_aside + pool_pages(pool, rsize) <= pool->held / 128 + pool->chunk_pages;
-        if (!grew_aside) front_drain(pool, FRONT_DRAIN_ALL, stream);
-        else pool->st.front_kept++;
-        rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
-    }
-    /* (drains for growth are not churn: front_churn) */
-    if (binned0 > pool->front.blocks)
-        front_churn(pool, rm.needs_victims || rc == ENOMEM ? binned0 - pool->front.blocks : 0, false);
-    size_t need = rc == ENOMEM ? pages_at_least(pool, rsize) : 0;
-    if (rc == ENOMEM && ocase == MSH_OOM_NOW && pool->gc_fn && (pool->st.live_blocks || others_pages(pool)) &&
-        need <= room_pages(pool, &rm, true)) {
-        msh_pool_gc_fn fn = pool->gc_fn;
-        void *arg = pool->gc_arg;
-        steps |= MSH_OOM_STEP_GC;
-        pthread_mutex_unlock(&pool->lock);
-        fn(arg); /* may free blocks through msh_pool_free */
-        pthread_mutex_lock(&pool->lock);
-        rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
-        if (rc == 0) pool->st.rescue_gc++;
-    }
-    if (rc == ENOMEM && ocase == MSH_OOM_NOW && pool->cached && (pool->driver_oom || !pool->prm.defrag) &&
-        !pool->prm.no_release_on_oom && !capturing(pool) && need <= room_pages(pool, &rm, false)) {
-        pool->driver_oom = false;
-        /* Cached pages were already candidates for reclaim; giving them back helps when the
-         * driver itself ran out (other allocators in the process hold the rest), and when reclaim
-         * is off (MEMSHIM_DEFRAG=0: under a limit new pages can be created only after these go).
-         * Never for a request that would not fit even then (the job keeps its cache). */
-        steps |= MSH_OOM_STEP_EMPTY_CACHE;
-        release_cached(pool, 0, 0);
-        rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
-        if (rc == 0) pool->st.rescue_empty_cache++;
-    }
-    /* the last step, opt-in: cold pages to host memory (spill.c), more at each round */
-    if (rc == ENOMEM) pool->oom.spill_stop = NULL;
-    for (int round = 0; rc == ENOMEM && ocase == MSH_OOM_NOW && pool->prm.spill && round < 8 &&
-                        spill_can_help(pool, &rm, need);
-         round++) {
-        steps |= MSH_OOM_STEP_SPILL;
-        if (!spill_rescue(pool, rsize, round)) break;
-        rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
-        if (rc == 0) pool->st.rescue_spill++;
+    size_t need = 0;
+    if (MSH_UNLIKELY(rc != 0)) { /* (most requests are served by the first try) */
+        size_t binned0 = pool->front.blocks;
+        for (int k = 0; rc == EDRAIN && k < 4 && front_drain_fit(pool, stream, rsize); k++)
+            rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
+        if (rc == EDRAIN || (rc == ENOMEM && ocase == MSH_OOM_NOW && pool->front.blocks)) {
+            rm.drained = true;
+            struct front *f = &pool->front;
+            /* (a request may also map a chunk ahead, pages.c claim_pages: that serves the next
+             * requests as it would with no bins, and is not counted) */
+            grew_aside = rc == EDRAIN && !rm.needs_victims && !limit_now(pool) &&
+                         f->grown_aside + pool_pages(pool, rsize) <= pool->held / 128 + pool->chunk_pages;
+            if (!grew_aside) front_drain(pool, FRONT_DRAIN_ALL, stream);
+            else pool->st.front_kept++;
+            rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
+        }
+        /* (drains for growth are not churn: front_churn) */
+        if (binned0 > pool->front.blocks)
+            front_churn(pool, rm.needs_victims || rc == ENOMEM ? binned0 - pool->front.blocks : 0, false);
+        need = rc == ENOMEM ? pages_at_least(pool, rsize) : 0;
+        if (rc == ENOMEM && ocase == MSH_OOM_NOW && pool->gc_fn && (pool->st.live_blocks || others_pages(pool)) &&
+            need <= room_pages(pool, &rm, true)) {
+            msh_pool_gc_fn fn = pool->gc_fn;
+            void *arg = pool->gc_arg;
+            steps |= MSH_OOM_STEP_GC;
+            pthread_mutex_unlock(&pool->lock);
+            fn(arg); /* may free blocks through msh_pool_free */
+            pthread_mutex_lock(&pool->lock);
+            rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
+            if (rc == 0) pool->st.rescue_gc++;
+        }
+        if (rc == ENOMEM && ocase == MSH_OOM_NOW && pool->cached && (pool->driver_oom || !pool->prm.defrag) &&
+            !pool->prm.no_release_on_oom && !capturing(pool) && need <= room_pages(pool, &rm, false)) {
+            pool->driver_oom = false;
+            /* Cached pages were already candidates for reclaim; giving them back helps when the
+             * driver itself ran out (other allocators in the process hold the rest), and when reclaim
+             * is off (MEMSHIM_DEFRAG=0: under a limit new pages can be created only after these go).
+             * Never for a request that would not fit even then (the job keeps its cache). */
+            steps |= MSH_OOM_STEP_EMPTY_CACHE;
+            release_cached(pool, 0, 0);
+            rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
+            if (rc == 0) pool->st.rescue_empty_cache++;
+        }
+        /* the last step, opt-in: cold pages to host memory (spill.c), more at each round */
+        if (rc == ENOMEM) pool->oom.spill_stop = NULL;
+        for (int round = 0; rc == ENOMEM && ocase == MSH_OOM_NOW && pool->prm.spill && round < 8 &&
+                            spill_can_help(pool, &rm, need);
+             round++) {
+            steps |= MSH_OOM_STEP_SPILL;
+            if (!spill_rescue(pool, rsize, round)) break;
+            rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
+            if (rc == 0) pool->st.rescue_spill++;
+        }
     }
     /* Pressure at the cap: the front end steps aside while this cap holds. The pool is in the
      * regime of the learned step there, which places every block of a repeated step by its plan
