@@ -1067,6 +1067,34 @@ TEST(one_stream_regime_ends_once_and_tags_only_what_its_stream_freed)
     free(f);
 }
 
+/* The span of the one stream's untagged frees stays with its bytes when a request carves them and
+ * then fails: the block goes back with the span, so the stream that comes next still waits for
+ * the first one's work there (at the limit: the same memory, after a synchronize). */
+TEST(one_stream_regime_a_failed_request_gives_its_extent_back_with_the_span)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 8 * MiB, true, 0); /* 4 pages */
+    REQUIRE(pool);
+    uint64_t x, a, b, c;
+    REQUIRE(msh_pool_alloc(pool, 4 * MiB, 11, &x) == 0);
+    REQUIRE(msh_pool_alloc(pool, 4 * MiB, 11, &a) == 0);
+    CHECK(msh_pool_free(pool, a, 11) == 0); /* a's 2 pages cached, untagged, its span kept */
+    /* 6 MiB from a's bytes on: a third page over the limit, and nothing to reclaim but a's own */
+    CHECK(msh_pool_alloc(pool, 6 * MiB, 11, &c) == ENOMEM);
+    pool_checked(pool, "the failed request", __FILE__, __LINE__);
+    CHECK(stats(pool).solo_ends == 0);
+    long sync0 = f->calls[OP_SYNC];
+    REQUIRE(msh_pool_alloc(pool, 4 * MiB, 22, &b) == 0);
+    CHECK(stats(pool).solo_ends == 1);
+    CHECK(b == a && f->calls[OP_SYNC] == sync0 + 1);
+    CHECK(msh_pool_free(pool, b, 22) == 0);
+    CHECK(msh_pool_free(pool, x, 11) == 0);
+    pool_checked(pool, "the end", __FILE__, __LINE__);
+    msh_pool_destroy(pool);
+    CHECK(f->live_events == 0 && f->misuse == 0);
+    free(f);
+}
+
 TEST(oom_diagnosis_capacity_and_fragmentation)
 {
     struct fake *f = fake_new(0, 0);
