@@ -93,6 +93,8 @@ struct blk {
     uint64_t slo, shi;   /* free, sync_needed: the bytes that need the synchronize */
     uint64_t qlo, qhi;   /* free or pending, the one-stream regime: the bytes its frees left
                           * without a tag (streams.c solo_end); empty when qlo >= qhi */
+    uint64_t qseq, qgen; /* and the latest of those frees' numbers (pool->evseq) and generations
+                          * (pool->free_gen): what their tags would have carried */
     uint32_t prio;
     uint8_t state, ns, sync_needed;
     uint8_t claimed;     /* pending: counted on its pages (a pending block waiting for another
@@ -750,11 +752,24 @@ static inline bool blk_untagged(const struct blk *b)
     return !(b->ns | b->sync_needed);
 }
 
+/* A free of the one stream alone (streams.c solo_end), b's tags already dropped: no tag, the span
+ * with the free's number and generation, and the pool-wide count of frees with queued work (an
+ * unmap synchronizes first). */
+static inline void solo_free(struct msh_pool *pool, struct blk *b, uint64_t seq)
+{
+    b->qlo = b->addr;
+    b->qhi = b->addr + b->size;
+    b->qseq = seq;
+    b->qgen = ++pool->free_gen;
+}
+
 static inline void streams_merge(struct msh_pool *pool, struct blk *into, struct blk *from)
 {
-    if (from->qlo < from->qhi) { /* the spans' union */
+    if (from->qlo < from->qhi) { /* the spans' union, and the later free's number and generation */
         if (into->qlo >= into->qhi || from->qlo < into->qlo) into->qlo = from->qlo;
         if (from->qhi > into->qhi) into->qhi = from->qhi;
+        if (from->qseq > into->qseq) into->qseq = from->qseq;
+        if (from->qgen > into->qgen) into->qgen = from->qgen;
     }
     if (blk_untagged(into) && blk_untagged(from)) into->free_gen = 0;
     else streams_merge_tags(pool, into, from);
@@ -764,6 +779,8 @@ static inline void streams_copy(struct msh_pool *pool, struct blk *to, const str
 {
     to->qlo = from->qlo;
     to->qhi = from->qhi;
+    to->qseq = from->qseq;
+    to->qgen = from->qgen;
     if (!blk_untagged(from)) {
         streams_copy_tags(pool, to, from);
         return;
@@ -781,7 +798,7 @@ static inline void streams_clip(struct msh_pool *pool, struct blk *b)
     if (b->qlo < b->qhi) {
         if (b->qlo < lo) b->qlo = lo;
         if (b->qhi > hi) b->qhi = hi;
-        if (b->qlo >= b->qhi) b->qlo = b->qhi = 0;
+        if (b->qlo >= b->qhi) b->qlo = b->qhi = b->qseq = b->qgen = 0;
     }
     if (!blk_untagged(b)) streams_clip_tags(pool, b);
 }

@@ -801,11 +801,7 @@ static void free_tags(struct msh_pool *pool, struct blk *b, uint64_t stream, con
         }
     }
     if (pool->solo == SOLO_ONE && stream == pool->solo_stream && !b->ns && !overflow) {
-        /* the one stream alone: no tag, its span, and the pool-wide count of frees with queued
-         * work (an unmap synchronizes first); streams.c solo_end */
-        b->qlo = b->addr;
-        b->qhi = b->addr + b->size;
-        pool->free_gen++;
+        solo_free(pool, b, seq); /* the one stream alone: no tag (streams.c solo_end) */
         return;
     }
     bool own = false;
@@ -915,15 +911,10 @@ static void free_block(struct msh_pool *pool, struct blk *b, uint64_t stream)
     if (pool->step && pool->step->on) step_note_free(pool, b);
     if (pool->solo == SOLO_ONE && stream == pool->solo_stream && b->ns == 1 && b->s[0].stream == stream &&
         !b->sync_needed) {
-        /* the one stream alone, on its own block (streams.c solo_end): no tag and no event, the
-         * span its queued work may touch, and the pool-wide count of frees with such work (an
-         * unmap synchronizes first) */
+        /* the one stream alone, on its own block: none of free_tags' work (streams.c solo_end) */
         b->ns = 0;
         b->free_gen = 0;
-        b->qlo = b->addr;
-        b->qhi = b->addr + b->size;
-        pool->evseq++;
-        pool->free_gen++;
+        solo_free(pool, b, ++pool->evseq);
         block_untouch(pool, b);
         blk_make_free(pool, b);
         trim_cached(pool);

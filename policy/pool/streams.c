@@ -103,13 +103,13 @@ struct kstream *ks_find(struct msh_pool *pool, uint64_t stream)
  * A stream tag is about other users: a reuse on the tag's own stream is ready by stream order, and
  * only another stream, or a host-synchronous user (MSH_STREAM_COMPLETED), has to wait for it.
  * While the pool has seen one stream alone, its frees leave no tag (their cost was a fifth of the
- * pool path's instructions): the pool-wide free count still rises at each free, so an unmap still
- * synchronizes first (pages.c job_need_settle). The first other user ends the regime for good,
- * before it places anything: every extent that stream may have used gets the tag its frees would
- * have left, numbered now (it covers all of them, no event: a reuse elsewhere waits for a later
- * event of that stream, or synchronizes, as after any free without an event). Which bytes: each
- * extent keeps the span of its untagged frees (qlo, qhi), merged, copied and clipped with it as
- * tags are, so that bytes freed as complete (MSH_STREAM_COMPLETED) or never used stay clean; a
+ * pool path's instructions): each free extent keeps the span of its untagged frees (qlo, qhi) and
+ * the latest of their numbers and generations (qseq, qgen), merged, copied and clipped with it as
+ * tags are, and the pool-wide free count still rises at each free, so an unmap still synchronizes
+ * first (pages.c job_need_settle). The first other user ends the regime for good, before it
+ * places anything: each span becomes the tag its frees would have left (that stream, the latest
+ * free's number, no event; the generation, so that a synchronize since covers it), as merged tags
+ * of one stream are. Bytes freed as complete (MSH_STREAM_COMPLETED) or never used stay clean; a
  * request in progress keeps its extent's span (if it gives the extent back, the tag stays). */
 void solo_end(struct msh_pool *pool)
 {
@@ -117,17 +117,20 @@ void solo_end(struct msh_pool *pool)
     pool->solo = SOLO_OFF;
     if (was != SOLO_ONE) return;
     pool->st.solo_ends++;
-    struct sref t = {.stream = pool->solo_stream, .seq = pool->evseq, .ev = NO_EV};
+    struct sref t = {.stream = pool->solo_stream, .ev = NO_EV};
     for (int a = 0; a < NAREAS; a++)
         for (struct region *r = pool->areas[a]; r; r = r->next) {
             for (struct blk *b = r->first; b; b = b->next) {
                 if (b->qlo >= b->qhi) continue;
                 t.lo = b->qlo;
                 t.hi = b->qhi;
+                t.seq = b->qseq;
+                uint64_t gen = b->qgen;
                 b->qlo = b->qhi = 0;
+                b->qseq = b->qgen = 0;
                 if (b->state != B_FREE && b->state != B_PENDING) continue;
                 sref_add(pool, b, &t);
-                b->free_gen = ++pool->free_gen;
+                if (gen > b->free_gen) b->free_gen = gen;
             }
         }
 }
@@ -236,6 +239,7 @@ void sref_clear(struct msh_pool *pool, struct blk *b)
     b->free_gen = 0;
     b->slo = b->shi = 0;
     b->qlo = b->qhi = 0;
+    b->qseq = b->qgen = 0;
 }
 
 static inline bool blk_tagged(const struct blk *b)

@@ -1095,6 +1095,33 @@ TEST(one_stream_regime_a_failed_request_gives_its_extent_back_with_the_span)
     free(f);
 }
 
+/* A synchronize covers the one stream's untagged frees as it covered their tags: when a second
+ * stream comes after one, that memory is clean, and it is reused at once (no second synchronize,
+ * no fresh memory instead). The tags the end of the regime makes keep each free's number and
+ * generation, as the frees would have left them. */
+TEST(one_stream_regime_a_synchronize_before_the_second_stream_covers_its_frees)
+{
+    struct fake *f = fake_new(0, 0);
+    struct msh_pool *pool = mk_pool(&f->dev, 8 * MiB, true, 0);
+    REQUIRE(pool);
+    uint64_t x, a, b;
+    REQUIRE(msh_pool_alloc(pool, 4 * MiB, 11, &x) == 0);
+    REQUIRE(msh_pool_alloc(pool, 4 * MiB, 11, &a) == 0);
+    CHECK(msh_pool_free(pool, a, 11) == 0);
+    long sync0 = f->calls[OP_SYNC];
+    CHECK(msh_pool_empty_cache(pool) == 2 * GRAN); /* a's pages: unmapped after one synchronize */
+    CHECK(f->calls[OP_SYNC] == sync0 + 1);
+    REQUIRE(msh_pool_alloc(pool, 4 * MiB, 22, &b) == 0);
+    pool_checked(pool, "the second stream", __FILE__, __LINE__);
+    CHECK(stats(pool).solo_ends == 1);
+    CHECK(b == a && f->calls[OP_SYNC] == sync0 + 1 && stats(pool).cross_stream_waits == 0);
+    CHECK(msh_pool_free(pool, b, 22) == 0);
+    CHECK(msh_pool_free(pool, x, 11) == 0);
+    msh_pool_destroy(pool);
+    CHECK(f->live_events == 0 && f->misuse == 0);
+    free(f);
+}
+
 TEST(oom_diagnosis_capacity_and_fragmentation)
 {
     struct fake *f = fake_new(0, 0);
