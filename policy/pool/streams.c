@@ -242,11 +242,6 @@ void sref_clear(struct msh_pool *pool, struct blk *b)
     b->qseq = b->qgen = 0;
 }
 
-static inline bool blk_tagged(const struct blk *b)
-{
-    return b->ns || b->sync_needed;
-}
-
 static inline bool range_meets(uint64_t alo, uint64_t ahi, uint64_t blo, uint64_t bhi)
 {
     return alo < bhi && blo < ahi;
@@ -255,7 +250,7 @@ static inline bool range_meets(uint64_t alo, uint64_t ahi, uint64_t blo, uint64_
 /* Drop the tags known complete (their event references too). */
 static void sref_prune(struct msh_pool *pool, struct blk *b)
 {
-    if (!blk_tagged(b)) return;
+    if (blk_untagged(b)) return;
     if (b->free_gen && b->free_gen <= pool->synced_gen) {
         sref_clear(pool, b);
         return;
@@ -266,7 +261,7 @@ static void sref_prune(struct msh_pool *pool, struct blk *b)
         else b->s[k++] = b->s[i];
     }
     b->ns = (uint8_t)k;
-    if (!blk_tagged(b)) b->free_gen = 0;
+    if (blk_untagged(b)) b->free_gen = 0;
 }
 
 /* Add a tag to b, taking over the reference on its event. One tag per stream: the bytes of both,
@@ -324,7 +319,7 @@ void streams_merge_tags(struct msh_pool *pool, struct blk *into, struct blk *fro
         into->sync_needed = 1;
     }
     if (from->free_gen > into->free_gen) into->free_gen = from->free_gen;
-    if (!blk_tagged(into)) into->free_gen = 0;
+    if (blk_untagged(into)) into->free_gen = 0;
 }
 
 /* Copy of b's tags onto a piece split from it (one more reference on each event). */
@@ -360,7 +355,7 @@ void streams_clip_tags(struct msh_pool *pool, struct blk *b)
         if (b->slo < lo) b->slo = lo;
         if (b->shi > hi) b->shi = hi;
     }
-    if (!blk_tagged(b)) b->free_gen = 0;
+    if (blk_untagged(b)) b->free_gen = 0;
 }
 
 /* The event a reuse elsewhere waits on for tag t: its own, or else the latest event recorded on
@@ -376,7 +371,7 @@ static uint32_t tag_event(struct msh_pool *pool, const struct sref *t)
 int fit_kind(struct msh_pool *pool, const struct blk *b, uint64_t lo, uint64_t hi, uint64_t stream,
                     uint64_t *blocked)
 {
-    if (!blk_tagged(b) || (b->free_gen && b->free_gen <= pool->synced_gen)) return FIT_READY;
+    if (blk_untagged(b) || (b->free_gen && b->free_gen <= pool->synced_gen)) return FIT_READY;
     if (b->sync_needed && range_meets(b->slo, b->shi, lo, hi)) return FIT_SYNC;
     int k = FIT_READY;
     for (int i = 0; i < b->ns; i++) {
