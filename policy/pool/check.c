@@ -59,7 +59,7 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
     uint32_t *evrefs = NULL;
     size_t evrefs_bytes = 0;
     if (why && whylen) why[0] = 0;
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     /* Requests doing driver work hold claims (pending blocks, pages in progress) that the rest of
      * the pool accounts for only once they publish: the exact checks need a quiet pool. */
     bool quiet = pool->jobs == 0 && pool->waiters == 0; /* a waiter holds a pending block too */
@@ -463,7 +463,7 @@ int msh_pool_check(struct msh_pool *pool, char *why, size_t whylen)
             }
     }
 out:
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     raw_free(live_count, live_count_bytes);
     raw_free(evrefs, evrefs_bytes);
     return rc;

@@ -237,7 +237,7 @@ bool region_add(struct msh_pool *pool, int area, uint64_t min_bytes)
     size = round_up(size, pool->gran);
     if (size / pool->gran > MAX_REGION_PAGES) return false;
     uint32_t npages = (uint32_t)(size / pool->gran);
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     uint64_t va = 0;
     int rc = dev_reserve(pool, size, &va);
     struct region *r = rc ? NULL : raw_alloc(sizeof *r);
@@ -249,15 +249,15 @@ bool region_add(struct msh_pool *pool, int area, uint64_t min_bytes)
         dev_unreserve(pool, va, size);
         r = NULL;
     }
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     if (!r) return false;
     struct blk *b = blk_new(pool);
     if (!b) {
-        pthread_mutex_unlock(&pool->lock);
+        msh_unlock(&pool->lock);
         raw_free(r, sizeof *r);
         raw_free(pages, (size_t)npages * sizeof *pages);
         dev_unreserve(pool, va, size);
-        pthread_mutex_lock(&pool->lock);
+        msh_lock(&pool->lock);
         return false;
     }
     r->base = va;

@@ -23,6 +23,7 @@
 #include <time.h>
 
 #include "hotclock.h" /* msh_lat_sample: which calls are timed */
+#include "lock.h"     /* the pool's lock and conditions */
 #include "msh.h"
 
 #define BLOCK_ALIGN 512 /* what PyTorch promises its callers */
@@ -230,8 +231,8 @@ struct front {
 enum { FRONT_DRAIN_ALL = 0, FRONT_DRAIN_STREAM, FRONT_DRAIN_DEMAND, FRONT_DRAIN_IDLE, FRONT_DRAIN_STALE, FRONT_DRAIN_GONE };
 
 struct msh_pool {
-    pthread_mutex_t lock;
-    pthread_cond_t cv;    /* a mapping or unmapping another thread waits for was published */
+    struct msh_lock lock; /* base/lock.h: one compare-exchange when uncontended */
+    struct msh_cond cv;     /* a mapping or unmapping another thread waits for was published */
     struct msh_device *dev;
     struct msh_pool_params prm;
     size_t gran, limit, device_total;
@@ -605,7 +606,7 @@ struct step {
     uint64_t dropped_at;     /* the end of its step (0: in mid-step, or never) */
     pthread_t worker;
     bool worker_on, worker_failed, stop;
-    pthread_cond_t wake;     /* the planner waits for a job */
+    struct msh_cond wake;    /* the planner waits for a job */
 };
 enum { PJ_IDLE = 0, PJ_QUEUED, PJ_RUNNING, PJ_DONE };
 

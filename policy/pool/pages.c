@@ -937,7 +937,7 @@ static int job_publish(struct msh_pool *pool, struct job *j)
     if (j->wait_rc && !rc) rc = j->wait_rc;
     for (int i = 0; i < j->nwaits; i++)
         if (j->waits[i].done) ev_done(pool, j->waits[i].ev);
-    if (pool->waiters) pthread_cond_broadcast(&pool->cv);
+    if (pool->waiters) msh_cond_broadcast(&pool->cv);
     return rc;
 }
 
@@ -946,9 +946,9 @@ int job_do(struct msh_pool *pool, struct job *j)
 {
     if (!job_has_work(j)) return 0;
     pool->jobs++;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     job_run(pool, j);
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     pool->jobs--;
     return job_publish(pool, j);
 }

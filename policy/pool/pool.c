@@ -88,7 +88,7 @@ static inline __attribute__((always_inline)) int try_alloc(struct msh_pool *pool
                 /* another thread maps or unmaps one of our pages: wait for it to publish */
                 pool->st.lock_waits++;
                 pool->waiters++;
-                pthread_cond_wait(&pool->cv, &pool->lock);
+                msh_cond_wait(&pool->cv, &pool->lock);
                 pool->waiters--;
             }
         }
@@ -292,8 +292,8 @@ int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params
 {
     struct msh_pool *pool = raw_alloc(sizeof *pool);
     if (!pool) return ENOMEM;
-    pthread_mutex_init(&pool->lock, NULL);
-    pthread_cond_init(&pool->cv, NULL);
+    msh_lock_init(&pool->lock);
+    msh_cond_init(&pool->cv);
     pool->dev = dev;
     if (params) pool->prm = *params;
     else msh_pool_params_default(&pool->prm);
@@ -303,8 +303,6 @@ int msh_pool_create(struct msh_device *dev, const struct msh_pool_params *params
     pool->t0_ns = msh_now_ns();
     int rc = dev->ops->granularity(dev, &pool->gran);
     if (rc || !pool->gran) {
-        pthread_cond_destroy(&pool->cv);
-        pthread_mutex_destroy(&pool->lock);
         raw_free(pool, sizeof *pool);
         return rc ? rc : EIO;
     }
@@ -344,10 +342,10 @@ void msh_pool_destroy(struct msh_pool *pool)
 {
     if (!pool) return;
     step_stop(pool);
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     /* its blocks go back as plain frees: the device is synchronized below, no one follows */
     front_drain(pool, FRONT_DRAIN_GONE, MSH_STREAM_COMPLETED);
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     front_destroy(pool);
     dev_synchronize(pool);
     for (int a = 0; a < NAREAS; a++) {
@@ -383,8 +381,6 @@ void msh_pool_destroy(struct msh_pool *pool)
     raw_free(pool->evs, (size_t)pool->capevs * sizeof *pool->evs);
     step_destroy(pool);
     raw_free(pool->htab, pool->hcap * sizeof *pool->htab);
-    pthread_cond_destroy(&pool->cv);
-    pthread_mutex_destroy(&pool->lock);
     /* Block slabs are not tracked individually; they are reclaimed with the process. */
     raw_free(pool, sizeof *pool);
 }
@@ -475,9 +471,9 @@ static void events_poll(struct msh_pool *pool)
         h[k] = pool->evs[slot[k]].h;
     }
     pool->jobs++;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     for (int k = 0; k < n; k++) rcs[k] = dev_event_query(pool, h[k]);
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     pool->jobs--;
     for (int k = 0; k < n; k++) {
         if (rcs[k] == 0) ev_done(pool, slot[k]);
@@ -496,7 +492,7 @@ static int pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint6
     uint64_t rsize = round_block(size);
     uint32_t lw = pool->timing && !(flags & MSH_PA_TIMED) ? msh_lat_sample() : 0;
     uint64_t t0 = lw ? msh_ticks() : 0;
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     /* The front end: a block freed on this stream with this size, handed back as it is. */
     if (pool->front.blocks) {
         struct blk *b = front_take(pool, stream, rsize);
@@ -508,7 +504,7 @@ static int pool_alloc(struct msh_pool *pool, size_t size, uint64_t stream, uint6
             count_alloc(pool, size, counted);
             pool->st.front_hits++;
             if (lw) lat_record(pool, true, ticks_ns(t0), lw);
-            pthread_mutex_unlock(&pool->lock);
+            msh_unlock(&pool->lock);
             *addr = b->addr;
             return 0;
         }
@@ -593,9 +589,9 @@ static int pool_alloc_slow(struct msh_pool *pool, size_t size, uint64_t rsize, u
             msh_pool_gc_fn fn = pool->gc_fn;
             void *arg = pool->gc_arg;
             steps |= MSH_OOM_STEP_GC;
-            pthread_mutex_unlock(&pool->lock);
+            msh_unlock(&pool->lock);
             fn(arg); /* may free blocks through msh_pool_free */
-            pthread_mutex_lock(&pool->lock);
+            msh_lock(&pool->lock);
             rc = try_alloc_all(pool, rsize, size, stream, addr, &rm, &reclaimed, &capture_blocked);
             if (rc == 0) pool->st.rescue_gc++;
         }
@@ -639,7 +635,7 @@ static int pool_alloc_slow(struct msh_pool *pool, size_t size, uint64_t rsize, u
             front_drain(pool, FRONT_DRAIN_DEMAND, 0);
         }
         if (lw) lat_record(pool, true, ticks_ns(t0), lw);
-        pthread_mutex_unlock(&pool->lock);
+        msh_unlock(&pool->lock);
         return 0;
     }
     /* Pages this request created and could not use are given back: the memory a failed request
@@ -655,9 +651,9 @@ static int pool_alloc_slow(struct msh_pool *pool, size_t size, uint64_t rsize, u
         size_t now = __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED);
         df = rm.dev_free + rm.drv_held > now ? rm.dev_free + rm.drv_held - now : 0;
     } else { /* no job asked: this is the request's one question */
-        pthread_mutex_unlock(&pool->lock);
+        msh_unlock(&pool->lock);
         if (dev_mem_info(pool, &df, &dt)) df = dt = 0;
-        pthread_mutex_lock(&pool->lock);
+        msh_lock(&pool->lock);
     }
     fill_oom(pool, size, df, dt);
     size_t room_now = room_pages(pool, &rm, false);
@@ -670,7 +666,7 @@ static int pool_alloc_slow(struct msh_pool *pool, size_t size, uint64_t rsize, u
                            : pool->spill_state < 0 ? "no host memory through VMM"
                            : spill_stop ? spill_stop : "nothing cold";
     struct msh_pool_oom o = pool->oom;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     if (o.kind != MSH_OOM_NOW) {
         msh_warn("out of memory on device %d: requested %zu bytes, %s (%zu bytes): refused before any driver work",
                  pool->dev->ordinal, o.requested, msh_oom_case_text(o.kind),
@@ -760,7 +756,7 @@ static void free_tags(struct msh_pool *pool, struct blk *b, uint64_t stream, con
         }
         b->state = B_FREEING;
         pool->jobs++;
-        pthread_mutex_unlock(&pool->lock);
+        msh_unlock(&pool->lock);
         for (int k = 0; k < n; k++) {
             rcs[k] = slot[k] == NO_EV ? ENOMEM : 0;
             if (!rcs[k] && !h[k]) {
@@ -771,7 +767,7 @@ static void free_tags(struct msh_pool *pool, struct blk *b, uint64_t stream, con
             if (rcs[k] && !(own_ev && k == n - 1) && pool->dev->ops->stream_sync)
                 synced[k] = pool->dev->ops->stream_sync(pool->dev, rec[k]) == 0;
         }
-        pthread_mutex_lock(&pool->lock);
+        msh_lock(&pool->lock);
         pool->jobs--;
         for (int k = 0; k < n; k++) {
             if (created[k]) pool->evs[slot[k]].h = h[k];
@@ -827,11 +823,11 @@ static int pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream, bool
 {
     uint32_t lw = pool->timing && !timed ? msh_lat_sample() : 0;
     uint64_t t0 = lw ? msh_ticks() : 0;
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     struct blk *b = hash_find(pool, addr);
     if (!b || b->state == B_BINNED) {
         if (b) pool->st.double_frees++; /* freed already: its bin keeps it, nothing changes */
-        pthread_mutex_unlock(&pool->lock);
+        msh_unlock(&pool->lock);
         return b ? EALREADY : EINVAL;
     }
     msh_pool_tags = (struct msh_pool_tags){msh_pool_tags.next, b->tag, b->req};
@@ -844,7 +840,7 @@ static int pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream, bool
         free_block(pool, b, stream);
     }
     if (lw) lat_record(pool, false, ticks_ns(t0), lw);
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     return 0;
 }
 
@@ -976,9 +972,9 @@ static void settle_locked(struct msh_pool *pool)
 
 void msh_pool_after_capture(struct msh_pool *pool)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     settle_locked(pool);
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
 }
 
 __thread struct msh_pool_tags msh_pool_tags;
@@ -992,34 +988,34 @@ static struct blk *live_find(struct msh_pool *pool, uint64_t addr)
 
 void msh_pool_block_tags(struct msh_pool *pool, const uint64_t *addrs, uint32_t *tags, size_t n)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     for (size_t i = 0; i < n; i++) {
         struct blk *b = live_find(pool, addrs[i]);
         tags[i] = b ? b->tag : 0;
     }
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
 }
 
 size_t msh_pool_block_size(struct msh_pool *pool, uint64_t addr)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     struct blk *b = live_find(pool, addr);
     size_t s = b ? b->req : 0;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     return s;
 }
 
 bool msh_pool_owns(struct msh_pool *pool, uint64_t addr)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     bool own = live_find(pool, addr) != NULL;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     return own;
 }
 
 int msh_pool_record_stream(struct msh_pool *pool, uint64_t addr, uint64_t stream)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     struct blk *b = live_find(pool, addr);
     int rc = EINVAL;
     if (b) {
@@ -1032,7 +1028,7 @@ int msh_pool_record_stream(struct msh_pool *pool, uint64_t addr, uint64_t stream
             else b->sync_needed = 1; /* too many streams to track: synchronize before reuse */
         }
     }
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     return rc;
 }
 
@@ -1072,32 +1068,32 @@ static void events_trim(struct msh_pool *pool, bool at_exit)
                 pool->evs[e].h = 0;
             }
         if (!n) break;
-        pthread_mutex_unlock(&pool->lock);
+        msh_unlock(&pool->lock);
         for (int i = 0; i < n; i++) ev_destroy(pool, h[i]);
-        pthread_mutex_lock(&pool->lock);
+        msh_lock(&pool->lock);
     }
 }
 
 void msh_pool_release_events(struct msh_pool *pool)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     events_trim(pool, true);
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
 }
 
 size_t msh_pool_empty_cache(struct msh_pool *pool)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     front_drain(pool, FRONT_DRAIN_ALL, MSH_STREAM_COMPLETED); /* binned blocks hold pages too: nothing stays in the bins */
     size_t n = release_cached(pool, 0, 0);
     events_trim(pool, false);
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     return n;
 }
 
 size_t msh_pool_trim(struct msh_pool *pool)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     /* Binned bytes over the threshold that served nothing for the quiet period go as cached
      * bytes do (the front end's activity is its hits and puts since this thread's last look). */
     struct front *f = &pool->front;
@@ -1112,23 +1108,23 @@ size_t msh_pool_trim(struct msh_pool *pool)
         front_drain(pool, FRONT_DRAIN_ALL, MSH_STREAM_COMPLETED);
     }
     size_t n = trim_cached(pool);
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     return n;
 }
 
 void msh_pool_set_gc(struct msh_pool *pool, msh_pool_gc_fn fn, void *arg)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     pool->gc_fn = fn;
     pool->gc_arg = arg;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
 }
 
 void msh_pool_set_timing(struct msh_pool *pool, bool on)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     pool->timing = on;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
 }
 
 
@@ -1179,11 +1175,11 @@ void msh_pool_for_each_live(struct msh_pool *pool,
                             void (*fn)(void *arg, uint64_t addr, size_t size, uint64_t stream),
                             void *arg)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     for (size_t i = 0; i < pool->hcap; i++)
         for (struct blk *b = pool->htab[i]; b; b = b->hnext)
             if (b->state == B_LIVE) fn(arg, b->addr, b->req, b->ns ? b->s[0].stream : MSH_STREAM_COMPLETED);
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
 }
 
 /* ---- issue 8's entry points: streams that go away, blocks by interior address, release on free -- */
@@ -1217,7 +1213,7 @@ static bool sref_drop(struct msh_pool *pool, struct blk *b, uint64_t stream)
 int msh_pool_forget_stream(struct msh_pool *pool, uint64_t stream)
 {
     if (stream == MSH_STREAM_COMPLETED) return 0;
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     front_drain(pool, FRONT_DRAIN_STREAM, stream); /* its bins name it: freed while it still exists */
     if (pool->solo == SOLO_ONE && stream == pool->solo_stream) solo_end(pool); /* its untagged frees get tags, traded below */
     for (size_t i = 0; i < pool->hcap; i++)
@@ -1233,7 +1229,7 @@ int msh_pool_forget_stream(struct msh_pool *pool, uint64_t stream)
         ev_put(pool, k->latest);
         memset(k, 0, sizeof *k);
     }
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     return 0;
 }
 
@@ -1250,7 +1246,7 @@ static struct region *region_of(struct msh_pool *pool, uint64_t addr)
  * registration by NCCL or an MPI library, not every allocation). */
 int msh_pool_block_containing(struct msh_pool *pool, uint64_t addr, uint64_t *base, size_t *size)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     struct blk *b = live_find(pool, addr);
     if (!b) {
         struct region *r = region_of(pool, addr);
@@ -1261,7 +1257,7 @@ int msh_pool_block_containing(struct msh_pool *pool, uint64_t addr, uint64_t *ba
         *base = b->addr;
         *size = b->req ? b->req : 1;
     }
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     return b ? 0 : EINVAL;
 }
 
@@ -1276,9 +1272,9 @@ bool msh_pool_covers_fast(struct msh_pool *pool, uint64_t addr)
 
 bool msh_pool_covers(struct msh_pool *pool, uint64_t addr)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     bool in = region_of(pool, addr) != NULL;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     return in;
 }
 
@@ -1289,10 +1285,10 @@ bool msh_pool_covers(struct msh_pool *pool, uint64_t addr)
  * makes only its own call fail, and it gets the grant when it is mapped again. */
 int msh_pool_regrant_access(struct msh_pool *pool)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     while (pool->jobs) {
         pool->waiters++;
-        pthread_cond_wait(&pool->cv, &pool->lock);
+        msh_cond_wait(&pool->cv, &pool->lock);
         pool->waiters--;
     }
     size_t n = 0, cap = 0;
@@ -1315,7 +1311,7 @@ int msh_pool_regrant_access(struct msh_pool *pool)
                 runs[n][1] = (uint64_t)pg->npages * pool->gran;
                 n++;
             }
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     int first = 0;
     for (size_t i = 0; i < n; i++) {
         int rc = dev_set_access(pool, runs[i][0], runs[i][1]);
@@ -1331,16 +1327,16 @@ int msh_pool_regrant_access(struct msh_pool *pool)
 
 void msh_pool_step(struct msh_pool *pool)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     front_step(pool);
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
 }
 
 size_t msh_pool_drain_front(struct msh_pool *pool)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     size_t n = front_drain(pool, FRONT_DRAIN_ALL, MSH_STREAM_COMPLETED);
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     return n;
 }
 
@@ -1351,20 +1347,20 @@ size_t msh_pool_drain_front(struct msh_pool *pool)
 int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream, size_t *released)
 {
     if (released) *released = 0;
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     struct blk *b = live_find(pool, addr);
     struct region *r = b ? b->reg : NULL;
     uint32_t p0 = 0, p1 = 0;
     if (b) page_range(pool, b, &p0, &p1);
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     if (!b) return EINVAL;
     int rc = pool_free(pool, addr, stream, false, false); /* its pages go back: never binned */
     if (rc) return rc;
     /* another thread may have placed a block on these pages meanwhile: those stay (live) */
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     if (capturing(pool)) { /* the release waits: the pages stay cached */
         pool->st.capture_deferrals++;
-        pthread_mutex_unlock(&pool->lock);
+        msh_unlock(&pool->lock);
         return 0;
     }
     struct job j;
@@ -1387,7 +1383,7 @@ int msh_pool_free_release(struct msh_pool *pool, uint64_t addr, uint64_t stream,
     job_do(pool, &j);
     job_fini(pool, &j);
     size_t n = (pool->st.released_pages - before) * pool->gran;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     if (released) *released = n;
     return 0;
 }

@@ -147,7 +147,7 @@ static size_t move_all(struct msh_pool *pool, struct cand *c, size_t n, bool to_
     }
     if (reserved) held_add(pool, reserved);
     pool->jobs++;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     uint64_t t0 = msh_now_ns();
     int rc = dev_synchronize(pool); /* no kernel may touch a page while it is copied and remapped */
     uint64_t *nh = raw_alloc(n * sizeof *nh);
@@ -173,7 +173,7 @@ static size_t move_all(struct msh_pool *pool, struct cand *c, size_t n, bool to_
     if (stop && res)
         for (size_t i = 0; i < n; i++) res[i] = 2;
     uint64_t dt = msh_now_ns() - t0;
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     size_t moved = 0;
     for (size_t i = 0; i < n; i++) {
         struct region *r = c[i].r;
@@ -216,7 +216,7 @@ static size_t move_all(struct msh_pool *pool, struct cand *c, size_t n, bool to_
     pool->st.spill_ns += dt;
     spill_stats(pool);
     pool->jobs--;
-    pthread_cond_broadcast(&pool->cv);
+    msh_cond_broadcast(&pool->cv);
     if (nh) raw_free(nh, n * sizeof *nh);
     if (res) raw_free(res, n);
     return moved;
@@ -339,7 +339,7 @@ done_scan:
     if (k) {
         for (size_t i = 0; i < k; i++) c[i].r->pages[c[i].h].state = PG_MOVING;
         pool->jobs++;
-        pthread_mutex_unlock(&pool->lock);
+        msh_unlock(&pool->lock);
         int *ok = raw_alloc(k * sizeof *ok);
         /* the device must be done with them before the unmap (unmap is not stream-ordered) */
         int sync = dev_synchronize(pool);
@@ -350,7 +350,7 @@ done_scan:
             if (ok[i] && dev_host_release(pool, hp->handle, bytes))
                 msh_debug("pool: spill: releasing %zu bytes of idle host memory failed (leaked)", bytes);
         }
-        pthread_mutex_lock(&pool->lock);
+        msh_lock(&pool->lock);
         for (size_t i = 0; i < k; i++) {
             struct region *r = c[i].r;
             struct page *hp = &r->pages[c[i].h];
@@ -366,7 +366,7 @@ done_scan:
             idle += c[i].n;
         }
         pool->jobs--;
-        pthread_cond_broadcast(&pool->cv);
+        msh_cond_broadcast(&pool->cv);
         if (ok) raw_free(ok, k * sizeof *ok);
     }
     /* in use: back to the device while it has room (with the margin), counting cached device
@@ -394,28 +394,28 @@ done_scan:
 
 void msh_pool_set_spill(struct msh_pool *pool, bool on, size_t max_bytes)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     pool->prm.spill = on;
     pool->prm.spill_max_bytes = max_bytes;
     pool->spill_max_pages = max_bytes ? (max_bytes / pool->gran ? max_bytes / pool->gran : 1) : 0;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
 }
 
 size_t msh_pool_unspill(struct msh_pool *pool, bool all)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     size_t n = unspill_locked(pool, all);
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     return n;
 }
 
 size_t msh_pool_mark_step(struct msh_pool *pool)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     pool->spill_mark = pool->nborn;
     pool->spill_marked = true;
     size_t n = unspill_locked(pool, false);
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     return n;
 }
 
@@ -438,7 +438,7 @@ void spill_note_step(struct msh_pool *pool)
 void msh_pool_for_each_spilled(struct msh_pool *pool, void (*fn)(void *arg, uint64_t addr, size_t size, size_t host_bytes),
                                void *arg)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     if (pool->spill_pages)
         for (int a = 0; a < NAREAS; a++)
             for (struct region *r = pool->areas[a]; r; r = r->next)
@@ -457,5 +457,5 @@ void msh_pool_for_each_spilled(struct msh_pool *pool, void (*fn)(void *arg, uint
                     }
                     if (hb) fn(arg, b->addr, b->req, hb);
                 }
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
 }

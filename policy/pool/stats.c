@@ -84,9 +84,9 @@ void scan_free(struct msh_pool *pool, size_t *free_bytes, size_t *largest)
 
 uint64_t msh_pool_activity(struct msh_pool *pool)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     uint64_t n = pool->st.allocs + pool->st.frees;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     return n;
 }
 
@@ -97,7 +97,7 @@ size_t msh_pool_mapped_bytes(struct msh_pool *pool)
 
 void msh_pool_get_stats(struct msh_pool *pool, struct msh_pool_stats *out)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     pool->st.mapped_bytes = pool->held * pool->gran;
     pool->st.handle_bytes = pool->held * pool->gran;
     pool->st.touched_bytes = pool->touched * pool->gran;
@@ -117,12 +117,12 @@ void msh_pool_get_stats(struct msh_pool *pool, struct msh_pool_stats *out)
         out->drv_bytes[k] = __atomic_load_n(&pool->st.drv_bytes[k], __ATOMIC_RELAXED);
         out->drv_maps[k] = __atomic_load_n(&pool->st.drv_maps[k], __ATOMIC_RELAXED);
     }
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
 }
 
 void msh_pool_reset_peaks(struct msh_pool *pool)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     pool->st.peak_live_bytes = pool->st.live_bytes;
     pool->st.peak_binned_bytes = pool->front.bytes;
     pool->lat_gen++; /* the threads timed in the next epoch are counted again */
@@ -134,17 +134,17 @@ void msh_pool_reset_peaks(struct msh_pool *pool)
     pool->at_peak_live = pool->st.live_bytes;
     pool->step_peak_live = pool->st.live_bytes;
     __atomic_store_n(&pool->drv_peak_step, pool->at_peak_held, __ATOMIC_RELAXED);
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
 }
 
 void msh_pool_take_step_peaks(struct msh_pool *pool, size_t *live, size_t *reserved)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     size_t held = __atomic_load_n(&pool->drv_held, __ATOMIC_RELAXED);
     *live = pool->step_peak_live;
     *reserved = __atomic_exchange_n(&pool->drv_peak_step, held, __ATOMIC_RELAXED);
     pool->step_peak_live = pool->st.live_bytes;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
 }
 
 const char *msh_oom_case_name(int kind)
@@ -161,9 +161,9 @@ const char *msh_oom_case_text(int kind)
 
 void msh_pool_last_oom(struct msh_pool *pool, struct msh_pool_oom *out)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     *out = pool->oom;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
 }
 
 void lat_record(struct msh_pool *pool, bool alloc, uint64_t ns, uint32_t weight)
@@ -175,32 +175,32 @@ void lat_record(struct msh_pool *pool, bool alloc, uint64_t ns, uint32_t weight)
 
 void msh_pool_note_latency(struct msh_pool *pool, bool alloc, uint64_t ns, uint32_t weight)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     lat_record(pool, alloc, ns, weight);
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
 }
 
 void msh_pool_caller_stats(struct msh_pool *pool, struct msh_pool_caller *out)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     caller_reserved(pool);
     *out = pool->caller;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
 }
 
 void msh_pool_caller_note(struct msh_pool *pool, size_t size, bool alloc)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     caller_count(pool, size, alloc);
     uint64_t d[3] = {round_block(size), size, 1};
     for (int k = 0; k < 3; k++) pool->caller_ext[k] = alloc ? pool->caller_ext[k] + d[k] : pool->caller_ext[k] > d[k] ? pool->caller_ext[k] - d[k] : 0;
     caller_reserved(pool);
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
 }
 
 void msh_pool_caller_reset(struct msh_pool *pool, bool peaks, bool accumulated)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     struct msh_caller_count *all[3] = {pool->caller.bytes, pool->caller.req, pool->caller.count};
     for (int k = 0; k < 3; k++)
         for (int sp = 0; sp < 3; sp++) {
@@ -211,12 +211,12 @@ void msh_pool_caller_reset(struct msh_pool *pool, bool peaks, bool accumulated)
         pool->caller.reserved_peak = 0;
         caller_reserved(pool);
     }
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
 }
 
 void msh_pool_counters(struct msh_pool *pool, struct msh_pool_counters *out)
 {
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     out->gran = pool->gran;
     out->limit = limit_now(pool);
     out->handles = pool->held;
@@ -225,5 +225,5 @@ void msh_pool_counters(struct msh_pool *pool, struct msh_pool_counters *out)
     out->live_bytes = pool->st.live_bytes;
     out->defrag = pool->prm.defrag;
     out->release_on_oom = !pool->prm.no_release_on_oom;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
 }

@@ -48,7 +48,7 @@ void step_create(struct msh_pool *pool)
         raw_free(s, sizeof *s);
         return;
     }
-    pthread_cond_init(&s->wake, NULL);
+    msh_cond_init(&s->wake);
     pool->step = s;
 }
 
@@ -57,12 +57,12 @@ void step_stop(struct msh_pool *pool)
 {
     struct step *s = pool->step;
     if (!s) return;
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     s->stop = true;
-    pthread_cond_broadcast(&s->wake);
+    msh_cond_broadcast(&s->wake);
     bool on = s->worker_on;
     s->worker_on = false;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     if (on) pthread_join(s->worker, NULL);
 }
 
@@ -76,7 +76,6 @@ void step_destroy(struct msh_pool *pool)
     raw_free(s->fp, s->capfp * sizeof *s->fp);
     snap_free(s->snap);
     pin_free(s->res);
-    pthread_cond_destroy(&s->wake);
     raw_free(s, sizeof *s);
     pool->step = NULL;
 }
@@ -239,7 +238,7 @@ static void planner_run(struct msh_pool *pool)
     struct step *s = pool->step;
     struct psnap *sn = s->snap;
     s->job = PJ_RUNNING;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     if (pool->prm.planner_hook) pool->prm.planner_hook(pool->prm.planner_hook_arg);
     uint64_t t = msh_now_ns(), pages = UINT64_MAX, t0 = sn->t0, t1 = sn->t1;
     size_t capn = sn->cap;
@@ -252,7 +251,7 @@ static void planner_run(struct msh_pool *pool)
     for (size_t i = 0; in && i < in->n; i++)
         if (in->it[i].order == 0) first = in->it[i].size;
     snap_free(sn);
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     s->snap = NULL;
     pool->st.plan_pack_ns += t;
     s->job = PJ_IDLE;
@@ -292,13 +291,13 @@ static void *planner_main(void *arg)
 {
     struct msh_pool *pool = arg;
     struct step *s = pool->step;
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     for (;;) {
-        while (!s->stop && s->job != PJ_QUEUED) pthread_cond_wait(&s->wake, &pool->lock);
+        while (!s->stop && s->job != PJ_QUEUED) msh_cond_wait(&s->wake, &pool->lock);
         if (s->stop) break;
         planner_run(pool);
     }
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     return NULL;
 }
 
@@ -311,13 +310,13 @@ static bool planner_start(struct msh_pool *pool)
     if (s->worker_on) return true; /* running, or being started by another thread */
     if (s->worker_failed) return false;
     s->worker_on = true;
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old); /* the job's signals are never delivered to the planner */
     int rc = pthread_create(&s->worker, NULL, planner_main, pool);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     if (rc) {
         s->worker_on = false;
         s->worker_failed = true;
@@ -443,7 +442,7 @@ void step_before_alloc(struct msh_pool *pool, uint64_t rsize)
             if (pool->prm.plan_sync || !planner_start(pool)) {
                 if (s->job == PJ_QUEUED) planner_run(pool);
             } else {
-                pthread_cond_signal(&s->wake);
+                msh_cond_signal(&s->wake);
             }
             plan_install(pool, rsize); /* when it is ready already and this is still its boundary */
         }

@@ -188,10 +188,10 @@ void ks_resolve_homes(struct msh_pool *pool, const uint64_t *streams, int n)
     }
     if (!nw) return;
     pool->jobs++; /* a check sees this thread's pending work as in flight */
-    pthread_mutex_unlock(&pool->lock);
+    msh_unlock(&pool->lock);
     for (int i = 0; i < nw; i++)
         if (pool->dev->ops->stream_home(pool->dev, want[i], &home[i])) home[i] = 0;
-    pthread_mutex_lock(&pool->lock);
+    msh_lock(&pool->lock);
     pool->jobs--;
     for (int i = 0; i < nw; i++) {
         struct kstream *k = ks_find(pool, want[i]);
