@@ -53,7 +53,7 @@ static struct blk *blk_new(struct msh_pool *pool)
     }
     struct blk *b = pool->spare;
     pool->spare = b->hnext;
-    memset(b, 0, offsetof(struct blk, s)); /* s[] is read only below ns (0) */
+    zero_head(b, offsetof(struct blk, s)); /* s[] is read only below ns (0) */
     pool->rng = pool->rng * 1103515245u + 12345u;
     b->prio = pool->rng ^ (pool->rng >> 16);
     return b;

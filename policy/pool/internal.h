@@ -107,6 +107,19 @@ struct blk {
     struct sref s[MAX_STREAMS]; /* live: [0] alloc stream + recorded; free: last-use streams */
 };
 
+/* Clear the n bytes at p, n a constant multiple of 8: plain 16-byte stores. GCC makes a memset of
+ * a block's or a job's head (136-192 bytes) a `rep stos`, whose start-up costs more than the
+ * stores themselves, on every allocation. */
+static inline __attribute__((always_inline)) void zero_head(void *p, size_t n)
+{
+    typedef uint64_t v2 __attribute__((vector_size(16), may_alias, aligned(8)));
+    typedef uint64_t u1 __attribute__((may_alias));
+    v2 *v = p;
+#pragma GCC unroll 16
+    for (size_t i = 0; i < n / 16; i++) v[i] = (v2){0, 0};
+    if (n % 16) *(u1 *)((char *)p + n - 8) = 0;
+}
+
 /* One granularity-sized page of a region. A handle covers a run of pages; its first page (the
  * head) holds the handle's fields, the others point at it. */
 struct page {
@@ -232,7 +245,7 @@ enum { FRONT_DRAIN_ALL = 0, FRONT_DRAIN_STREAM, FRONT_DRAIN_DEMAND, FRONT_DRAIN_
 
 struct msh_pool {
     struct msh_lock lock; /* base/lock.h: one compare-exchange when uncontended */
-    struct msh_cond cv;     /* a mapping or unmapping another thread waits for was published */
+    struct msh_cond cv;   /* a mapping or unmapping another thread waits for was published */
     struct msh_device *dev;
     struct msh_pool_params prm;
     size_t gran, limit, device_total;
@@ -336,6 +349,24 @@ static inline bool tkey_less(int tt, const struct blk *a, const struct blk *b)
 static inline size_t hash_addr(uint64_t a, size_t cap)
 {
     return (size_t)(((a >> 9) * 0x9E3779B97F4A7C15ull) >> 20) & (cap - 1);
+}
+
+/* The live hash's link that points at the block at addr, or NULL: one walk serves a find and the
+ * removal after it (hash_unlink, while that link still points at the block). */
+static inline struct blk **hash_slot(struct msh_pool *pool, uint64_t addr)
+{
+    if (!pool->hcap) return NULL;
+    for (struct blk **pp = &pool->htab[hash_addr(addr, pool->hcap)]; *pp; pp = &(*pp)->hnext)
+        if ((*pp)->addr == addr) return pp;
+    return NULL;
+}
+
+static inline void hash_unlink(struct msh_pool *pool, struct blk **pp)
+{
+    struct blk *b = *pp;
+    *pp = b->hnext;
+    b->hnext = NULL;
+    pool->hcount--;
 }
 
 static inline uint64_t page_va(const struct msh_pool *pool, const struct region *r, uint32_t p)
@@ -740,7 +771,7 @@ void ev_done(struct msh_pool *pool, uint32_t e);
 void ks_resolve_homes(struct msh_pool *pool, const uint64_t *streams, int n);
 uint64_t ks_home(struct msh_pool *pool, uint64_t stream);
 bool blk_clean(struct msh_pool *pool, const struct blk *b);
-void sref_clear(struct msh_pool *pool, struct blk *b);
+void sref_put_events(struct msh_pool *pool, struct blk *b);
 void sref_add(struct msh_pool *pool, struct blk *b, const struct sref *n);
 void streams_merge_tags(struct msh_pool *pool, struct blk *into, struct blk *from);
 void streams_copy_tags(struct msh_pool *pool, struct blk *to, const struct blk *from);
@@ -793,6 +824,18 @@ static inline void streams_copy(struct msh_pool *pool, struct blk *to, const str
     to->free_gen = from->free_gen;
 }
 
+/* Drop b's tags, their event references, and its one-stream span: the extent is clean. */
+static inline void sref_clear(struct msh_pool *pool, struct blk *b)
+{
+    if (b->ns) sref_put_events(pool, b);
+    b->ns = 0;
+    b->sync_needed = 0;
+    b->free_gen = 0;
+    b->slo = b->shi = 0;
+    b->qlo = b->qhi = 0;
+    b->qseq = b->qgen = 0;
+}
+
 static inline void streams_clip(struct msh_pool *pool, struct blk *b)
 {
     uint64_t lo = b->addr, hi = b->addr + b->size;
@@ -807,7 +850,14 @@ int fit_kind(struct msh_pool *pool, const struct blk *b, uint64_t lo, uint64_t h
                     uint64_t *blocked);
 bool blocking_span(struct msh_pool *pool, const struct blk *b, uint64_t stream, uint64_t *lo, uint64_t *hi);
 void want_events(struct msh_pool *pool, uint64_t stream);
-void streams_plan(struct msh_pool *pool, struct blk *b, uint64_t stream, bool fresh, struct job *j);
+void streams_plan_tags(struct msh_pool *pool, struct blk *b, uint64_t stream, struct job *j);
+/* What the job of a placement on `stream` must wait for or synchronize before b is used there:
+ * nothing on fresh memory or an untagged extent (most placements, inline). */
+static inline void streams_plan(struct msh_pool *pool, struct blk *b, uint64_t stream, bool fresh, struct job *j)
+{
+    if (fresh || blk_untagged(b)) return;
+    streams_plan_tags(pool, b, stream, j);
+}
 
 
 /* ---- step.c ---------------------------------------------------------------------------- */

@@ -241,7 +241,7 @@ enum { RUN_NONE = 0, RUN_RELEASED, RUN_ORPHANED };
 
 void job_init(struct job *j)
 {
-    memset(j, 0, offsetof(struct job, waits)); /* the arrays after it are read below their counts */
+    zero_head(j, offsetof(struct job, waits)); /* the arrays after it are read below their counts */
     j->runs = j->runs_inl;
     j->vic = j->vic_inl;
     j->capruns = j->capvic = JOB_INL;

@@ -824,7 +824,8 @@ static int pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream, bool
     uint32_t lw = pool->timing && !timed ? msh_lat_sample() : 0;
     uint64_t t0 = lw ? msh_ticks() : 0;
     msh_lock(&pool->lock);
-    struct blk *b = hash_find(pool, addr);
+    struct blk **slot = hash_slot(pool, addr);
+    struct blk *b = slot ? *slot : NULL;
     if (!b || b->state == B_BINNED) {
         if (b) pool->st.double_frees++; /* freed already: its bin keeps it, nothing changes */
         msh_unlock(&pool->lock);
@@ -836,7 +837,8 @@ static int pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream, bool
     if (may_bin && pool->front.serving && front_put(pool, b, stream)) {
         pool->st.front_puts++;
     } else {
-        hash_remove(pool, addr);
+        if (*slot == b) hash_unlink(pool, slot); /* (a put that failed changed no chain: still b's link) */
+        else hash_remove(pool, addr);
         free_block(pool, b, stream);
     }
     if (lw) lat_record(pool, false, ticks_ns(t0), lw);

@@ -231,15 +231,9 @@ bool blk_clean(struct msh_pool *pool, const struct blk *b)
     return true;
 }
 
-void sref_clear(struct msh_pool *pool, struct blk *b)
+void sref_put_events(struct msh_pool *pool, struct blk *b)
 {
     for (int i = 0; i < b->ns; i++) ev_put(pool, b->s[i].ev);
-    b->ns = 0;
-    b->sync_needed = 0;
-    b->free_gen = 0;
-    b->slo = b->shi = 0;
-    b->qlo = b->qhi = 0;
-    b->qseq = b->qgen = 0;
 }
 
 static inline bool range_meets(uint64_t alo, uint64_t ahi, uint64_t blo, uint64_t bhi)
@@ -433,9 +427,9 @@ void want_events(struct msh_pool *pool, uint64_t stream)
  * complete), and every dirty extent handed to a host-synchronous user (MSH_STREAM_COMPLETED), get
  * a device synchronize. Nothing is dropped from b: if the allocation fails, the extent goes back
  * with its tags. */
-void streams_plan(struct msh_pool *pool, struct blk *b, uint64_t stream, bool fresh, struct job *j)
+void streams_plan_tags(struct msh_pool *pool, struct blk *b, uint64_t stream, struct job *j)
 {
-    if (fresh || blk_clean(pool, b)) return;
+    if (blk_clean(pool, b)) return;
     j->stream = stream;
     j->sync_gen = pool->free_gen;
     if (fit_kind(pool, b, b->addr, b->addr + b->size, stream, NULL) == FIT_SYNC) {
