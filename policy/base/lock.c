@@ -19,15 +19,6 @@ static void futex_wake(_Atomic uint32_t *w, int n)
     syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE_PRIVATE, n, NULL, NULL, 0);
 }
 
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield" ::: "memory");
-#endif
-}
-
 /* Take l marked as waited for (2): whoever unlocks it then wakes a sleeper. */
 static void lock_contended(struct msh_lock *l)
 {
@@ -36,17 +27,10 @@ static void lock_contended(struct msh_lock *l)
 
 void msh_lock_wait(struct msh_lock *l)
 {
-    /* A short spin first: the holder is usually a few hundred instructions from its unlock. */
-    for (int i = 0; i < 64; i++) {
-        uint32_t v = atomic_load_explicit(&l->v, memory_order_relaxed);
-        if (v == 0) {
-            if (atomic_compare_exchange_weak_explicit(&l->v, &v, 1, memory_order_acquire, memory_order_relaxed))
-                return;
-        } else if (v == 2) {
-            break; /* others sleep already: join them */
-        }
-        cpu_relax();
-    }
+    /* No spinning, as glibc's default mutex: with more threads than CPUs a spinning waiter burns
+     * the time slice its holder needs (a 64-round spin gave the pool's 4-thread p99 1.7-5.1 us
+     * against glibc's 0.8-1.0 us in 3 alternating runs on 2 CPUs; without it, 10 alternating runs
+     * put both at a median p99 of 0.9-1.1 us: docs/benchmarks.md "The front end"). */
     lock_contended(l);
 }
 

@@ -6,8 +6,8 @@
  * lock and unlock through the PLT (the mutex kind's dispatch, elision checks, the owner field).
  * This is the three-state futex lock (0 free, 1 held, 2 held and maybe waited for; Drepper,
  * "Futexes Are Tricky"): the uncontended lock is one compare-exchange inline, the unlock one
- * exchange, and the kernel is entered only when a thread waits. Under contention a waiter spins
- * briefly (the pool's critical sections are short and never span a driver call), then sleeps.
+ * exchange, and the kernel is entered only when a thread waits. A waiter that finds it held
+ * sleeps at once, as on glibc's default mutex (lock.c says why it does not spin).
  *
  * The condition is a sequence number: a waiter reads it under the lock, unlocks, and sleeps only
  * while it is unchanged, so a broadcast between the unlock and the sleep is never lost. A wake
