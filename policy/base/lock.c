@@ -30,7 +30,7 @@ void msh_lock_wait(struct msh_lock *l)
     /* No spinning, as glibc's default mutex: with more threads than CPUs a spinning waiter burns
      * the time slice its holder needs (a 64-round spin gave the pool's 4-thread p99 1.7-5.1 us
      * against glibc's 0.8-1.0 us in 3 alternating runs on 2 CPUs; without it, 10 alternating runs
-     * put both at a median p99 of 0.9-1.1 us: docs/benchmarks.md "The front end"). */
+     * put both at a median p99 of 0.8-1.1 us: docs/benchmarks.md "The front end"). */
     lock_contended(l);
 }
 
