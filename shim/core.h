@@ -14,13 +14,13 @@
 #include "msh.h"
 #include "pool.h"
 
-/* Re-entry guard: set while a hook or memshim itself is working on this thread. A hook that
- * finds it set passes straight through to the real function. */
 /* The shim's per-thread state on the allocation path, in one block (issue 30): with TLS
  * descriptors each thread-local variable a function touches costs a call to find it, and the
  * tensor-mode entry touched three. */
 struct msh_core_tls {
-    int in_hook;          /* msh_in_hook */
+    int in_hook;          /* msh_in_hook: the re-entry guard, set while a hook or memshim itself is
+                           * working on this thread; a hook that finds it set passes straight
+                           * through to the real function */
     int tensor_alloc;     /* core.c in_tensor_alloc: inside msh_core_alloc (a GC threshold may collect there) */
     int64_t tick_left;    /* msh_tick_left */
 };

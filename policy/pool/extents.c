@@ -191,10 +191,8 @@ int hash_grow(struct msh_pool *pool)
 
 struct blk *hash_find(struct msh_pool *pool, uint64_t addr)
 {
-    if (!pool->hcap) return NULL;
-    for (struct blk *b = pool->htab[hash_addr(addr, pool->hcap)]; b; b = b->hnext)
-        if (b->addr == addr) return b;
-    return NULL;
+    struct blk **pp = hash_slot(pool, addr);
+    return pp ? *pp : NULL;
 }
 
 void hash_insert(struct msh_pool *pool, struct blk *b)
@@ -207,18 +205,11 @@ void hash_insert(struct msh_pool *pool, struct blk *b)
 
 struct blk *hash_remove(struct msh_pool *pool, uint64_t addr)
 {
-    if (!pool->hcap) return NULL;
-    struct blk **pp = &pool->htab[hash_addr(addr, pool->hcap)];
-    for (; *pp; pp = &(*pp)->hnext) {
-        if ((*pp)->addr == addr) {
-            struct blk *b = *pp;
-            *pp = b->hnext;
-            b->hnext = NULL;
-            pool->hcount--;
-            return b;
-        }
-    }
-    return NULL;
+    struct blk **pp = hash_slot(pool, addr);
+    if (!pp) return NULL;
+    struct blk *b = *pp;
+    hash_unlink(pool, pp);
+    return b;
 }
 
 /* ---- regions ----------------------------------------------------------------------------------- */

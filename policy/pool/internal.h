@@ -484,8 +484,7 @@ static inline uint64_t pg_div(const struct msh_pool *pool, uint64_t v)
     return pool->gran_shift ? v >> pool->gran_shift : v / pool->gran;
 }
 
-/* (inline: asked several times per allocation; pages.c's figures) */
-/* The limit in force: the pool's own, or the one it shares with other pools of the device
+/* The limit in force (inline: asked several times per allocation): the pool's own, or the one it shares with other pools of the device
  * (struct msh_pool_share: PyTorch's capture pools beside the main pool, shim/torch.c). */
 static inline size_t limit_now(const struct msh_pool *pool)
 {
@@ -508,7 +507,6 @@ static inline size_t cap_pages(const struct msh_pool *pool)
     size_t used = __atomic_load_n(&pool->prm.share->handle_bytes, __ATOMIC_RELAXED);
     return pool->held + (lim > used ? pg_div(pool, lim - used) : 0);
 }
-
 
 /* Pages of handles held change; a shared limit sees every change at once. */
 static inline void held_add(struct msh_pool *pool, size_t pages)
@@ -535,14 +533,19 @@ static inline void victim_reheld(struct msh_pool *pool, struct job *j, size_t pa
     pool->releasing -= pages;
     j->releasing -= pages;
 }
-/* The job's releases are done (or given up): their pages are no longer in flight. */
-/* A job with nothing to run and nothing to undo (pages.c job_do, job_fini would do nothing). */
-static inline bool job_idle(const struct job *j)
+/* Driver work for job_do: runs to map, victims to reclaim, a synchronize, waits, orphans. */
+static inline bool job_has_work(const struct job *j)
 {
-    return !(j->nruns | j->nvic | j->sync | j->nwaits | j->norph) && !j->releasing && j->runs == j->runs_inl &&
-           j->vic == j->vic_inl;
+    return j->nruns || j->nvic || j->sync || j->nwaits || j->norph;
 }
 
+/* A job with nothing to run and nothing to undo (job_do and job_fini would do nothing). */
+static inline bool job_idle(const struct job *j)
+{
+    return !job_has_work(j) && !j->releasing && j->runs == j->runs_inl && j->vic == j->vic_inl;
+}
+
+/* The job's releases are done (or given up): their pages are no longer in flight. */
 static inline void job_released(struct msh_pool *pool, struct job *j)
 {
     pool->releasing -= j->releasing;

@@ -262,11 +262,6 @@ void job_fini(struct msh_pool *pool, struct job *j)
     j->nruns = j->nvic = 0;
 }
 
-static bool job_has_work(const struct job *j)
-{
-    return j->nruns || j->nvic || j->sync || j->nwaits || j->norph;
-}
-
 static bool job_add_run(struct job *j, uint32_t p0, uint32_t n)
 {
     if (j->nruns == j->capruns) {

@@ -629,7 +629,7 @@ static int pool_alloc_slow(struct msh_pool *pool, size_t size, uint64_t rsize, u
         b->counted = counted;
         count_alloc(pool, size, counted);
         note_alloc(pool, reclaimed);
-        if (b && step_learning(pool)) step_note_alloc(pool, b);
+        if (step_learning(pool)) step_note_alloc(pool, b);
         if (pool->front.hand_off) { /* a stream's memory is wanted elsewhere: hand its bins over */
             pool->front.hand_off = false;
             front_drain(pool, FRONT_DRAIN_DEMAND, 0);
@@ -837,8 +837,7 @@ static int pool_free(struct msh_pool *pool, uint64_t addr, uint64_t stream, bool
     if (may_bin && pool->front.serving && front_put(pool, b, stream)) {
         pool->st.front_puts++;
     } else {
-        if (*slot == b) hash_unlink(pool, slot); /* (a put that failed changed no chain: still b's link) */
-        else hash_remove(pool, addr);
+        hash_unlink(pool, slot); /* (count_free and a put that failed change no chain: still b's link) */
         free_block(pool, b, stream);
     }
     if (lw) lat_record(pool, false, ticks_ns(t0), lw);
