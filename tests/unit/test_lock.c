@@ -2,16 +2,42 @@
  * test_lock.c: the pool's lock and condition (policy/base/lock.h): mutual exclusion under
  * contention, a waiter that sleeps in the kernel marks the lock so that the unlock wakes it, and
  * the condition loses no wake-up (a broadcast wakes every waiter, a signal at least one, a
- * broadcast between a waiter's unlock and its sleep is seen). A lost wake-up would hang: every
- * join has a deadline and fails the test instead.
+ * broadcast between a waiter's unlock and its sleep is seen), and the kernel is entered only when
+ * a thread waits. A lost wake-up would hang: every join has a deadline and fails the test instead.
+ *
+ * lock.c enters the kernel through syscall(2); this file's syscall() stands in for glibc's (the
+ * static library's objects link against it) and counts each thread's futex calls.
  */
+#include <dlfcn.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdatomic.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "harness.h"
 #include "lock.h"
+
+static __thread long futex_calls; /* this thread's futex(2) calls through syscall() */
+
+static long (*real_syscall)(long, ...);
+
+__attribute__((constructor)) static void find_real_syscall(void) /* before any thread */
+{
+    real_syscall = (long (*)(long, ...))dlsym(RTLD_NEXT, "syscall");
+}
+
+long syscall(long number, ...)
+{
+    va_list ap;
+    va_start(ap, number);
+    long a[6];
+    for (int i = 0; i < 6; i++) a[i] = va_arg(ap, long);
+    va_end(ap);
+    if (number == SYS_futex) futex_calls++;
+    return real_syscall(number, a[0], a[1], a[2], a[3], a[4], a[5]);
+}
 
 /* join t within `secs`, else false (the thread is left behind: the test has failed) */
 static bool join_within(pthread_t t, int secs)
@@ -166,6 +192,47 @@ TEST(ping_pong_loses_no_wake_up)
     msh_unlock(&g.l);
     REQUIRE(join_within(t, 60));
     CHECK(g.turn == 0);
+}
+
+/* The allocation path's lock and the conditions' wakes make no system call while nobody waits;
+ * with a sleeper, the unlock or the broadcast wakes it with one (the count is not blind). */
+TEST(the_kernel_is_entered_only_when_a_thread_waits)
+{
+    struct msh_lock l = MSH_LOCK_INIT;
+    struct msh_cond c = MSH_COND_INIT;
+    long f0 = futex_calls;
+    for (int i = 0; i < 10000; i++) {
+        msh_lock(&l);
+        msh_cond_broadcast(&c);
+        msh_cond_signal(&c);
+        msh_unlock(&l);
+    }
+    CHECKF(futex_calls == f0, "%ld futex calls for 10000 uncontended rounds", futex_calls - f0);
+
+    /* a sleeper on the lock: the unlock wakes it, one call */
+    atomic_store(&entered, 0);
+    msh_lock(&l);
+    pthread_t t;
+    REQUIRE(pthread_create(&t, NULL, take_once, &l) == 0);
+    for (int i = 0; i < 2000 && atomic_load(&l.v) != 2; i++) usleep(1000);
+    f0 = futex_calls;
+    msh_unlock(&l);
+    CHECK(futex_calls == f0 + 1);
+    REQUIRE(join_within(t, 10));
+
+    /* a sleeper on the condition: the broadcast wakes it, one call */
+    struct gate g = {.l = MSH_LOCK_INIT, .c = MSH_COND_INIT};
+    REQUIRE(pthread_create(&t, NULL, wait_open, &g) == 0);
+    for (int i = 0; i < 2000 && atomic_load(&g.c.waiters) < 1; i++) usleep(1000);
+    usleep(20000); /* (counted before its sleep: give it time to sleep) */
+    msh_lock(&g.l);
+    g.open = 1;
+    f0 = futex_calls;
+    msh_cond_broadcast(&g.c);
+    CHECK(futex_calls == f0 + 1);
+    msh_unlock(&g.l);
+    REQUIRE(join_within(t, 10));
+    CHECK(g.woken == 1);
 }
 
 TEST_MAIN()
