@@ -51,6 +51,7 @@ case "$what" in
 stress)
     unit_suites "$BUILD" "[${MSH_SANITIZER:-plain}]" test_stress
     unit_suites "$BUILD" "[${MSH_SANITIZER:-plain}]" test_pool
+    unit_suites "$BUILD" "[${MSH_SANITIZER:-plain}]" test_lock
     ;;
 quick|all)
     unit_suites "$BUILD" "[${MSH_SANITIZER:-plain}]"
@@ -109,6 +110,7 @@ quick|all)
         if make -s BUILD=build-tsan CC=clang SAN=thread OPT=-O1 tests >/tmp/memshim-tsan-build.log 2>&1; then
             TSAN_OPTIONS=halt_on_error=1 unit_suites build-tsan "[tsan]" test_stress
             TSAN_OPTIONS=halt_on_error=1 unit_suites build-tsan "[tsan]" test_pool
+            TSAN_OPTIONS=halt_on_error=1 unit_suites build-tsan "[tsan]" test_lock
         else
             add_counts "tsan build" 1 "$(tail -20 /tmp/memshim-tsan-build.log)"
         fi
